@@ -1,0 +1,206 @@
+"""Pydantic models for every feature: one model per concern, unknown fields rejected.
+
+Every model uses ``extra="forbid"`` so a typo in a YAML file fails loudly with the
+field's name instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "ClipConfig",
+    "GradNormConfig",
+    "NaNTraceConfig",
+    "SkipConfig",
+    "SpikeConfig",
+    "StabilityConfig",
+]
+
+
+class _Strict(BaseModel):
+    """Base for all config models: unknown fields are an error, assignment is validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+def _check_norm_type(value: float) -> float:
+    if value == math.inf:
+        return value
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError("norm_type must be a positive number or inf (e.g. 1, 2, 'inf')")
+    return float(value)
+
+
+def _check_patterns(patterns: list[str] | None) -> list[str] | None:
+    for pattern in patterns or []:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"invalid regular expression {pattern!r}: {exc}") from exc
+    return patterns
+
+
+class GradNormConfig(_Strict):
+    """How gradient norms are measured and grouped into layers."""
+
+    norm_type: float = Field(2.0, description="p of the p-norm: 1, 2, any p > 0, or inf.")
+    per_layer: bool = Field(True, description="Also compute and log one norm per layer.")
+    grouping: Literal["auto", "top", "param"] | list[str] = Field(
+        "auto",
+        description=(
+            "How parameters form layers. 'auto': each child of the largest ModuleList/Sequential "
+            "of same-type modules is a layer ('blocks.3'), other parameters group by top-level "
+            "module. 'top': by top-level module. 'param': one layer per parameter. A list of "
+            "regular expressions: the first pattern that matches a parameter name gives the "
+            "layer name (the matched text); unmatched parameters fall back to 'auto'."
+        ),
+    )
+    include: list[str] | None = Field(
+        None, description="Regexes: only layers whose name matches one are logged per layer."
+    )
+    exclude: list[str] | None = Field(
+        None, description="Regexes: layers whose name matches one are not logged per layer."
+    )
+
+    @field_validator("norm_type", mode="before")
+    @classmethod
+    def _parse_inf(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in {"inf", "infinity", "+inf"}:
+            return math.inf
+        return value
+
+    @field_validator("norm_type")
+    @classmethod
+    def _valid_norm_type(cls, value: float) -> float:
+        return _check_norm_type(value)
+
+    @field_validator("grouping")
+    @classmethod
+    def _valid_grouping(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("grouping as a list needs at least one regular expression")
+            _check_patterns(value)
+        return value
+
+    @field_validator("include", "exclude")
+    @classmethod
+    def _valid_filters(cls, value: list[str] | None) -> list[str] | None:
+        return _check_patterns(value)
+
+
+class ClipConfig(_Strict):
+    """Gradient clipping by global norm: off, a fixed max_norm, or an adaptive threshold."""
+
+    mode: Literal["off", "fixed", "adaptive"] = Field("off", description="Clipping mode.")
+    max_norm: float = Field(
+        1.0, gt=0, description="Fixed mode: the largest total grad norm after clipping."
+    )
+    z_threshold: float = Field(
+        2.5, gt=0, description="Adaptive mode: clip norms above mean + z_threshold * std."
+    )
+    ema_alpha: float = Field(
+        0.97, gt=0, lt=1, description="Adaptive mode: EMA decay of the norm mean and variance."
+    )
+    warmup_steps: int = Field(
+        25, ge=1, description="Adaptive mode: steps that only collect statistics (no clipping)."
+    )
+    warmup_max_norm: float | None = Field(
+        None,
+        gt=0,
+        description="Adaptive mode: fixed max_norm used during warmup (None: no clipping).",
+    )
+
+
+class SkipConfig(_Strict):
+    """Skip-the-batch: which steps are skipped and when training is declared diverged."""
+
+    nonfinite: bool = Field(True, description="Skip the step when the grad norm or loss is NaN/Inf.")
+    max_consecutive: int | None = Field(
+        10,
+        ge=1,
+        description="Raise TrainingDivergedError after this many skipped steps in a row (None: never).",
+    )
+    sync_ranks: bool = Field(
+        True,
+        description="Under torch.distributed, all-reduce the skip flag so every rank decides alike.",
+    )
+
+
+class SpikeConfig(_Strict):
+    """Early warning on the loss and the total grad norm (robust one-step-ahead baseline)."""
+
+    enabled: bool = Field(True, description="Run the spike detectors.")
+    warmup_steps: int = Field(20, ge=1, description="Steps that only collect statistics.")
+    alpha: float = Field(0.1, gt=0, lt=1, description="EMA rate of the log-space baseline.")
+    z_warning: float = Field(4.0, gt=0, description="Robust z-score that raises a spike warning.")
+    z_spike: float = Field(6.0, gt=0, description="Robust z-score of the loss that is a loss spike.")
+    per_layer: bool = Field(False, description="Also score each layer's grad norm.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SpikeConfig:
+        if self.z_spike < self.z_warning:
+            raise ValueError("z_spike must be >= z_warning")
+        return self
+
+
+class NaNTraceConfig(_Strict):
+    """Locating the first module whose forward output or input gradient went non-finite."""
+
+    mode: Literal["off", "always", "every_n", "on_nonfinite"] = Field(
+        "off",
+        description=(
+            "'always': hooks on every step; 'every_n': on every n-th step; 'on_nonfinite': no "
+            "hooks until a step goes non-finite (the guard records the next steps)."
+        ),
+    )
+    every_n_steps: int = Field(100, ge=1, description="Cadence of mode 'every_n'.")
+
+
+class StabilityConfig(_Strict):
+    """Everything stabilitykit does in one place; each feature has its own section."""
+
+    log_every_n_steps: int | None = Field(
+        10,
+        ge=1,
+        description=(
+            "Optimizer steps between logging steps (the only steps that copy metrics to the host). "
+            "None in the Lightning callback means trainer.log_every_n_steps."
+        ),
+    )
+    grad_norm: GradNormConfig = Field(default_factory=GradNormConfig)  # type: ignore[arg-type]
+    clip: ClipConfig = Field(default_factory=ClipConfig)  # type: ignore[arg-type]
+    skip: SkipConfig = Field(default_factory=SkipConfig)  # type: ignore[arg-type]
+    spikes: SpikeConfig = Field(default_factory=SpikeConfig)  # type: ignore[arg-type]
+    nan_trace: NaNTraceConfig = Field(default_factory=NaNTraceConfig)  # type: ignore[arg-type]
+    metric_prefix: str = Field("stability", description="Prefix of every logged metric name.")
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> StabilityConfig:
+        """Build a config from a plain mapping (parsed YAML/JSON)."""
+        return cls.model_validate(dict(mapping))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> StabilityConfig:
+        """Load a config from a ``.json``, ``.yaml`` or ``.yml`` file."""
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix in {".yaml", ".yml"}:
+            try:
+                import yaml
+            except ImportError as exc:  # pragma: no cover - pyyaml is a core dependency
+                raise ImportError("reading YAML configs needs pyyaml: pip install pyyaml") from exc
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+        return cls.from_mapping(data)

@@ -1,0 +1,65 @@
+"""Events the engine emits (spikes, skips, non-finite values, divergence) and the errors it raises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["EVENT_KINDS", "BadBatchError", "Event", "TrainingDivergedError"]
+
+#: Every event kind the engine emits; ``HookManager.on`` accepts these and ``"*"``.
+EVENT_KINDS = (
+    "spike_warning",
+    "loss_spike",
+    "nonfinite",
+    "skipped",
+    "clipped",
+    "diverged",
+    "fp16_overflow",
+    "precision",
+    "bad_batch",
+)
+
+
+@dataclass
+class Event:
+    """Something a person should know about: what happened, at which optimizer step, and details."""
+
+    kind: str
+    step: int
+    message: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready mapping: kind, step, message and the details."""
+        return {"kind": self.kind, "step": self.step, "message": self.message, **self.details}
+
+    def __str__(self) -> str:
+        return f"[{self.kind} @ step {self.step}] {self.message}"
+
+
+class TrainingDivergedError(RuntimeError):
+    """Raised after too many consecutive skipped steps: the run is not recovering by itself."""
+
+    def __init__(self, step: int, consecutive: int, layer: str | None, reason: str | None) -> None:
+        self.step = step
+        self.consecutive = consecutive
+        self.layer = layer
+        self.reason = reason
+        where = f"; first non-finite layer: {layer}" if layer else ""
+        super().__init__(
+            f"training diverged at step {step}: {consecutive} consecutive steps skipped "
+            f"(reason: {reason or 'non-finite'}){where}. Lower the learning rate, enable clipping, "
+            "or resume from an earlier checkpoint."
+        )
+
+
+class BadBatchError(ValueError):
+    """A batch holds values that cannot be trained on; the message names the path inside the batch."""
+
+    def __init__(self, path: str, problem: str, step: int | None = None) -> None:
+        self.path = path
+        self.problem = problem
+        self.step = step
+        at = f" at step {step}" if step is not None else ""
+        super().__init__(f"bad batch{at}: {path} {problem}")

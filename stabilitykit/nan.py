@@ -1,0 +1,223 @@
+"""Locating non-finite values: the first module to produce one (forward or backward) and bad batches.
+
+``NaNTracer`` keeps its flags on the device: while everything is finite it never reads a value
+back. Each hooked call gets an index; a device tensor holds the index of the first call whose
+output (forward) or input gradient (backward) was non-finite. ``.first`` reads it (one sync).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from stabilitykit.events import BadBatchError
+
+__all__ = ["NaNTracer", "NonFiniteRecord", "check_batch"]
+
+# Backward hooks on modules fed only integer inputs (embeddings) are expected here; torch warns about them.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect")
+
+
+@dataclass
+class NonFiniteRecord:
+    """Where the first non-finite value appeared."""
+
+    module: str
+    phase: str  # "forward" | "backward"
+    step: int | None
+    dtype: str | None = None
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        at = f" at step {self.step}" if self.step is not None else ""
+        return f"{self.phase} of {self.module or '<root>'}{at}"
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    """Every floating tensor inside a (possibly nested) tuple/list/dict value."""
+    if isinstance(value, Tensor):
+        if value.is_floating_point() or value.is_complex():
+            yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+class NaNTracer:
+    """Context manager that names the first module whose forward output or input grad is non-finite.
+
+    ``step`` is a label the caller advances (``tracer.step = n``) so records say when. ``reset()``
+    forgets the current record and the call log (the guard calls it per step).
+    """
+
+    def __init__(self, model: nn.Module, forward: bool = True, backward: bool = True) -> None:
+        self.model = model
+        self.trace_forward = forward
+        self.trace_backward = backward
+        self.step: int | None = None
+        self._handles: list[RemovableHandle] = []
+        self._calls: list[tuple[str, str, str | None, int | None]] = []
+        self._first: Tensor | None = None
+        self._stats: Tensor | None = None
+        self._found: NonFiniteRecord | None = None
+
+    # -- lifecycle
+    def attach(self) -> NaNTracer:
+        """Register hooks on every submodule (idempotent)."""
+        if self._handles:
+            return self
+        for name, module in self.model.named_modules():
+            if self.trace_forward:
+                self._handles.append(module.register_forward_hook(self._forward_hook(name)))
+            if self.trace_backward:
+                self._handles.append(module.register_full_backward_hook(self._backward_hook(name)))
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook this tracer added."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> NaNTracer:
+        return self.attach()
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def reset(self) -> None:
+        """Forget the record so far (call between steps to bound memory)."""
+        if self._found is None and self._first is not None:
+            self._found = self._resolve()
+        self._calls.clear()
+        self._first = None
+        self._stats = None
+
+    def clear(self) -> None:
+        """Forget everything, including a record already resolved."""
+        self._calls.clear()
+        self._first = None
+        self._stats = None
+        self._found = None
+
+    # -- hooks
+    def _record(self, name: str, phase: str, inputs: Any, outputs: Any) -> None:
+        outs = list(_tensors(outputs))
+        if not outs:
+            return
+        ins = list(_tensors(inputs))
+        device = outs[0].device
+        bad = torch.stack([~torch.isfinite(t).all() for t in outs]).to(device).any()
+        index = len(self._calls)
+        self._calls.append((name, phase, str(outs[0].dtype).replace("torch.", ""), self.step))
+        if self._first is None:
+            self._first = torch.full((), -1, dtype=torch.int64, device=device)
+            self._stats = torch.zeros(4, dtype=torch.float32, device=device)
+        assert self._stats is not None
+        newly = (self._first < 0) & bad
+        stats = torch.stack(
+            [
+                torch.stack([t.detach().abs().amax().float() for t in ins]).amax() if ins else torch.zeros((), device=device),
+                torch.stack([t.detach().abs().amin().float() for t in ins]).amin() if ins else torch.zeros((), device=device),
+                torch.stack([t.detach().abs().amax().float() for t in outs]).amax(),
+                torch.stack([t.detach().abs().amin().float() for t in outs]).amin(),
+            ]
+        ).to(self._stats.device)
+        self._stats = torch.where(newly, stats, self._stats)
+        self._first = torch.where(newly, torch.full_like(self._first, index), self._first)
+
+    def _forward_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, inputs: Any, outputs: Any) -> None:
+            if self._found is None:
+                self._record(name, "forward", inputs, outputs)
+
+        return hook
+
+    def _backward_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+            if self._found is None:
+                self._record(name, "backward", grad_output, grad_input)
+
+        return hook
+
+    # -- result
+    def _resolve(self) -> NonFiniteRecord | None:
+        if self._first is None:
+            return None
+        index = int(self._first.item())
+        if index < 0:
+            return None
+        name, phase, dtype, step = self._calls[index]
+        assert self._stats is not None
+        values = self._stats.tolist()
+        keys = ("input_absmax", "input_absmin", "output_absmax", "output_absmin")
+        return NonFiniteRecord(name, phase, step, dtype, dict(zip(keys, values)))
+
+    @property
+    def first(self) -> NonFiniteRecord | None:
+        """The first non-finite module seen (None while all is finite). Reading it syncs once."""
+        if self._found is None:
+            self._found = self._resolve()
+        return self._found
+
+
+def check_batch(batch: Any, num_classes: int | None = None, step: int | None = None, label_keys: tuple[str, ...] = ("labels", "label", "targets", "target", "y")) -> None:
+    """Raise ``BadBatchError`` naming the path (``batch['input_ids'][3]``) of the first bad value.
+
+    Checks: non-finite floats anywhere; integer tensors under a label key outside
+    ``[0, num_classes)`` (ignoring -100); empty tensors or sequences. One host sync for the whole batch.
+    """
+    floats: list[tuple[str, Tensor]] = []
+    labels: list[tuple[str, Tensor]] = []
+
+    def walk(value: Any, path: str, is_label: bool) -> None:
+        if isinstance(value, Tensor):
+            if value.numel() == 0:
+                raise BadBatchError(path, "is empty", step)
+            if value.is_floating_point():
+                floats.append((path, value))
+            elif is_label and num_classes is not None and not value.dtype == torch.bool:
+                labels.append((path, value))
+        elif isinstance(value, dict):
+            if not value:
+                raise BadBatchError(path, "is an empty mapping", step)
+            for key, item in value.items():
+                walk(item, f"{path}[{key!r}]", is_label or (isinstance(key, str) and key in label_keys))
+        elif isinstance(value, (list, tuple)):
+            if not value:
+                raise BadBatchError(path, "is an empty sequence", step)
+            for i, item in enumerate(value):
+                walk(item, f"{path}[{i}]", is_label)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise BadBatchError(path, f"is {value}", step)
+
+    walk(batch, "batch", False)
+    checks = [~torch.isfinite(t).all() for _, t in floats]
+    assert num_classes is not None or not labels
+    checks += [((t < 0) & (t != -100)).any() | (t >= (num_classes or 0)).any() for _, t in labels]
+    if not checks:
+        return
+    flags = torch.stack([c.cpu() for c in checks]).tolist()
+    if not any(flags):
+        return
+    index = flags.index(True)
+    if index < len(floats):
+        path, tensor = floats[index]
+        bad = (~torch.isfinite(tensor)).nonzero()[0].tolist()
+        where = "".join(f"[{i}]" for i in bad)
+        raise BadBatchError(f"{path}{where}", f"is {tensor[tuple(bad)].item()} (non-finite)", step)
+    path, tensor = labels[index - len(floats)]
+    bad_mask = ((tensor < 0) & (tensor != -100)) | (tensor >= (num_classes or 0))
+    bad = bad_mask.nonzero()[0].tolist()
+    where = "".join(f"[{i}]" for i in bad)
+    raise BadBatchError(f"{path}{where}", f"is {int(tensor[tuple(bad)])}, outside [0, {num_classes})", step)

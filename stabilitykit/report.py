@@ -1,0 +1,76 @@
+"""StepReport: what happened in one optimizer step. Fields may be 0-d device tensors.
+
+Reading a tensor field (``float(report.grad_norm)``) is a host sync: the caller chooses when to
+pay it. ``reason`` is free on logging steps and on steps where the host already decided; on
+other steps it reads the packed reason code (one sync).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["StepReport", "reason_from_code"]
+
+# Reason codes packed into one integer so a single read tells the host everything.
+SKIP, BAD_LOSS, BAD_GRAD, OVERFLOW = 1, 2, 4, 8
+
+
+def reason_from_code(code: int) -> str | None:
+    """Why a step was skipped, from its packed code: None when it was not skipped."""
+    if not code & SKIP:
+        return None
+    if code & OVERFLOW:
+        return "fp16_overflow"
+    if code & BAD_LOSS:
+        return "nonfinite_loss"
+    return "nonfinite_grad"
+
+
+@dataclass
+class StepReport:
+    """One optimizer step as the engine saw it.
+
+    ``step`` is the 0-based index of the optimizer step (skipped steps included). ``grad_norm`` is
+    the pre-clip total norm (unscaled), ``clip_coef`` the factor applied to the grads (1 when not
+    clipped), ``skipped`` and ``clipped`` 0-d bool tensors, ``loss`` the mean recorded loss.
+    """
+
+    step: int
+    grad_norm: Tensor
+    clip_coef: Tensor
+    skipped: Tensor
+    clipped: Tensor
+    loss: Tensor | None = None
+    layer_norms: Tensor | None = None
+    layer_names: list[str] = field(default_factory=list)
+    code: Tensor | None = None
+    _code_value: int | None = None
+
+    @property
+    def reason(self) -> str | None:
+        """Why the step was skipped: "nonfinite_loss", "nonfinite_grad", "fp16_overflow", or None."""
+        if self._code_value is None:
+            self._code_value = int(self.code.item()) if self.code is not None else 0
+        return reason_from_code(self._code_value)
+
+    @property
+    def layers(self) -> dict[str, Tensor]:
+        """Per-layer pre-clip grad norms as 0-d tensors (empty when per-layer norms are off)."""
+        if self.layer_norms is None:
+            return {}
+        return {name: self.layer_norms[i] for i, name in enumerate(self.layer_names)}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Host values of every field (syncs once per tensor field: for logs and tests, not hot loops)."""
+        return {
+            "step": self.step,
+            "grad_norm": float(self.grad_norm),
+            "clip_coef": float(self.clip_coef),
+            "skipped": bool(self.skipped),
+            "clipped": bool(self.clipped),
+            "reason": self.reason,
+            "loss": float(self.loss) if self.loss is not None else None,
+        }

@@ -1,0 +1,55 @@
+"""Shared fixtures: a tiny GPT, its data, and a training-loop helper."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from stabilitykit.testing import char_batches, tiny_gpt
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def gpt() -> torch.nn.Module:
+    return tiny_gpt(seed=0)
+
+
+def batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    data = char_batches(seed=seed)
+    return [next(data) for _ in range(n)]
+
+
+def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Deep copy of parameters and optimizer state for bitwise comparisons."""
+    state = optimizer.state_dict()["state"]
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "opt": {k: {kk: vv.clone() if torch.is_tensor(vv) else vv for kk, vv in v.items()} for k, v in state.items()},
+    }
+
+
+def assert_bitwise_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for name, tensor in a["params"].items():
+        assert torch.equal(tensor, b["params"][name]), f"parameter {name} changed"
+    assert a["opt"].keys() == b["opt"].keys()
+    for key, state in a["opt"].items():
+        for field, value in state.items():
+            other = b["opt"][key][field]
+            if torch.is_tensor(value):
+                assert torch.equal(value, other), f"optimizer state {key}.{field} changed"
+            else:
+                assert value == other
+
+
+LossFn = Callable[[torch.nn.Module, tuple[torch.Tensor, torch.Tensor], int], torch.Tensor]
+
+
+def default_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], step: int) -> torch.Tensor:
+    return model.loss(*batch)  # type: ignore[operator]

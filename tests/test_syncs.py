@@ -1,0 +1,70 @@
+"""Host syncs on the step path, counted (not guessed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import stabilitykit as sk
+from stabilitykit.testing.syncs import count_host_syncs
+from tests.conftest import batches
+
+
+def _ours(counter) -> int:
+    return sum(1 for site in counter.sites if "/stabilitykit/" in site and "/testing/" not in site)
+
+
+@pytest.mark.parametrize("clip", ["fixed", "adaptive"])
+def test_fused_adamw_zero_syncs_off_logging_steps_one_on(clip: str) -> None:
+    model = sk.testing.tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    cfg = sk.StabilityConfig(clip=sk.ClipConfig(mode=clip, warmup_steps=3), log_every_n_steps=5)
+    guard = sk.StabilityGuard(model, opt, cfg, scheduler=sched, sinks=[sk.sinks.ConsoleSink(stream=open("/dev/null", "w"))])
+    counts = []
+    for i, (x, y) in enumerate(batches(15)):
+        loss = model.loss(x, y) * (float("nan") if i == 7 else 1.0)
+        with count_host_syncs() as counter:
+            guard.backward(loss)
+            guard.step()
+            guard.zero_grad()
+        counts.append(counter.count)
+    logging = [i for i in range(15) if i % 5 == 0]
+    assert [counts[i] for i in logging] == [1, 1, 1], counts
+    assert all(counts[i] == 0 for i in range(15) if i not in logging), counts  # the NaN step 7 included
+
+
+def test_non_fused_pays_one_sync_per_step_and_none_when_skipping_is_off() -> None:
+    model = sk.testing.tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(log_every_n_steps=5))
+    per_step = []
+    for x, y in batches(6):
+        with count_host_syncs() as counter:
+            guard.backward(model.loss(x, y))
+            guard.step()
+            guard.zero_grad()
+        per_step.append(_ours(counter))
+    assert per_step == [1, 1, 1, 1, 1, 1]  # logging steps fold the decision into the metrics read
+
+    cfg = sk.StabilityConfig(log_every_n_steps=5, skip=sk.SkipConfig(nonfinite=False))
+    guard = sk.StabilityGuard(model, opt, cfg)
+    per_step = []
+    for x, y in batches(6):
+        with count_host_syncs() as counter:
+            guard.backward(model.loss(x, y))
+            guard.step()
+            guard.zero_grad()
+        per_step.append(counter.count)
+    assert per_step == [1, 0, 0, 0, 0, 1]
+
+
+def test_counter_sees_every_kind_of_sync() -> None:
+    t = torch.ones(3)
+    with count_host_syncs() as counter:
+        t.sum().item()
+        float(t.sum())
+        bool(t.sum() > 0)
+        t.tolist()
+        torch.ones(1) + 1  # not a sync
+    assert counter.count == 4
