@@ -101,18 +101,10 @@ class ClipConfig(_Strict):
     """Gradient clipping by global norm: off, a fixed max_norm, or an adaptive threshold."""
 
     mode: Literal["off", "fixed", "adaptive"] = Field("off", description="Clipping mode.")
-    max_norm: float = Field(
-        1.0, gt=0, description="Fixed mode: the largest total grad norm after clipping."
-    )
-    z_threshold: float = Field(
-        2.5, gt=0, description="Adaptive mode: clip norms above mean + z_threshold * std."
-    )
-    ema_alpha: float = Field(
-        0.97, gt=0, lt=1, description="Adaptive mode: EMA decay of the norm mean and variance."
-    )
-    warmup_steps: int = Field(
-        25, ge=1, description="Adaptive mode: steps that only collect statistics (no clipping)."
-    )
+    max_norm: float = Field(1.0, gt=0, description="Fixed mode: the largest total grad norm after clipping.")
+    z_threshold: float = Field(2.5, gt=0, description="Adaptive mode: clip norms above mean + z_threshold * std.")
+    ema_alpha: float = Field(0.97, gt=0, lt=1, description="Adaptive mode: EMA decay of the norm mean and variance.")
+    warmup_steps: int = Field(25, ge=1, description="Adaptive mode: steps that only collect statistics (no clipping).")
     warmup_max_norm: float | None = Field(
         None,
         gt=0,

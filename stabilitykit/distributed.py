@@ -51,7 +51,7 @@ def to_local(tensor: Tensor) -> Tensor:
     """The local shard of a DTensor (a view sharing storage), or the tensor itself."""
     dtensor = _dtensor_type()
     if dtensor is not None and isinstance(tensor, dtensor):
-        return tensor.to_local()  # type: ignore[no-any-return]
+        return tensor.to_local()  # type: ignore[attr-defined,no-any-return]
     return tensor
 
 
@@ -64,8 +64,8 @@ def _shard_group(params: Sequence[Tensor]) -> Any | None:
         if isinstance(p, dtensor):
             from torch.distributed.tensor import Shard
 
-            if any(isinstance(pl, Shard) for pl in p.placements):
-                mesh = p.device_mesh
+            if any(isinstance(pl, Shard) for pl in p.placements):  # type: ignore[attr-defined]
+                mesh = p.device_mesh  # type: ignore[attr-defined]
                 return mesh.get_group() if mesh.ndim == 1 else mesh.get_group(0)
     return None
 

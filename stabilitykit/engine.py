@@ -39,7 +39,6 @@ from stabilitykit.spikes import RobustDetector
 __all__ = ["StabilityEngine", "StepDecision", "is_fused"]
 
 
-
 def is_fused(optimizer: torch.optim.Optimizer | None) -> bool:
     """True for optimizers that honour ``found_inf`` inside their step (fused Adam/AdamW/SGD)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
@@ -56,49 +55,95 @@ class StepDecision:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class _Counters:
-    """Device-side counters; ``*_pending`` ones are reset each time the host reads them."""
+_INT_SLOTS = (
+    "skipped_total",
+    "clipped_total",
+    "nonfinite_total",
+    "overflow_total",
+    "skipped_pending",
+    "clipped_pending",
+    "deferred_skips",
+    "consecutive",
+    "max_run_pending",
+    "last_bad_step",
+    "last_bad_code",
+)
+_FLOAT_SLOTS = ("max_norm_pending", "max_norm", "max_z_grad_pending", "max_z_loss_pending")
+# flags vector: [skip, bad_loss, bad_grad, overflow, clipped]; each counter slot adds one flag.
+_INCREMENT_FROM_FLAG = (0, 4, 2, 3, 0, 4, 0)
+_PENDING_INTS = slice(4, 7)
 
-    NAMES = (
-        "skipped_total",
-        "consecutive",
-        "clipped_total",
-        "nonfinite_total",
-        "overflow_total",
-        "skipped_pending",
-        "clipped_pending",
-        "max_run_pending",
-        "deferred_skips",
-        "last_bad_step",
-        "last_bad_code",
-        "last_bad_layer",
-    )
+
+class _Counters:
+    """Device-side counters packed in two vectors so a step updates them in a handful of ops.
+
+    ``*_pending`` slots are reset each time the host reads them. Slots read as 0-d views
+    (``counters.skipped_total``).
+    """
 
     def __init__(self, device: torch.device) -> None:
-        for name in self.NAMES:
-            setattr(self, name, torch.zeros((), dtype=torch.int64, device=device))
-        self.last_bad_step.fill_(-1)  # type: ignore[attr-defined]
-        self.last_bad_layer.fill_(-1)  # type: ignore[attr-defined]
-        self.max_norm_pending = torch.zeros((), dtype=torch.float32, device=device)
-        self.max_norm = torch.zeros((), dtype=torch.float32, device=device)
-        self.max_z_grad_pending = torch.zeros((), dtype=torch.float32, device=device)
-        self.max_z_loss_pending = torch.zeros((), dtype=torch.float32, device=device)
+        self.ints = torch.zeros(len(_INT_SLOTS), dtype=torch.int64, device=device)
+        self.ints[_INT_SLOTS.index("last_bad_step")] = -1
+        self.floats = torch.zeros(len(_FLOAT_SLOTS), dtype=torch.float32, device=device)
+        self.bad_layer_norms: Tensor | None = None  # layer norms of the last skipped step
+        self._increment_index = torch.tensor(_INCREMENT_FROM_FLAG, device=device)
+        self._code_weights = torch.tensor([_SKIP, _BAD_LOSS, _BAD_GRAD, _OVERFLOW], device=device)
 
-    def tensors(self) -> dict[str, Tensor]:
-        keys = [*self.NAMES, "max_norm_pending", "max_norm", "max_z_grad_pending", "max_z_loss_pending"]
-        return {k: getattr(self, k) for k in keys}
+    def __getattr__(self, name: str) -> Tensor:
+        if name in _INT_SLOTS:
+            return self.ints[_INT_SLOTS.index(name)]
+        if name in _FLOAT_SLOTS:
+            return self.floats[_FLOAT_SLOTS.index(name)]
+        raise AttributeError(name)
+
+    def update(
+        self,
+        flags: Tensor,
+        step: int,
+        finite_total: Tensor,
+        layer_norms: Tensor | None,
+        deferred: bool,
+        z: Tensor | None,
+    ) -> Tensor:
+        """Fold one step's flags (int64 [skip, bad_loss, bad_grad, overflow, clipped]) in; returns its code."""
+        code = (flags[:4] * self._code_weights).sum()
+        increments = flags.index_select(0, self._increment_index)
+        if not deferred:
+            increments[-1] = 0
+        ints = self.ints
+        ints[:7] += increments
+        skip, overflow = flags[0], flags[3]
+        # fp16 overflows are GradScaler's business: they neither extend nor break a run of skips.
+        consecutive = (ints[7] + skip - overflow) * skip
+        ints[7] = consecutive
+        ints[8] = torch.maximum(ints[8], consecutive)
+        ints[9:11] = torch.where(skip.bool(), torch.stack([torch.full_like(code, step), code]), ints[9:11])
+        self.floats[:2] = torch.maximum(self.floats[:2], finite_total)
+        if z is not None:
+            self.floats[2 : 2 + len(z)] = torch.maximum(self.floats[2 : 2 + len(z)], z)
+        if layer_norms is not None:
+            if self.bad_layer_norms is None:
+                self.bad_layer_norms = torch.zeros_like(layer_norms)
+            self.bad_layer_norms = torch.where(skip.bool(), layer_norms, self.bad_layer_norms)
+        return code
+
+    def state(self) -> dict[str, Tensor]:
+        out = {"ints": self.ints.clone(), "floats": self.floats.clone()}
+        if self.bad_layer_norms is not None:
+            out["bad_layer_norms"] = self.bad_layer_norms.clone()
+        return out
 
     def load(self, state: dict[str, Tensor]) -> None:
-        for key, value in state.items():
-            current = getattr(self, key, None)
-            if current is not None:
-                setattr(self, key, value.to(device=current.device, dtype=current.dtype).clone())
+        self.ints = state["ints"].to(self.ints.device, torch.int64).clone()
+        self.floats = state["floats"].to(self.floats.device, torch.float32).clone()
+        if "bad_layer_norms" in state:
+            self.bad_layer_norms = state["bad_layer_norms"].to(self.floats.device).clone()
 
     def reset_pending(self) -> None:
-        for key in ("skipped_pending", "clipped_pending", "max_run_pending", "deferred_skips"):
-            getattr(self, key).zero_()
-        for key in ("max_norm_pending", "max_z_grad_pending", "max_z_loss_pending"):
-            getattr(self, key).zero_()
+        self.ints[_PENDING_INTS] = 0
+        self.ints[8] = 0
+        self.floats[0] = 0
+        self.floats[2:] = 0
 
 
 class StabilityEngine:
@@ -124,7 +169,7 @@ class StabilityEngine:
             names = [by_id.get(id(p), f"param_{i}") for i, p in enumerate(self.params)]
         self.param_names = list(names)
         gcfg = self.config.grad_norm
-        layer_of_param = layer_names_for(list(zip(self.param_names, self.params)), model, gcfg.grouping)
+        layer_of_param = layer_names_for(list(zip(self.param_names, self.params, strict=False)), model, gcfg.grouping)
         self.layer_names = list(dict.fromkeys(layer_of_param))
         index = {name: i for i, name in enumerate(self.layer_names)}
         self.plan = GradNormPlan(
@@ -147,8 +192,10 @@ class StabilityEngine:
             "count": torch.zeros((), dtype=torch.int64, device=self.device),
         }
         scfg = self.config.spikes
-        self.grad_detector = RobustDetector(scfg.alpha, scfg.warmup_steps, self.device)
-        self.loss_detector = RobustDetector(scfg.alpha, scfg.warmup_steps, self.device)
+        self.detector = RobustDetector(scfg.alpha, scfg.warmup_steps, self.device, size=2)  # [grad norm, loss]
+        self._fixed_threshold = torch.full((), self.config.clip.max_norm, dtype=torch.float32, device=self.device)
+        self._false = torch.zeros((), dtype=torch.bool, device=self.device)
+        self._nan = torch.full((), math.nan, dtype=torch.float32, device=self.device)
         self._loss_sum: Tensor | None = None
         self._loss_count = 0
         self.last_host_metrics: dict[str, float] = {}
@@ -189,7 +236,7 @@ class StabilityEngine:
         if ccfg.mode == "off":
             return None, None
         if ccfg.mode == "fixed":
-            return torch.full((), ccfg.max_norm, dtype=torch.float32, device=self.device), None
+            return self._fixed_threshold, None
         # Adaptive (ZClip-class): EMA mean/std of the total norm, threshold mean + z * std.
         st = self.adaptive
         warmed = st["count"] >= ccfg.warmup_steps
@@ -228,11 +275,13 @@ class StabilityEngine:
         total = norms.total
         finite_grad = torch.isfinite(total)
         loss = None
+        bad_loss = self._false
         if self._loss_sum is not None:
             loss = self._loss_sum / self._loss_count
-        finite_loss = torch.isfinite(loss) if loss is not None else torch.ones_like(finite_grad)
-        bad = ~(finite_grad & finite_loss)
-        skip = bad if cfg.skip.nonfinite else torch.zeros_like(bad)
+            bad_loss = ~torch.isfinite(loss)
+        bad_grad = ~finite_grad
+        bad = bad_grad | bad_loss
+        skip = bad if cfg.skip.nonfinite else self._false
         if cfg.skip.nonfinite and cfg.skip.sync_ranks:
             skip = all_ranks_agree(skip)
 
@@ -242,19 +291,18 @@ class StabilityEngine:
             if adaptive_active is not None:
                 coef = torch.where(adaptive_active, coef, torch.ones_like(coef))
             apply_clip_coefficient(grouped, coef)
+            clipped = (coef < 1.0) & ~skip
         else:
             coef = torch.ones_like(total)
-        clipped = (coef < 1.0) & ~skip
-
-        overflow = (~finite_grad) & skip if scaler_active else torch.zeros_like(skip)
-        code = (
-            skip.to(torch.int64) * _SKIP
-            + (~finite_loss).to(torch.int64) * _BAD_LOSS
-            + (~finite_grad).to(torch.int64) * _BAD_GRAD
-            + overflow.to(torch.int64) * _OVERFLOW
-        )
-        self._update_counters(step, skip, overflow, clipped, total, finite_grad, norms.layer_norms, code)
-        z_grad, z_loss = self._update_detectors(total, loss)
+            clipped = self._false
+        overflow = bad_grad & skip if scaler_active else self._false
+        flags = torch.stack([skip, bad_loss, bad_grad, overflow, clipped]).to(torch.int64)
+        z = self._update_detectors(total, loss)
+        deferred = not logging and cfg.skip.nonfinite and self.fused
+        finite_total = torch.where(finite_grad, total, 0.0)
+        code = self.counters.update(flags, step, finite_total, norms.layer_norms, deferred, z)
+        z_grad = z[0] if z is not None else None
+        z_loss = z[1] if z is not None and loss is not None else None
 
         report = StepReport(
             step=step,
@@ -277,63 +325,23 @@ class StabilityEngine:
             decision.skip_known = bool(code_value & _SKIP)
         elif not cfg.skip.nonfinite:
             decision.skip_known = False
-        else:
-            self.counters.deferred_skips += skip.to(torch.int64)
         self._loss_sum = None
         self._loss_count = 0
         return decision
 
-    def _update_counters(
-        self,
-        step: int,
-        skip: Tensor,
-        overflow: Tensor,
-        clipped: Tensor,
-        total: Tensor,
-        finite_grad: Tensor,
-        layer_norms: Tensor | None,
-        code: Tensor,
-    ) -> None:
-        c = self.counters
-        skip_i = skip.to(torch.int64)
-        c.skipped_total += skip_i
-        c.skipped_pending += skip_i
-        c.overflow_total += overflow.to(torch.int64)
-        c.nonfinite_total += (~finite_grad).to(torch.int64)
-        c.clipped_total += clipped.to(torch.int64)
-        c.clipped_pending += clipped.to(torch.int64)
-        # fp16 overflows are GradScaler's business: they neither extend nor break a run of skips.
-        counted = skip & ~overflow
-        c.consecutive = torch.where(counted, c.consecutive + 1, torch.where(overflow, c.consecutive, 0))
-        c.max_run_pending = torch.maximum(c.max_run_pending, c.consecutive)
-        finite_total = torch.where(finite_grad, total, torch.zeros_like(total))
-        c.max_norm_pending = torch.maximum(c.max_norm_pending, finite_total)
-        c.max_norm = torch.maximum(c.max_norm, finite_total)
-        c.last_bad_step = torch.where(skip, torch.full_like(c.last_bad_step, step), c.last_bad_step)
-        c.last_bad_code = torch.where(skip, code, c.last_bad_code)
-        if layer_norms is not None:
-            # First layer to go non-finite in backward order = the last one in parameter order.
-            bad_layers = (~torch.isfinite(layer_norms)).to(torch.int64)
-            positions = torch.arange(1, len(layer_norms) + 1, device=layer_norms.device)
-            last_bad = (bad_layers * positions).max() - 1
-            c.last_bad_layer = torch.where(skip & (last_bad >= 0), last_bad, c.last_bad_layer)
-
-    def _update_detectors(self, total: Tensor, loss: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    def _update_detectors(self, total: Tensor, loss: Tensor | None) -> Tensor | None:
+        """Robust z-scores of [grad norm, loss] (one detector over both; a missing loss stays out)."""
         if not self.config.spikes.enabled:
-            return None, None
-        c = self.counters
-        z_grad = self.grad_detector.update(total)
-        c.max_z_grad_pending = torch.maximum(c.max_z_grad_pending, z_grad)
-        z_loss = None
-        if loss is not None:
-            z_loss = self.loss_detector.update(loss)
-            c.max_z_loss_pending = torch.maximum(c.max_z_loss_pending, z_loss)
-        return z_grad, z_loss
+            return None
+        values = torch.stack([total, loss if loss is not None else self._nan])
+        return self.detector.update(values)
 
     def _read_metrics(self, decision: StepDecision, grad_scale: Tensor | None) -> dict[str, float]:
         """The logging step's single device-to-host copy, unpacked into named metrics."""
         report = decision.report
         c = self.counters
+        assert report.code is not None
+        code_tensor = report.code
         entries: list[tuple[str, Tensor]] = [
             ("grad_norm/total", report.grad_norm),
             ("grad_norm/max", c.max_norm_pending),
@@ -344,12 +352,11 @@ class StabilityEngine:
             ("skipped/recent", c.skipped_pending),
             ("skipped/consecutive", c.consecutive),
             ("nonfinite/total", c.nonfinite_total),
-            ("_code", report.code),
+            ("_code", code_tensor),
             ("_max_run", c.max_run_pending),
             ("_deferred", c.deferred_skips),
             ("_last_bad_step", c.last_bad_step),
             ("_last_bad_code", c.last_bad_code),
-            ("_last_bad_layer", c.last_bad_layer),
         ]
         if report.loss is not None:
             entries.append(("loss", report.loss))
@@ -366,14 +373,21 @@ class StabilityEngine:
             entries.append(("_max_z_loss", c.max_z_loss_pending))
         scalars = torch.stack([t.reshape(()).to(device=self.device, dtype=torch.float32) for _, t in entries])
         layer_index = self.logged_layers if report.layer_norms is not None else []
-        packed = scalars
+        parts = [scalars]
         if layer_index:
             assert report.layer_norms is not None
-            packed = torch.cat([scalars, report.layer_norms.to(self.device)[layer_index]])
-        values = packed.tolist()  # the one host sync of a logging step
+            parts.append(report.layer_norms.to(self.device)[layer_index])
+        bad_norms = self.counters.bad_layer_norms
+        if bad_norms is not None:
+            parts.append((~torch.isfinite(bad_norms)).to(torch.float32))
+        values = torch.cat(parts).tolist() if len(parts) > 1 else scalars.tolist()  # the one host sync
         raw = {name: values[i] for i, (name, _) in enumerate(entries)}
+        offset = len(entries)
         for j, li in enumerate(layer_index):
-            raw[f"grad_norm/{self.layer_names[li]}"] = values[len(entries) + j]
+            raw[f"grad_norm/{self.layer_names[li]}"] = values[offset + j]
+        offset += len(layer_index)
+        bad_layers = [self.layer_names[i] for i, v in enumerate(values[offset:]) if v]
+        decision.extra["last_bad_layer"] = bad_layers[-1] if bad_layers else None
         report._code_value = int(raw["_code"])
         decision.skip_known = bool(report._code_value & _SKIP)
         decision.extra["internal"] = {k: v for k, v in raw.items() if k.startswith("_")}
@@ -419,9 +433,6 @@ class StabilityEngine:
         elif decision.skip_known is False:
             self.host_consecutive = 0
         return report
-
-    def _layer_name(self, index: int) -> str | None:
-        return self.layer_names[index] if 0 <= index < len(self.layer_names) else None
 
     def _on_known_skip(self, report: StepReport, step: int) -> None:
         """A skip the host saw on a non-logging step (non-fused optimizers)."""
@@ -470,7 +481,7 @@ class StabilityEngine:
         self.host_consecutive = int(metrics[self.key("skipped/consecutive")])
         recent = int(metrics[self.key("skipped/recent")])
         last_code = int(internal["_last_bad_code"])
-        layer = self._layer_name(int(internal["_last_bad_layer"]))
+        layer = decision.extra.get("last_bad_layer") if recent else None
         if recent:
             self._emit_skip(int(internal["_last_bad_step"]), last_code, layer, count=recent)
         clipped = int(metrics[self.key("clip/clipped_recent")])
@@ -506,10 +517,9 @@ class StabilityEngine:
             "scheduler_debt": self.scheduler_debt,
             "host_skipped_total": self.host_skipped_total,
             "host_consecutive": self.host_consecutive,
-            "counters": {k: v.clone() for k, v in self.counters.tensors().items()},
+            "counters": self.counters.state(),
             "adaptive": {k: v.clone() for k, v in self.adaptive.items()},
-            "grad_detector": self.grad_detector.state_dict(),
-            "loss_detector": self.loss_detector.state_dict(),
+            "detector": self.detector.state_dict(),
             "layer_names": list(self.layer_names),
         }
 
@@ -522,5 +532,4 @@ class StabilityEngine:
         self.counters.load(state["counters"])
         for key, value in state["adaptive"].items():
             self.adaptive[key] = value.to(device=self.device, dtype=self.adaptive[key].dtype).clone()
-        self.grad_detector.load_state_dict(state["grad_detector"])
-        self.loss_detector.load_state_dict(state["loss_detector"])
+        self.detector.load_state_dict(state["detector"])

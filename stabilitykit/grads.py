@@ -228,7 +228,7 @@ class GradNormPlan:
             inv = grad_scale.to(device=layout.device, dtype=torch.float32).reciprocal()
             total = total * inv
             layers = layers * inv if layers is not None else None
-        return NormResult(total, layers, self.layer_names), grouped  # type: ignore[arg-type]
+        return NormResult(total, layers, self.layer_names), grouped  # type: ignore[return-value]
 
 
 def clip_coefficient(total: Tensor, max_norm: float | Tensor) -> Tensor:
@@ -268,9 +268,7 @@ def clip_grad_norm_(
     plan = GradNormPlan(params, norm_type=float(norm_type), reducer=reducer_for(params))
     result, grouped = plan.compute()
     if error_if_nonfinite and not bool(torch.isfinite(result.total)):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped."
-        )
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped.")
     apply_clip_coefficient(grouped, clip_coefficient(result.total, max_norm))
     return result.total
 

@@ -1,8 +1,8 @@
 """StabilityGuard: drives the engine from a plain PyTorch loop.
 
-    guard.backward(loss)   # scaled when a GradScaler is given; call it once per micro-batch
-    report = guard.step()  # unscale once, norms, clip, skip or step, scheduler, scaler.update()
-    guard.zero_grad()
+guard.backward(loss)   # scaled when a GradScaler is given; call it once per micro-batch
+report = guard.step()  # unscale once, norms, clip, skip or step, scheduler, scaler.update()
+guard.zero_grad()
 """
 
 from __future__ import annotations
@@ -200,4 +200,3 @@ class StabilityGuard:
         if self.tracer is not None:
             self.tracer.detach()
         self.hooks.close()
-

@@ -52,7 +52,7 @@ class HookManager:
             return
         try:
             fn(*args)
-        except Exception as exc:  # noqa: BLE001 - a sink must never stop training
+        except Exception as exc:
             self.disabled[id(sink)] = repr(exc)
             warnings.warn(
                 f"stabilitykit: sink {type(sink).__name__} raised {exc!r} in {method}; "

@@ -127,8 +127,12 @@ class NaNTracer:
         newly = (self._first < 0) & bad
         stats = torch.stack(
             [
-                torch.stack([t.detach().abs().amax().float() for t in ins]).amax() if ins else torch.zeros((), device=device),
-                torch.stack([t.detach().abs().amin().float() for t in ins]).amin() if ins else torch.zeros((), device=device),
+                torch.stack([t.detach().abs().amax().float() for t in ins]).amax()
+                if ins
+                else torch.zeros((), device=device),
+                torch.stack([t.detach().abs().amin().float() for t in ins]).amin()
+                if ins
+                else torch.zeros((), device=device),
                 torch.stack([t.detach().abs().amax().float() for t in outs]).amax(),
                 torch.stack([t.detach().abs().amin().float() for t in outs]).amin(),
             ]
@@ -161,7 +165,7 @@ class NaNTracer:
         assert self._stats is not None
         values = self._stats.tolist()
         keys = ("input_absmax", "input_absmin", "output_absmax", "output_absmin")
-        return NonFiniteRecord(name, phase, step, dtype, dict(zip(keys, values)))
+        return NonFiniteRecord(name, phase, step, dtype, dict(zip(keys, values, strict=False)))
 
     @property
     def first(self) -> NonFiniteRecord | None:
@@ -171,7 +175,12 @@ class NaNTracer:
         return self._found
 
 
-def check_batch(batch: Any, num_classes: int | None = None, step: int | None = None, label_keys: tuple[str, ...] = ("labels", "label", "targets", "target", "y")) -> None:
+def check_batch(
+    batch: Any,
+    num_classes: int | None = None,
+    step: int | None = None,
+    label_keys: tuple[str, ...] = ("labels", "label", "targets", "target", "y"),
+) -> None:
     """Raise ``BadBatchError`` naming the path (``batch['input_ids'][3]``) of the first bad value.
 
     Checks: non-finite floats anywhere; integer tensors under a label key outside
@@ -186,7 +195,7 @@ def check_batch(batch: Any, num_classes: int | None = None, step: int | None = N
                 raise BadBatchError(path, "is empty", step)
             if value.is_floating_point():
                 floats.append((path, value))
-            elif is_label and num_classes is not None and not value.dtype == torch.bool:
+            elif is_label and num_classes is not None and value.dtype != torch.bool:
                 labels.append((path, value))
         elif isinstance(value, dict):
             if not value:

@@ -24,13 +24,16 @@ _CLAMP_SCALES = 3.0
 class RobustDetector:
     """One-step-ahead robust z-score of log(x) for a positive series (loss, grad norm)."""
 
-    def __init__(self, alpha: float = 0.1, warmup_steps: int = 20, device: torch.device | None = None) -> None:
+    def __init__(
+        self, alpha: float = 0.1, warmup_steps: int = 20, device: torch.device | None = None, size: int | None = None
+    ) -> None:
         self.alpha = alpha
         self.warmup_steps = warmup_steps
         self.device = device or torch.device("cpu")
-        self.mean = torch.zeros((), dtype=torch.float32, device=self.device)
-        self.abs_dev = torch.zeros((), dtype=torch.float32, device=self.device)
-        self.count = torch.zeros((), dtype=torch.int64, device=self.device)
+        shape = () if size is None else (size,)  # one series, or several scored side by side
+        self.mean = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.abs_dev = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.count = torch.zeros(shape, dtype=torch.int64, device=self.device)
 
     def update(self, value: Tensor) -> Tensor:
         """Score ``value`` against the baseline, then fold it in; returns the z-score (0 in warmup)."""

@@ -23,7 +23,7 @@ def _reference(model: torch.nn.Module, p: float, grouping: str = "auto") -> dict
     named = [(n, q) for n, q in model.named_parameters()]
     layers = layer_names_for(named, model, grouping)
     sums: dict[str, list[float]] = {}
-    for (name, param), layer in zip(named, layers):
+    for (_name, param), layer in zip(named, layers, strict=False):
         g = param.grad.double().flatten()
         sums.setdefault(layer, []).append(g.abs().max().item() if p == math.inf else (g.abs() ** p).sum().item())
     out = {}
@@ -38,7 +38,14 @@ def _reference(model: torch.nn.Module, p: float, grouping: str = "auto") -> dict
 def test_auto_grouping_finds_blocks(gpt: torch.nn.Module) -> None:
     names = layer_names_for(list(gpt.named_parameters()), gpt, "auto")
     assert list(dict.fromkeys(names)) == [
-        "tok_emb", "pos_emb", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "ln_f", "lm_head",
+        "tok_emb",
+        "pos_emb",
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+        "blocks.3",
+        "ln_f",
+        "lm_head",
     ]
 
 
@@ -66,12 +73,12 @@ def test_norms_equal_per_parameter_reference(gpt: torch.nn.Module, p: float) -> 
 def test_clip_matches_torch(gpt: torch.nn.Module, p: float, max_norm: float) -> None:
     _backward(gpt)
     twin = copy.deepcopy(gpt)
-    for a, b in zip(gpt.parameters(), twin.parameters()):
+    for a, b in zip(gpt.parameters(), twin.parameters(), strict=False):
         b.grad = a.grad.clone()
     ours = sk.clip_grad_norm_(gpt.parameters(), max_norm, norm_type=p)
     theirs = torch.nn.utils.clip_grad_norm_(twin.parameters(), max_norm, norm_type=p)
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
-    for (name, a), b in zip(gpt.named_parameters(), twin.parameters()):
+    for (name, a), b in zip(gpt.named_parameters(), twin.parameters(), strict=False):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-12, msg=name)
 
 

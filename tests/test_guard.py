@@ -41,7 +41,7 @@ def test_nan_batch_is_skipped_bitwise(kind: str) -> None:
     opt = _optimizer(model, kind)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     guard = sk.StabilityGuard(model, opt, FIXED, scheduler=sched)
-    for i, (x, y) in enumerate(data[:12]):
+    for _i, (x, y) in enumerate(data[:12]):
         guard.backward(model.loss(x, y))
         guard.step()
         guard.zero_grad()
@@ -71,7 +71,7 @@ def test_run_with_nan_batch_matches_run_without_it(kind: str) -> None:
     _train(clean, opt_clean, data[:20] + data[21:])
     dirty = sk.testing.tiny_gpt()
     opt_dirty = _optimizer(dirty, kind)
-    guard, reports = _train(dirty, opt_dirty, data, poison=20)
+    _guard, reports = _train(dirty, opt_dirty, data, poison=20)
     assert [r.step for r in reports if bool(r.skipped)] == [20]
     x, y = batches(1, seed=7)[0]
     with torch.no_grad():
@@ -142,7 +142,7 @@ def test_gradient_accumulation_equals_full_batch() -> None:
     r_acc = g_acc.step()
     assert r_acc.grad_norm.item() == pytest.approx(r_full.grad_norm.item(), rel=1e-5)
     assert r_acc.loss.item() * 2 == pytest.approx(r_full.loss.item(), rel=1e-5)  # mean of the scaled halves
-    for a, b in zip(full.parameters(), acc.parameters()):
+    for a, b in zip(full.parameters(), acc.parameters(), strict=False):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -187,7 +187,7 @@ def test_fused_scaler_norms_are_unscaled_and_clip_matches_torch() -> None:
     scaled = [p.grad.clone() for p in model.parameters()]
     report = guard.engine.evaluate(grad_scale=scaler._get_scale_async(), scaler_active=True)
     assert report.report.grad_norm.item() == pytest.approx(ref.item(), rel=1e-5)
-    for p, t, s in zip(model.parameters(), twin.parameters(), scaled):
+    for p, t, s in zip(model.parameters(), twin.parameters(), scaled, strict=False):
         torch.testing.assert_close(p.grad / 2.0**12, t.grad, rtol=1e-4, atol=1e-8)
         assert not torch.equal(p.grad, s)  # clipped in place, still scaled
 
@@ -253,11 +253,10 @@ def test_state_dict_round_trip_matches_uninterrupted_run() -> None:
     assert straight["step"] == resumed["step"] == 30
     for key in ("counters", "adaptive"):
         for name, value in straight[key].items():
-            assert torch.equal(value, resumed[key][name]), f"{key}.{name}"
-    for det in ("grad_detector", "loss_detector"):
-        for name, value in straight[det].items():
-            assert torch.equal(value, resumed[det][name]), f"{det}.{name}"
-    assert int(straight["counters"]["skipped_total"]) == 2
+            torch.testing.assert_close(value, resumed[key][name], rtol=0, atol=0, equal_nan=True, msg=f"{key}.{name}")
+    for name, value in straight["detector"].items():
+        assert torch.equal(value, resumed["detector"][name]), f"detector.{name}"
+    assert int(straight["counters"]["ints"][0]) == 2  # skipped_total
 
 
 def test_jsonl_sink_lines_and_failing_sink_is_disabled(tmp_path) -> None:
@@ -272,7 +271,7 @@ def test_jsonl_sink_lines_and_failing_sink_is_disabled(tmp_path) -> None:
     model = sk.testing.tiny_gpt()
     opt = _optimizer(model, "fused")
     with pytest.warns(RuntimeWarning, match="Broken.*disabled"):
-        guard, _ = _train(model, opt, batches(20), poison=3, sinks=[Broken(), sk.sinks.JsonlSink(path)])
+        _guard, _ = _train(model, opt, batches(20), poison=3, sinks=[Broken(), sk.sinks.JsonlSink(path)])
     assert Broken.calls == 1
     rows, events = sk.sinks.read_jsonl(path)
     assert [r["step"] for r in rows] == [0, 5, 10, 15]

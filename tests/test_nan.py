@@ -21,7 +21,7 @@ def test_forward_nan_names_the_module() -> None:
     assert first is not None
     assert (first.module, first.phase, first.step) == ("blocks.1.mlp.fc", "forward", 12)
     assert first.dtype == "float32" and first.stats["input_absmax"] > 0
-    assert not model.blocks[1].mlp.fc._forward_hooks.keys() - {list(model.blocks[1].mlp.fc._forward_hooks)[0]}
+    assert not model.blocks[1].mlp.fc._forward_hooks.keys() - {next(iter(model.blocks[1].mlp.fc._forward_hooks))}
 
 
 def test_backward_nan_names_the_module() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ def test_fused_adamw_zero_syncs_off_logging_steps_one_on(clip: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     cfg = sk.StabilityConfig(clip=sk.ClipConfig(mode=clip, warmup_steps=3), log_every_n_steps=5)
-    guard = sk.StabilityGuard(model, opt, cfg, scheduler=sched, sinks=[sk.sinks.ConsoleSink(stream=open("/dev/null", "w"))])
+    guard = sk.StabilityGuard(model, opt, cfg, scheduler=sched, sinks=[sk.sinks.ConsoleSink(stream=io.StringIO())])
     counts = []
     for i, (x, y) in enumerate(batches(15)):
         loss = model.loss(x, y) * (float("nan") if i == 7 else 1.0)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv (once) and install stabilitykit with every extra. Torch comes from torch==2.13.0
+# (a CPU build pip finds locally where one is provided) before anything else can pull a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.stabilitykit-setup
+want="$(cat pyproject.toml | sha256sum | cut -c1-16) $TORCH_SPEC"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_SPEC" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[all]" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -c "import torch, stabilitykit, lightning, wandb" 
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,42 @@
+"""The examples run and do what their docstrings say."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import stabilitykit as sk
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_demo_skips_the_nan_batch_and_clips_the_spike(tmp_path, capsys) -> None:
+    demo = _load("demo")
+    summary = demo.main(["--steps", "210", "--out", str(tmp_path)])
+    assert summary["steps"] == 210 and summary["skipped"] == 1
+    assert summary["clipped"] >= 1 and summary["max_grad_norm"] > 100
+    assert summary["nonfinite_source"] == "backward of lm_head at step 120"
+    assert summary["last_loss"] < summary["first_loss"] / 2
+    rows, events = sk.sinks.read_jsonl(tmp_path / "stability.jsonl")
+    assert len(rows) == 21
+    assert any(e["event"] == "skipped" and e["step"] == 120 for e in events)
+    assert "NaN came from" in capsys.readouterr().out
+
+
+def test_plain_loop_example_resumes(tmp_path, capsys) -> None:
+    _load("plain_loop").main(["--steps", "24", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "at step 12" in out
+    rows, _ = sk.sinks.read_jsonl(tmp_path / "stability.jsonl")
+    assert [r["step"] for r in rows] == [0, 10, 20]
