@@ -1,0 +1,203 @@
+"""StabilityCallback: drives the engine from Lightning's hooks.
+
+Hook placement:
+
+* ``on_before_backward``: the micro-batch loss is recorded (device tensor, no sync).
+* ``on_before_optimizer_step``: grads are final here (after accumulation, after DDP reduction,
+  after the precision plugin's unscale, before clipping); the engine measures, clips and decides.
+* the optimizer's ``step`` is wrapped at fit start: a skipped step never reaches the optimizer
+  (fused optimizers get the skip flag as ``found_inf`` on the device instead), and step-interval
+  LR schedulers are held on skipped steps. ``training_step`` never has to return None, so nothing
+  hangs or raises under DDP: every rank takes the same, all-reduced decision.
+
+Requires the ``lightning`` extra.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from stabilitykit.config import StabilityConfig
+from stabilitykit.engine import StabilityEngine, StepDecision, is_fused
+from stabilitykit.guard import optimizer_params, scaler_enabled
+from stabilitykit.hooks import HookManager
+from stabilitykit.report import StepReport
+from stabilitykit.sinks.base import Sink
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "stabilitykit.lightning needs Lightning: pip install 'stabilitykit[lightning]' (or pip install lightning)"
+    ) from exc
+
+__all__ = ["StabilityCallback"]
+
+
+class StabilityCallback(Callback):
+    """Norms, clipping, skip-the-batch, metrics and events for a Lightning ``Trainer``.
+
+    Metrics go to every logger in ``trainer.loggers`` (any Lightning logger) with
+    ``step=trainer.global_step``, and to any extra ``sinks``. The logging cadence is
+    ``config.log_every_n_steps`` when you set it, else ``trainer.log_every_n_steps``.
+    """
+
+    def __init__(
+        self,
+        config: StabilityConfig | Mapping[str, Any] | None = None,
+        sinks: Iterable[Sink] | None = None,
+        name: str | None = None,
+    ) -> None:
+        if isinstance(config, Mapping):
+            config = StabilityConfig.from_mapping(config)
+        self.config = config or StabilityConfig()
+        self.name = name
+        self.hooks = HookManager(sinks)
+        self.engine: StabilityEngine | None = None
+        self.last_report: StepReport | None = None
+        self._pending: StepDecision | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._original_step: Any = None
+        self._held_schedulers: list[tuple[Any, Any]] = []
+
+    @property
+    def state_key(self) -> str:
+        """Key of this callback's state in a checkpoint; ``name`` lets several instances coexist."""
+        return self._generate_state_key(name=self.name or "default")
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuse a second clipper: Lightning's gradient_clip_val would clip after our norms were read."""
+        if self.config.clip.mode != "off" and trainer.gradient_clip_val:
+            raise ValueError(
+                f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) and StabilityCallback's "
+                f"ClipConfig(mode={self.config.clip.mode!r}) both clip gradients; keep one: set "
+                "gradient_clip_val=None (the callback clips, GradScaler-aware) or ClipConfig(mode='off')"
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Build the engine over the first optimizer and wrap its step and step-interval schedulers."""
+        if not trainer.optimizers:
+            raise ValueError("StabilityCallback needs an optimizer: configure_optimizers returned none")
+        optimizer = trainer.optimizers[0]
+        config = self.config
+        if "log_every_n_steps" not in config.model_fields_set:
+            config = config.model_copy(update={"log_every_n_steps": max(1, trainer.log_every_n_steps)})
+        self.engine = StabilityEngine(
+            optimizer_params(optimizer),
+            config,
+            model=pl_module,
+            hooks=self.hooks,
+            fused=is_fused(optimizer),
+        )
+        if self._pending_state is not None:
+            self.engine.load_state_dict(self._pending_state)
+            self._pending_state = None
+        self.engine.step = trainer.global_step
+        for logger in trainer.loggers:
+            if logger not in self.hooks.sinks:
+                self.hooks.add_sink(logger)
+        self._wrap_optimizer(optimizer)
+        for sched_cfg in trainer.lr_scheduler_configs:
+            if sched_cfg.interval == "step" and getattr(sched_cfg.scheduler, "optimizer", optimizer) is optimizer:
+                self._wrap_scheduler(sched_cfg.scheduler)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Undo the wrapping so the optimizer and schedulers behave as before fit."""
+        if self._optimizer is not None and self._original_step is not None:
+            self._optimizer.step = self._original_step  # type: ignore[method-assign]
+        for scheduler, original in self._held_schedulers:
+            scheduler.step = original
+        self._held_schedulers.clear()
+        self._optimizer = None
+        self._original_step = None
+
+    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        original = optimizer.step
+        callback = self
+
+        @functools.wraps(original)
+        def step(closure: Any = None, **kwargs: Any) -> Any:
+            result = None
+            if closure is not None:  # the closure runs training_step, backward and our hook
+                result = closure()
+            decision = callback._pending
+            if decision is None or hasattr(optimizer, "found_inf"):  # GradScaler (fused) set found_inf itself
+                return original(**kwargs) if closure is None else original(closure=lambda: result, **kwargs)
+            callback.engine.apply(  # type: ignore[union-attr]
+                decision,
+                lambda: original(**kwargs) if closure is None else original(closure=lambda: result, **kwargs),
+                optimizer,
+            )
+            return result
+
+        self._optimizer = optimizer
+        self._original_step = original
+        optimizer.step = step  # type: ignore[method-assign]
+
+    def _wrap_scheduler(self, scheduler: Any) -> None:
+        original = scheduler.step
+        callback = self
+
+        @functools.wraps(original)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            decision = callback._pending  # Lightning steps schedulers before on_train_batch_end
+            if decision is not None and callback.engine is not None and callback.engine.hold_scheduler(decision):
+                return None
+            return original(*args, **kwargs)
+
+        self._held_schedulers.append((scheduler, original))
+        scheduler.step = step
+
+    # ------------------------------------------------------------------ the step
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        """Remember each micro-batch's loss (stays on the device)."""
+        if self.engine is not None:
+            self.engine.record_loss(loss)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Grads are final here: measure, clip and decide; the wrapped optimizer step acts on it."""
+        engine = self.engine
+        if engine is None or optimizer is not self._optimizer:
+            return
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        scaler_on = scaler_enabled(scaler)
+        grad_scale = None
+        if scaler_on and engine.fused:
+            grad_scale = scaler._get_scale_async()  # type: ignore[union-attr]  # Lightning leaves fused grads scaled
+        engine.step = trainer.global_step
+        self._pending = engine.evaluate(grad_scale=grad_scale, scaler_active=scaler_on)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """After the optimizer step: sinks, events and the divergence check."""
+        decision, self._pending = self._pending, None
+        if decision is None or self.engine is None:
+            return
+        self.last_report = self.engine.finish(decision)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's counters, EMAs and detector state."""
+        if self.engine is None:
+            return dict(self._pending_state or {})
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the engine state (applied at fit start when the engine does not exist yet)."""
+        if not state_dict:
+            return
+        if self.engine is None:
+            self._pending_state = state_dict
+        else:
+            self.engine.load_state_dict(state_dict)

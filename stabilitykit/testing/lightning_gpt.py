@@ -1,0 +1,68 @@
+"""A tiny GPT LightningModule for tests, examples and benchmarks (needs the ``lightning`` extra)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from stabilitykit.testing.tiny_gpt import char_batches, tiny_gpt
+
+__all__ = ["GPTModule", "gpt_dataloader"]
+
+
+class GPTModule(pl.LightningModule):
+    """TinyGPT trained with AdamW; ``poison`` maps global steps to a loss factor (``nan``, ``1000``)."""
+
+    def __init__(
+        self,
+        lr: float = 3e-3,
+        fused: bool = True,
+        poison: dict[int, float] | None = None,
+        poison_rank: int | None = None,
+        scheduler: bool = False,
+        log_grad_norm: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.model = tiny_gpt(seed=seed)
+        self.lr = lr
+        self.fused = fused
+        self.poison = poison or {}
+        self.poison_rank = poison_rank
+        self.use_scheduler = scheduler
+        self.log_grad_norm = log_grad_norm
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.model.loss(x, y)
+        factor = self.poison.get(self.global_step)
+        if factor is not None and (self.poison_rank is None or self.global_rank == self.poison_rank):
+            loss = loss * factor
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.log_grad_norm:  # Lightning's own recommendation, for the benchmark
+            from lightning.pytorch.utilities import grad_norm
+
+            self.log_dict(grad_norm(self, norm_type=2))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1, fused=self.fused)
+        if not self.use_scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def gpt_dataloader(n_batches: int = 40, batch_size: int = 8, seed: int = 0, repeat: bool = False) -> DataLoader:
+    """A fixed, unshuffled stream of ``n_batches`` batches of the synthetic token pattern.
+
+    ``repeat=True`` repeats one batch, so results do not depend on where a resumed epoch restarts.
+    """
+    data = char_batches(batch_size=batch_size, seed=seed)
+    batches = [next(data) for _ in range(1 if repeat else n_batches)] * (n_batches if repeat else 1)
+    xs, ys = zip(*batches)
+    return DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=batch_size, shuffle=False)

@@ -1,0 +1,169 @@
+"""StabilityCallback with a real Trainer and a tiny GPT LightningModule."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import MixedPrecision
+
+import stabilitykit as sk
+from stabilitykit.lightning import StabilityCallback
+from stabilitykit.testing.lightning_gpt import GPTModule, gpt_dataloader
+
+CFG = sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0))
+
+
+def _trainer(tmp_path: Path, callbacks: list, **kwargs: Any) -> pl.Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=20,
+        logger=CSVLogger(tmp_path, name="csv"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=5,
+        default_root_dir=tmp_path,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **defaults)
+
+
+class Snapshots(pl.Callback):
+    """Parameters, optimizer state and LR before and after one global step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.before: dict[str, Any] = {}
+        self.after: dict[str, Any] = {}
+
+    def _take(self, trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, Any]:
+        opt = trainer.optimizers[0]
+        return {
+            "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+            "opt": copy.deepcopy(opt.state_dict()["state"]),
+            "lr": opt.param_groups[0]["lr"],
+        }
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and not self.before:
+            self.before = self._take(trainer, module)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step + 1 and not self.after:
+            self.after = self._take(trainer, module)
+
+
+def _assert_unchanged(snap: Snapshots) -> None:
+    for name, value in snap.before["params"].items():
+        assert torch.equal(value, snap.after["params"][name]), name
+    for key, state in snap.before["opt"].items():
+        for field, value in state.items():
+            assert torch.equal(value, snap.after["opt"][key][field]), f"{key}.{field}"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_nan_step_is_skipped_and_metrics_reach_the_logger(tmp_path: Path, fused: bool) -> None:
+    callback = StabilityCallback(CFG)
+    snap = Snapshots(7)
+    module = GPTModule(fused=fused, poison={7: float("nan")}, scheduler=True)
+    trainer = _trainer(tmp_path, [callback, snap])
+    trainer.fit(module, gpt_dataloader())
+    _assert_unchanged(snap)
+    if not fused:  # a fused optimizer's scheduler catches up at the next logging step
+        assert snap.before["lr"] == snap.after["lr"]
+    engine = callback.engine
+    assert engine is not None and int(engine.counters.skipped_total) == 1
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    assert sched.last_epoch == 19  # 20 steps, one skipped
+    rows = list(csv.DictReader(open(Path(trainer.logger.log_dir) / "metrics.csv")))
+    logged = [r for r in rows if r.get("stability/grad_norm/total")]
+    assert [int(r["step"]) for r in logged] == [0, 5, 10, 15]
+    assert float(logged[2]["stability/skipped/total"]) == 1.0
+    assert "stability/grad_norm/model.blocks.0" in rows[0]
+
+
+def test_gradient_clip_val_conflict_names_both_settings(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, [StabilityCallback(CFG)], gradient_clip_val=1.0)
+    with pytest.raises(ValueError, match=r"gradient_clip_val=1\.0.*ClipConfig\(mode='fixed'\)"):
+        trainer.fit(GPTModule(), gpt_dataloader(4))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-scaler"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_mixed_precision_and_accumulation(tmp_path: Path, precision: str, fused: bool) -> None:
+    kwargs: dict[str, Any] = {"accumulate_grad_batches": 2, "max_steps": 10}
+    if precision == "fp16-scaler":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+    else:
+        kwargs["precision"] = "bf16-mixed"
+    callback = StabilityCallback(CFG)
+    snap = Snapshots(4)
+    module = GPTModule(fused=fused, poison={4: float("inf")})
+    trainer = _trainer(tmp_path, [callback, snap], **kwargs)
+    trainer.fit(module, gpt_dataloader(40))
+    assert trainer.global_step == 10
+    _assert_unchanged(snap)
+    engine = callback.engine
+    assert engine is not None and int(engine.counters.skipped_total) >= 1
+    assert callback.last_report is not None
+    assert 0 < float(callback.last_report.grad_norm) < 50  # unscaled norms, even with fused + fp16
+    if precision == "fp16-scaler":
+        assert int(engine.counters.overflow_total) >= 1
+
+
+def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
+    cfg = sk.StabilityConfig(clip=sk.ClipConfig(mode="adaptive", warmup_steps=4), log_every_n_steps=3)
+
+    def fit(max_steps: int, ckpt: str | None, root: Path) -> StabilityCallback:
+        callback = StabilityCallback(cfg)
+        trainer = _trainer(root, [callback], max_steps=max_steps, enable_checkpointing=True, logger=False)
+        # one repeated batch: the resumed run sees the same data wherever Lightning restarts the epoch
+        data = gpt_dataloader(8, repeat=True)
+        trainer.fit(GPTModule(poison={3: float("nan"), 12: float("nan")}), data, ckpt_path=ckpt)
+        if ckpt is None:
+            trainer.save_checkpoint(root / "mid.ckpt")
+        return callback
+
+    straight = fit(16, None, tmp_path / "a")
+    fit(8, None, tmp_path / "b")
+    resumed = fit(16, str(tmp_path / "b" / "mid.ckpt"), tmp_path / "c")
+    a, b = straight.state_dict(), resumed.state_dict()
+    assert a["step"] == b["step"] == 16
+    torch.testing.assert_close(a["counters"]["ints"], b["counters"]["ints"], rtol=0, atol=0)
+    for key in ("adaptive", "detector"):
+        for name, value in a[key].items():
+            torch.testing.assert_close(value, b[key][name], rtol=1e-6, atol=1e-7, msg=f"{key}.{name}")
+    assert int(a["counters"]["ints"][0]) == 2
+    ckpt = torch.load(tmp_path / "b" / "mid.ckpt", weights_only=False)
+    assert StabilityCallback(cfg).state_key in ckpt["callbacks"]
+
+
+def test_two_instances_keep_separate_state(tmp_path: Path) -> None:
+    first, second = StabilityCallback(CFG, name="main"), StabilityCallback(CFG, name="shadow")
+    assert first.state_key != second.state_key
+
+
+def test_ddp_two_processes_nan_on_one_rank(tmp_path: Path) -> None:
+    script = Path(__file__).parent / "lightning_ddp_script.py"
+    env = {**os.environ, "SK_OUT": str(tmp_path), "PYTHONPATH": str(Path(__file__).parent.parent)}
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert results[0]["checksum"] == results[1]["checksum"]
+    assert results[0]["skipped"] == results[1]["skipped"] == 1
+    assert results[0]["steps"] == results[1]["steps"] == 12
