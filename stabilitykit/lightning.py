@@ -89,7 +89,7 @@ class StabilityCallback(Callback):
         optimizer = trainer.optimizers[0]
         config = self.config
         if "log_every_n_steps" not in config.model_fields_set:
-            config = config.model_copy(update={"log_every_n_steps": max(1, trainer.log_every_n_steps)})
+            config = config.model_copy(update={"log_every_n_steps": max(1, trainer.log_every_n_steps)})  # type: ignore[attr-defined]
         self.engine = StabilityEngine(
             optimizer_params(optimizer),
             config,
@@ -103,7 +103,7 @@ class StabilityCallback(Callback):
         self.engine.step = trainer.global_step
         for logger in trainer.loggers:
             if logger not in self.hooks.sinks:
-                self.hooks.add_sink(logger)
+                self.hooks.add_sink(logger)  # type: ignore[arg-type]  # a Logger has the sink's shape
         self._wrap_optimizer(optimizer)
         for sched_cfg in trainer.lr_scheduler_configs:
             if sched_cfg.interval == "step" and getattr(sched_cfg.scheduler, "optimizer", optimizer) is optimizer:
@@ -123,6 +123,8 @@ class StabilityCallback(Callback):
         original = optimizer.step
         callback = self
 
+        original_step: Any = original
+
         @functools.wraps(original)
         def step(closure: Any = None, **kwargs: Any) -> Any:
             result = None
@@ -130,10 +132,10 @@ class StabilityCallback(Callback):
                 result = closure()
             decision = callback._pending
             if decision is None or hasattr(optimizer, "found_inf"):  # GradScaler (fused) set found_inf itself
-                return original(**kwargs) if closure is None else original(closure=lambda: result, **kwargs)
+                return original_step(**kwargs) if closure is None else original_step(closure=lambda: result, **kwargs)
             callback.engine.apply(  # type: ignore[union-attr]
                 decision,
-                lambda: original(**kwargs) if closure is None else original(closure=lambda: result, **kwargs),
+                lambda: original_step(**kwargs) if closure is None else original_step(closure=lambda: result, **kwargs),
                 optimizer,
             )
             return result

@@ -40,3 +40,11 @@ def test_plain_loop_example_resumes(tmp_path, capsys) -> None:
     assert "resumed from" in out and "at step 12" in out
     rows, _ = sk.sinks.read_jsonl(tmp_path / "stability.jsonl")
     assert [r["step"] for r in rows] == [0, 10, 20]
+
+
+def test_lightning_example(tmp_path, capsys) -> None:
+    callback = _load("lightning_gpt").main(["--steps", "45", "--out", str(tmp_path)])
+    assert callback.engine is not None
+    assert int(callback.engine.counters.skipped_total) == 1
+    assert int(callback.engine.counters.clipped_total) >= 1
+    assert "metrics.csv" in capsys.readouterr().out

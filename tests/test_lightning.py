@@ -87,7 +87,7 @@ def test_nan_step_is_skipped_and_metrics_reach_the_logger(tmp_path: Path, fused:
     assert engine is not None and int(engine.counters.skipped_total) == 1
     sched = trainer.lr_scheduler_configs[0].scheduler
     assert sched.last_epoch == 19  # 20 steps, one skipped
-    rows = list(csv.DictReader(open(Path(trainer.logger.log_dir) / "metrics.csv")))
+    rows = list(csv.DictReader((Path(trainer.logger.log_dir) / "metrics.csv").open()))
     logged = [r for r in rows if r.get("stability/grad_norm/total")]
     assert [int(r["step"]) for r in logged] == [0, 5, 10, 15]
     assert float(logged[2]["stability/skipped/total"]) == 1.0

@@ -64,5 +64,5 @@ def gpt_dataloader(n_batches: int = 40, batch_size: int = 8, seed: int = 0, repe
     """
     data = char_batches(batch_size=batch_size, seed=seed)
     batches = [next(data) for _ in range(1 if repeat else n_batches)] * (n_batches if repeat else 1)
-    xs, ys = zip(*batches)
+    xs, ys = zip(*batches, strict=True)
     return DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=batch_size, shuffle=False)
