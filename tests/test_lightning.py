@@ -167,3 +167,29 @@ def test_ddp_two_processes_nan_on_one_rank(tmp_path: Path) -> None:
     assert results[0]["checksum"] == results[1]["checksum"]
     assert results[0]["skipped"] == results[1]["skipped"] == 1
     assert results[0]["steps"] == results[1]["steps"] == 12
+
+
+class ManualGPT(GPTModule):
+    """Manual optimization: the callback acts through the same wrapped optimizer step."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
+def test_manual_optimization_skips_too(tmp_path: Path) -> None:
+    callback = StabilityCallback(CFG)
+    snap = Snapshots(6)
+    trainer = _trainer(tmp_path, [callback, snap], max_steps=12)
+    trainer.fit(ManualGPT(fused=False, poison={6: float("nan")}), gpt_dataloader(20))
+    _assert_unchanged(snap)
+    assert callback.engine is not None and int(callback.engine.counters.skipped_total) == 1
+    assert callback.last_report is not None and float(callback.last_report.grad_norm) > 0
