@@ -177,9 +177,8 @@ class GradNormPlan:
         self._layouts[present] = layout
         return layout
 
-    def grads(self) -> list[list[Tensor]]:
-        """The current grads, one list per (device, dtype) group (parameters without grads left out)."""
-        layout = self._layout(tuple(p.grad is not None for p in self.params))
+    def _grouped(self, layout: _Layout) -> list[list[Tensor]]:
+        """The current grads, one list per (device, dtype) group; DTensor grads as their local shards."""
         grouped = [[self.params[i].grad for i in g.indices] for g in layout.groups]
         if self._local:
             return [[to_local(g) for g in grads] for grads in grouped]  # type: ignore[arg-type]
@@ -192,9 +191,7 @@ class GradNormPlan:
         """
         present = tuple(p.grad is not None for p in self.params)
         layout = self._layout(present)
-        grouped = [[self.params[i].grad for i in g.indices] for g in layout.groups]
-        if self._local:
-            grouped = [[to_local(g) for g in grads] for grads in grouped]  # type: ignore[arg-type]
+        grouped = self._grouped(layout)
         p = self.norm_type
         if not grouped:
             zero = torch.zeros((), dtype=torch.float32, device=layout.device)
@@ -228,7 +225,7 @@ class GradNormPlan:
             inv = grad_scale.to(device=layout.device, dtype=torch.float32).reciprocal()
             total = total * inv
             layers = layers * inv if layers is not None else None
-        return NormResult(total, layers, self.layer_names), grouped  # type: ignore[return-value]
+        return NormResult(total, layers, self.layer_names), grouped
 
 
 def clip_coefficient(total: Tensor, max_norm: float | Tensor) -> Tensor:

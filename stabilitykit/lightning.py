@@ -130,14 +130,14 @@ class StabilityCallback(Callback):
             result = None
             if closure is not None:  # the closure runs training_step, backward and our hook
                 result = closure()
+
+            def call_original() -> Any:
+                return original_step(**kwargs) if closure is None else original_step(closure=lambda: result, **kwargs)
+
             decision = callback._pending
             if decision is None or hasattr(optimizer, "found_inf"):  # GradScaler (fused) set found_inf itself
-                return original_step(**kwargs) if closure is None else original_step(closure=lambda: result, **kwargs)
-            callback.engine.apply(  # type: ignore[union-attr]
-                decision,
-                lambda: original_step(**kwargs) if closure is None else original_step(closure=lambda: result, **kwargs),
-                optimizer,
-            )
+                return call_original()
+            callback.engine.apply(decision, call_original, optimizer)  # type: ignore[union-attr]
             return result
 
         self._optimizer = optimizer
