@@ -6,9 +6,11 @@ W&B (``stabilitykit.sinks.WandbSink``) are optional extras imported on first use
 
 from __future__ import annotations
 
-from stabilitykit import sinks
+from stabilitykit import nn, sinks
 from stabilitykit.config import (
     ClipConfig,
+    DataGuardConfig,
+    Fp16Config,
     GradNormConfig,
     NaNTraceConfig,
     SkipConfig,
@@ -20,7 +22,8 @@ from stabilitykit.events import BadBatchError, Event, TrainingDivergedError
 from stabilitykit.grads import clip_grad_norm_, grad_norms
 from stabilitykit.guard import StabilityGuard
 from stabilitykit.hooks import HookManager
-from stabilitykit.nan import NaNTracer, NonFiniteRecord, check_batch
+from stabilitykit.nan import NaNTracer, NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
+from stabilitykit.precision import PrecisionChoice, configure_tf32, select_precision, set_determinism
 from stabilitykit.report import StepReport
 
 __version__ = "0.1.0"
@@ -28,12 +31,15 @@ __version__ = "0.1.0"
 __all__ = [
     "BadBatchError",
     "ClipConfig",
+    "DataGuardConfig",
     "Event",
+    "Fp16Config",
     "GradNormConfig",
     "HookManager",
     "NaNTraceConfig",
     "NaNTracer",
     "NonFiniteRecord",
+    "PrecisionChoice",
     "SkipConfig",
     "SpikeConfig",
     "StabilityConfig",
@@ -42,8 +48,14 @@ __all__ = [
     "StepReport",
     "TrainingDivergedError",
     "__version__",
+    "batch_is_bad",
     "check_batch",
     "clip_grad_norm_",
+    "configure_tf32",
     "grad_norms",
+    "nn",
+    "replay_nonfinite",
+    "select_precision",
+    "set_determinism",
     "sinks",
 ]

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = [
     "ClipConfig",
+    "DataGuardConfig",
+    "Fp16Config",
     "GradNormConfig",
     "NaNTraceConfig",
     "SkipConfig",
@@ -135,7 +137,11 @@ class SpikeConfig(_Strict):
     alpha: float = Field(0.1, gt=0, lt=1, description="EMA rate of the log-space baseline.")
     z_warning: float = Field(4.0, gt=0, description="Robust z-score that raises a spike warning.")
     z_spike: float = Field(6.0, gt=0, description="Robust z-score of the loss that is a loss spike.")
-    per_layer: bool = Field(False, description="Also score each layer's grad norm.")
+    per_layer: bool = Field(
+        False, description="Also score each layer's grad norm (names the layer that leads a spike)."
+    )
+    score_window: int = Field(128, ge=2, description="Window of the OLMo-style spike score (steps).")
+    score_sigma: float = Field(6.0, gt=0, description="Std multiple beyond which the spike score counts a step.")
 
     @model_validator(mode="after")
     def _ordered(self) -> SpikeConfig:
@@ -155,6 +161,41 @@ class NaNTraceConfig(_Strict):
         ),
     )
     every_n_steps: int = Field(100, ge=1, description="Cadence of mode 'every_n'.")
+    replay: bool = Field(
+        True,
+        description=(
+            "Mode 'on_nonfinite': replay a non-finite batch once with hooks and "
+            "torch.autograd.detect_anomaly to name the module and the forward source line "
+            "(the guard needs step(replay=...); costs one sync per step to learn of the skip)."
+        ),
+    )
+
+
+class DataGuardConfig(_Strict):
+    """Checking batches before they are trained on: non-finite floats, out-of-range labels, empty tensors."""
+
+    mode: Literal["off", "skip", "raise"] = Field(
+        "off",
+        description=(
+            "'raise': BadBatchError naming the path and index (one sync per checked batch); "
+            "'skip': the step is skipped on the device, no sync (the event says the batch was bad)."
+        ),
+    )
+    num_classes: int | None = Field(None, ge=1, description="Labels must lie in [0, num_classes) (-100 is ignored).")
+    label_keys: list[str | int] = Field(
+        default_factory=lambda: ["labels", "label", "targets", "target", "y"],  # type: ignore[arg-type]
+        description="Mapping keys (or tuple positions, e.g. 1 for (x, y) batches) whose integer tensors are labels.",
+    )
+
+
+class Fp16Config(_Strict):
+    """fp16 overflow diagnosis: warn when GradScaler skips too often or the loss scale collapses."""
+
+    window: int = Field(200, ge=10, description="Steps over which the overflow rate is measured.")
+    max_overflow_rate: float = Field(
+        0.05, gt=0, le=1, description="Share of overflow-skipped steps in the window that triggers the warning."
+    )
+    scale_floor: float = Field(1.0, gt=0, description="A loss scale below this triggers the warning.")
 
 
 class StabilityConfig(_Strict):
@@ -173,6 +214,15 @@ class StabilityConfig(_Strict):
     skip: SkipConfig = Field(default_factory=SkipConfig)  # type: ignore[arg-type]
     spikes: SpikeConfig = Field(default_factory=SpikeConfig)  # type: ignore[arg-type]
     nan_trace: NaNTraceConfig = Field(default_factory=NaNTraceConfig)  # type: ignore[arg-type]
+    data: DataGuardConfig = Field(default_factory=DataGuardConfig)  # type: ignore[arg-type]
+    fp16: Fp16Config = Field(default_factory=Fp16Config)  # type: ignore[arg-type]
+    module_metrics: bool = Field(
+        True,
+        description=(
+            "Log metrics of modules that expose stability_metrics() (ZLoss: log Z; "
+            "QKNormAttention: max attention logit) on logging steps."
+        ),
+    )
     metric_prefix: str = Field("stability", description="Prefix of every logged metric name.")
 
     @classmethod

@@ -16,6 +16,7 @@ EVENT_KINDS = (
     "clipped",
     "diverged",
     "fp16_overflow",
+    "fp16_warning",
     "precision",
     "bad_batch",
 )

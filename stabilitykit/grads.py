@@ -228,10 +228,10 @@ class GradNormPlan:
         return NormResult(total, layers, self.layer_names), grouped
 
 
-def clip_coefficient(total: Tensor, max_norm: float | Tensor) -> Tensor:
-    """``min(1, max_norm / (total + 1e-6))``, and 1 where ``total`` is not finite."""
+def clip_coefficient(total: Tensor, max_norm: float | Tensor, finite: Tensor | None = None) -> Tensor:
+    """``min(1, max_norm / (total + 1e-6))``, and 1 where ``total`` is not finite (``finite`` if known)."""
     coef = torch.clamp(max_norm / (total + CLIP_EPS), max=1.0)
-    return torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
+    return torch.where(torch.isfinite(total) if finite is None else finite, coef, 1.0)
 
 
 def apply_clip_coefficient(grouped_grads: Sequence[Sequence[Tensor]], coef: Tensor) -> None:

@@ -7,7 +7,7 @@ guard.zero_grad()
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from stabilitykit.config import StabilityConfig
 from stabilitykit.engine import StabilityEngine, StepDecision, is_fused
 from stabilitykit.hooks import HookManager
-from stabilitykit.nan import NaNTracer, NonFiniteRecord
+from stabilitykit.nan import NaNTracer, NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
 from stabilitykit.report import StepReport
 from stabilitykit.sinks.base import Sink
 
@@ -83,6 +83,7 @@ class StabilityGuard:
         self.tracer: NaNTracer | None = None
         self.last_nonfinite: NonFiniteRecord | None = None
         self._trace_left = 0
+        self._bad_batch: Tensor | None = None
         mode = self.config.nan_trace.mode
         if mode == "always" or (mode == "every_n" and self.engine.is_logging_step(0)):
             self._start_tracing()
@@ -123,7 +124,30 @@ class StabilityGuard:
         elif self.tracer is not None:
             self.tracer.detach()
 
+    def _replay(self, decision: StepDecision, replay: Callable[[], Tensor] | None) -> None:
+        """on_nonfinite: re-run the bad batch with hooks and anomaly mode, and name its source."""
+        reason = decision.report.reason
+        if replay is None or not decision.skip_known or reason == "bad_batch":
+            return
+        record = replay_nonfinite(self.model, replay, self.engine.params, step=self.engine.step)
+        if record is not None:
+            self.last_nonfinite = record
+            self.engine.source_hint = record
+
     # ------------------------------------------------------------------ the loop API
+    def check_batch(self, batch: Any) -> None:
+        """The data guard: check ``batch`` before training on it (``config.data``).
+
+        ``mode="raise"`` (and ``"off"``, when called anyway): raise ``BadBatchError`` naming the
+        path, index and step (one sync). ``mode="skip"``: the coming step is skipped on the device
+        when the batch is bad (no sync); a ``bad_batch`` event reports it.
+        """
+        dcfg = self.config.data
+        if dcfg.mode == "skip":
+            self._bad_batch = batch_is_bad(batch, dcfg.num_classes, dcfg.label_keys)
+        else:
+            check_batch(batch, dcfg.num_classes, step=self.engine.step, label_keys=dcfg.label_keys)
+
     def backward(self, loss: Tensor, **kwargs: Any) -> None:
         """Backpropagate ``loss`` (scaled when a GradScaler is enabled) and remember its value."""
         self.engine.record_loss(loss)
@@ -132,8 +156,12 @@ class StabilityGuard:
         else:
             loss.backward(**kwargs)
 
-    def step(self) -> StepReport:
-        """Measure, clip, and step the optimizer, or skip the step; returns this step's report."""
+    def step(self, replay: Callable[[], Tensor] | None = None) -> StepReport:
+        """Measure, clip, and step the optimizer, or skip the step; returns this step's report.
+
+        ``replay``: recomputes this batch's loss (forward only). With ``nan_trace.mode="on_nonfinite"``
+        a skipped step is replayed once with hooks and anomaly mode to name where it went non-finite.
+        """
         scaler_on = scaler_enabled(self.scaler)
         grad_scale = None
         if scaler_on:
@@ -141,7 +169,14 @@ class StabilityGuard:
                 grad_scale = self.scaler._get_scale_async()  # type: ignore[union-attr]  # grads stay scaled
             else:
                 unscale_once(self.scaler, self.optimizer)
-        decision = self.engine.evaluate(grad_scale=grad_scale, scaler_active=scaler_on)
+        loss_scale = getattr(self.scaler, "_scale", None) if scaler_on else None
+        decision = self.engine.evaluate(
+            grad_scale=grad_scale, scaler_active=scaler_on, loss_scale=loss_scale, force_skip=self._bad_batch
+        )
+        self._bad_batch = None
+        replaying = self.config.nan_trace.mode == "on_nonfinite" and self.config.nan_trace.replay and replay is not None
+        if replaying:
+            self.engine.resolve(decision)  # the replay needs to know now: one sync per step in this mode
         if scaler_on:
             if self.engine.fused or decision.skip_known is not True:
                 self.scaler.step(self.optimizer)  # type: ignore[union-attr]  # fused: skips via its found_inf
@@ -151,6 +186,8 @@ class StabilityGuard:
         if self.scheduler is not None and not self.engine.hold_scheduler(decision):
             self.scheduler.step()
         self._trace_source(decision)
+        if replaying:
+            self._replay(decision, replay)
         try:
             report = self.engine.finish(decision)
         finally:
@@ -169,20 +206,18 @@ class StabilityGuard:
     @property
     def skipped_total(self) -> int:
         """Skipped steps as of the host's last look (exact on logging steps and for non-fused optimizers)."""
-        return self.engine.host_skipped_total
+        return self.engine.skipped_total
 
     def summary(self) -> dict[str, Any]:
-        """Host-side totals for a run summary (reads the device counters: one sync)."""
+        """Totals for a run summary (reads the steps since the last logging step first: one sync)."""
+        self.engine.flush()
         c = self.engine.counters
-        values = torch.stack(
-            [c.skipped_total.float(), c.clipped_total.float(), c.max_norm.float(), c.nonfinite_total.float()]
-        ).tolist()
         return {
             "steps": self.engine.step,
-            "skipped": int(values[0]),
-            "clipped": int(values[1]),
-            "max_grad_norm": values[2],
-            "nonfinite_steps": int(values[3]),
+            "skipped": c.skipped_total,
+            "clipped": c.clipped_total,
+            "max_grad_norm": c.max_norm,
+            "nonfinite_steps": c.nonfinite_total,
             "nonfinite_source": str(self.last_nonfinite) if self.last_nonfinite is not None else None,
         }
 
@@ -196,7 +231,8 @@ class StabilityGuard:
         self.engine.load_state_dict(dict(state["engine"]))
 
     def close(self) -> None:
-        """Remove tracing hooks and close the sinks."""
+        """Process the steps since the last logging step, remove tracing hooks and close the sinks."""
+        self.engine.flush()
         if self.tracer is not None:
             self.tracer.detach()
         self.hooks.close()

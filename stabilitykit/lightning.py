@@ -26,6 +26,7 @@ from stabilitykit.config import StabilityConfig
 from stabilitykit.engine import StabilityEngine, StepDecision, is_fused
 from stabilitykit.guard import optimizer_params, scaler_enabled
 from stabilitykit.hooks import HookManager
+from stabilitykit.nan import NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
 from stabilitykit.report import StepReport
 from stabilitykit.sinks.base import Sink
 
@@ -66,11 +67,15 @@ class StabilityCallback(Callback):
         self._optimizer: torch.optim.Optimizer | None = None
         self._original_step: Any = None
         self._held_schedulers: list[tuple[Any, Any]] = []
+        self._state_key = self._generate_state_key(name=name or "default")
+        self._bad_batch: Tensor | None = None
+        self._batch: tuple[Any, int] | None = None
+        self.last_nonfinite: NonFiniteRecord | None = None
 
     @property
     def state_key(self) -> str:
         """Key of this callback's state in a checkpoint; ``name`` lets several instances coexist."""
-        return self._generate_state_key(name=self.name or "default")
+        return self._state_key  # Lightning reads it around every hook call: computed once
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -110,7 +115,9 @@ class StabilityCallback(Callback):
                 self._wrap_scheduler(sched_cfg.scheduler)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Undo the wrapping so the optimizer and schedulers behave as before fit."""
+        """Catch up on the last steps' events, then undo the optimizer and scheduler wrapping."""
+        if self.engine is not None:
+            self.engine.flush()
         if self._optimizer is not None and self._original_step is not None:
             self._optimizer.step = self._original_step  # type: ignore[method-assign]
         for scheduler, original in self._held_schedulers:
@@ -159,6 +166,21 @@ class StabilityCallback(Callback):
         scheduler.step = step
 
     # ------------------------------------------------------------------ the step
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """The data guard (``config.data``): raise on a bad batch, or have the coming step skipped."""
+        if self._replaying:
+            self._batch = (batch, batch_idx)  # kept for a replay if this step goes non-finite
+        dcfg = self.config.data
+        if dcfg.mode == "off" or self.engine is None:
+            return
+        if dcfg.mode == "skip":
+            bad = batch_is_bad(batch, dcfg.num_classes, dcfg.label_keys)
+            self._bad_batch = bad if self._bad_batch is None or bad is None else self._bad_batch | bad
+        else:
+            check_batch(batch, dcfg.num_classes, step=trainer.global_step, label_keys=dcfg.label_keys)
+
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Remember each micro-batch's loss (stays on the device)."""
         if self.engine is not None:
@@ -177,7 +199,17 @@ class StabilityCallback(Callback):
         if scaler_on and engine.fused:
             grad_scale = scaler._get_scale_async()  # type: ignore[union-attr]  # Lightning leaves fused grads scaled
         engine.step = trainer.global_step
-        self._pending = engine.evaluate(grad_scale=grad_scale, scaler_active=scaler_on)
+        loss_scale = getattr(scaler, "_scale", None) if scaler_on else None
+        self._pending = engine.evaluate(
+            grad_scale=grad_scale, scaler_active=scaler_on, loss_scale=loss_scale, force_skip=self._bad_batch
+        )
+        self._bad_batch = None
+        if self._replaying:
+            # the replay must know now (one sync per step in this mode); it runs before the skipped
+            # step, so training_step sees the same global_step as the bad batch did
+            if engine.resolve(self._pending) and self._pending.report.reason != "bad_batch" and self._batch:
+                self._replay(pl_module, *self._batch, self._pending)
+            self._batch = None
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -187,6 +219,24 @@ class StabilityCallback(Callback):
         if decision is None or self.engine is None:
             return
         self.last_report = self.engine.finish(decision)
+
+    @property
+    def _replaying(self) -> bool:
+        trace = self.config.nan_trace
+        return trace.mode == "on_nonfinite" and trace.replay
+
+    def _replay(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int, decision: StepDecision) -> None:
+        """Re-run ``training_step`` on the skipped batch with hooks and anomaly mode to name the source."""
+        assert self.engine is not None
+
+        def loss_fn() -> Tensor:
+            out = pl_module.training_step(batch, batch_idx)
+            return out["loss"] if isinstance(out, dict) else out  # type: ignore[return-value]
+
+        record = replay_nonfinite(pl_module, loss_fn, self.engine.params, step=decision.report.step)
+        if record is not None:
+            self.last_nonfinite = record
+            self.engine.source_hint = record
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -8,18 +8,21 @@ output (forward) or input gradient (backward) was non-finite. ``.first`` reads i
 from __future__ import annotations
 
 import math
+import re
+import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from stabilitykit.events import BadBatchError
 
-__all__ = ["NaNTracer", "NonFiniteRecord", "check_batch"]
+__all__ = ["NaNTracer", "NonFiniteRecord", "batch_is_bad", "check_batch", "replay_nonfinite"]
 
 # Backward hooks on modules fed only integer inputs (embeddings) are expected here; torch warns about them.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect")
@@ -34,10 +37,13 @@ class NonFiniteRecord:
     step: int | None
     dtype: str | None = None
     stats: dict[str, float] = field(default_factory=dict)
+    #: The forward source line that made the value (from the anomaly-mode replay), e.g. ``model.py:42: y = x / s``.
+    source: str | None = None
 
     def __str__(self) -> str:
         at = f" at step {self.step}" if self.step is not None else ""
-        return f"{self.phase} of {self.module or '<root>'}{at}"
+        line = f" [{self.source}]" if self.source else ""
+        return f"{self.phase} of {self.module or '<root>'}{at}{line}"
 
 
 def _tensors(value: Any) -> Iterator[Tensor]:
@@ -179,12 +185,13 @@ def check_batch(
     batch: Any,
     num_classes: int | None = None,
     step: int | None = None,
-    label_keys: tuple[str, ...] = ("labels", "label", "targets", "target", "y"),
+    label_keys: Sequence[str | int] = ("labels", "label", "targets", "target", "y"),
 ) -> None:
     """Raise ``BadBatchError`` naming the path (``batch['input_ids'][3]``) of the first bad value.
 
-    Checks: non-finite floats anywhere; integer tensors under a label key outside
-    ``[0, num_classes)`` (ignoring -100); empty tensors or sequences. One host sync for the whole batch.
+    Checks: non-finite floats anywhere; integer tensors under a label key (a mapping key, or a
+    position in a tuple batch such as ``1`` for ``(x, y)``) outside ``[0, num_classes)``
+    (ignoring -100); empty tensors or sequences. One host sync for the whole batch.
     """
     floats: list[tuple[str, Tensor]] = []
     labels: list[tuple[str, Tensor]] = []
@@ -206,7 +213,7 @@ def check_batch(
             if not value:
                 raise BadBatchError(path, "is an empty sequence", step)
             for i, item in enumerate(value):
-                walk(item, f"{path}[{i}]", is_label)
+                walk(item, f"{path}[{i}]", is_label or i in label_keys)
         elif isinstance(value, float) and not math.isfinite(value):
             raise BadBatchError(path, f"is {value}", step)
 
@@ -230,3 +237,117 @@ def check_batch(
     bad = bad_mask.nonzero()[0].tolist()
     where = "".join(f"[{i}]" for i in bad)
     raise BadBatchError(f"{path}{where}", f"is {int(tensor[tuple(bad)])}, outside [0, {num_classes})", step)
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s+(?P<code>.+)')
+_INTERNAL = ("/torch/", "/lightning/", "/stabilitykit/nan.py", "/stabilitykit/guard.py", "/stabilitykit/lightning.py")
+
+
+def _forward_source(messages: Sequence[str]) -> str | None:
+    """The innermost user frame of the forward traceback that anomaly mode attaches to its warning."""
+    for message in messages:
+        if "Traceback of forward call" not in message:
+            continue
+        frames = [m for m in _FRAME.finditer(message) if not any(x in m["file"] for x in _INTERNAL)]
+        if frames:
+            last = frames[-1]
+            return f"{last['file'].rsplit('/', 1)[-1]}:{last['line']} in {last['func']}: {last['code'].strip()}"
+    return None
+
+
+class _FirstNonFiniteOp(TorchFunctionMode):
+    """Records the user source line of the first torch call that turns finite inputs non-finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.source: str | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.source is None:
+            outs = list(_tensors(out))
+            if outs and not all(bool(torch.isfinite(t).all()) for t in outs):
+                ins = list(_tensors(list(args) + list((kwargs or {}).values())))
+                if all(bool(torch.isfinite(t).all()) for t in ins):
+                    self.source = _user_frame()
+        return out
+
+
+def _user_frame() -> str | None:
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if not any(x in frame.filename for x in _INTERNAL):
+            return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+    return None
+
+
+def replay_nonfinite(
+    model: nn.Module,
+    loss_fn: Callable[[], Tensor],
+    params: Sequence[Tensor] | None = None,
+    step: int | None = None,
+) -> NonFiniteRecord | None:
+    """Re-run one batch with hooks and ``torch.autograd.detect_anomaly`` to locate its first non-finite value.
+
+    ``loss_fn`` recomputes the batch's loss (forward only). In forward, every torch call is
+    checked (this replay only) for the first one that turns finite inputs non-finite; in
+    backward, anomaly mode names the forward line of the first op whose gradient is NaN. Grads are taken with
+    ``torch.autograd.grad``, so ``.grad`` of the parameters is not touched. Returns the record of
+    the first module to go non-finite, with the forward source line when anomaly mode found one,
+    or None when the replay stayed finite (the cause was not in this batch's computation).
+    """
+    params = [p for p in (params if params is not None else model.parameters()) if p.requires_grad]
+    tracer = NaNTracer(model)
+    tracer.step = step
+    error: str | None = None
+    finder = _FirstNonFiniteOp()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tracer, torch.enable_grad(), torch.autograd.detect_anomaly(check_nan=True):
+            try:
+                with finder:  # forward: the first op that makes a non-finite value from finite inputs
+                    loss = loss_fn()
+                if loss.requires_grad:  # backward: anomaly mode names the forward line of the failing op
+                    torch.autograd.grad(loss.float().sum(), params, allow_unused=True)
+            except RuntimeError as exc:  # anomaly mode raises at the first backward op returning NaN
+                error = str(exc)
+        record = tracer.first
+    source = finder.source or _forward_source([str(w.message) for w in caught])
+    if record is None and error is None:
+        return None
+    if record is None:
+        record = NonFiniteRecord("<autograd>", "backward", step, None)
+    record.source = source or (error.split("\n", 1)[0] if error else None)
+    return record
+
+
+def batch_is_bad(
+    batch: Any,
+    num_classes: int | None = None,
+    label_keys: Sequence[str | int] = ("labels", "label", "targets", "target", "y"),
+) -> Tensor | None:
+    """A 0-d device bool: the batch holds a non-finite float or an out-of-range label (no host sync).
+
+    None when the batch holds no tensor to check. Empty tensors count as bad.
+    """
+    flags: list[Tensor] = []
+
+    def walk(value: Any, is_label: bool) -> None:
+        if isinstance(value, Tensor):
+            if value.numel() == 0:
+                flags.append(torch.ones((), dtype=torch.bool, device=value.device))
+            elif value.is_floating_point():
+                flags.append(~torch.isfinite(value).all())
+            elif is_label and num_classes is not None and value.dtype != torch.bool:
+                flags.append((((value < 0) & (value != -100)) | (value >= num_classes)).any())
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, is_label or (isinstance(key, str) and key in label_keys))
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, is_label or i in label_keys)
+
+    walk(batch, False)
+    if not flags:
+        return None
+    device = flags[0].device
+    return torch.stack([f.to(device) for f in flags]).any()

@@ -10,22 +10,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 __all__ = ["StepReport", "reason_from_code"]
 
 # Reason codes packed into one integer so a single read tells the host everything.
-SKIP, BAD_LOSS, BAD_GRAD, OVERFLOW = 1, 2, 4, 8
+SKIP, BAD_LOSS, BAD_GRAD, OVERFLOW, REMOTE, BAD_BATCH = 1, 2, 4, 8, 16, 32
 
 
 def reason_from_code(code: int) -> str | None:
     """Why a step was skipped, from its packed code: None when it was not skipped."""
     if not code & SKIP:
         return None
+    if code & BAD_BATCH:
+        return "bad_batch"
     if code & OVERFLOW:
         return "fp16_overflow"
     if code & BAD_LOSS:
         return "nonfinite_loss"
+    if code & REMOTE:
+        return "nonfinite_on_other_rank"
     return "nonfinite_grad"
 
 
@@ -35,26 +40,45 @@ class StepReport:
 
     ``step`` is the 0-based index of the optimizer step (skipped steps included). ``grad_norm`` is
     the pre-clip total norm (unscaled), ``clip_coef`` the factor applied to the grads (1 when not
-    clipped), ``skipped`` and ``clipped`` 0-d bool tensors, ``loss`` the mean recorded loss.
+    clipped), ``skipped`` a 0-d bool tensor, ``loss`` the mean recorded loss.
     """
 
     step: int
     grad_norm: Tensor
     clip_coef: Tensor
     skipped: Tensor
-    clipped: Tensor
     loss: Tensor | None = None
     layer_norms: Tensor | None = None
     layer_names: list[str] = field(default_factory=list)
-    code: Tensor | None = None
+    scaler_active: bool = False
     _code_value: int | None = None
 
     @property
+    def clipped(self) -> Tensor:
+        """0-d bool tensor: the grads were scaled down and the step was not skipped."""
+        return (self.clip_coef < 1.0) & ~self.skipped
+
+    @property
     def reason(self) -> str | None:
-        """Why the step was skipped: "nonfinite_loss", "nonfinite_grad", "fp16_overflow", or None."""
+        """Why the step was skipped: "nonfinite_loss", "nonfinite_grad", "fp16_overflow",
+        "nonfinite_on_other_rank", or None (reads the device once unless the engine already did)."""
         if self._code_value is None:
-            self._code_value = int(self.code.item()) if self.code is not None else 0
+            self._code_value = self._read_code()
         return reason_from_code(self._code_value)
+
+    def _read_code(self) -> int:
+        loss = self.loss if self.loss is not None else self.grad_norm.new_zeros(())
+        skipped, grad_ok, loss_ok = torch.stack(
+            [self.skipped.float(), torch.isfinite(self.grad_norm).float(), torch.isfinite(loss).float()]
+        ).tolist()
+        if not skipped:
+            return 0
+        code = SKIP
+        if not grad_ok:
+            code |= BAD_GRAD | (OVERFLOW if self.scaler_active else 0)
+        if not loss_ok:
+            code |= BAD_LOSS
+        return code if code != SKIP else code | REMOTE
 
     @property
     def layers(self) -> dict[str, Tensor]:

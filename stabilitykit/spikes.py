@@ -1,66 +1,126 @@
-"""Robust spike detectors that live on the device and never ingest a non-finite value.
+"""Robust spike detectors and an OLMo-comparable spike score, in host floats.
 
-Each detector keeps a one-step-ahead baseline of log(x) (an exponential moving average) and a
-robust scale of its residuals (an EMA of absolute residuals, clamped so one spike cannot inflate
-it). The score of a step is its residual divided by that scale: a robust z-score. Everything is
-tensor arithmetic with ``torch.where``; nothing is read back to the host.
+The engine keeps each step's grad norm and loss on the device in a small journal and copies it
+to the host once per logging step (the copy it makes anyway). The detectors run over those
+rows there, in plain Python floats: a one-step-ahead baseline of log(x) (an exponential moving
+average) and a robust scale of its residuals (an EMA of absolute residuals, with residuals
+clamped to a few scales so one spike cannot inflate it). The score of a step is its residual
+divided by that scale: a robust z-score. Non-finite and non-positive values are never ingested.
+This costs nothing on the step path and scores every step, not only logging steps.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
-import torch
-from torch import Tensor
-
-__all__ = ["RobustDetector"]
+__all__ = ["RobustDetector", "SpikeScore"]
 
 #: |residual| EMA * 1.2533 estimates the standard deviation of a normal residual.
 _ABS_TO_STD = 1.2533
 #: Residuals are clamped to this many scales before they update the baseline (outlier rejection).
 _CLAMP_SCALES = 3.0
+#: Floor of the residual scale in log space (0.1% relative change), so a flat series cannot alarm.
+_MIN_STD = 1e-3
 
 
 class RobustDetector:
-    """One-step-ahead robust z-score of log(x) for a positive series (loss, grad norm)."""
+    """One-step-ahead robust z-scores of log(x) for ``size`` positive series scored side by side."""
 
-    def __init__(
-        self, alpha: float = 0.1, warmup_steps: int = 20, device: torch.device | None = None, size: int | None = None
-    ) -> None:
+    def __init__(self, alpha: float = 0.1, warmup_steps: int = 20, size: int = 1) -> None:
+        if not 0 < alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
         self.alpha = alpha
         self.warmup_steps = warmup_steps
-        self.device = device or torch.device("cpu")
-        shape = () if size is None else (size,)  # one series, or several scored side by side
-        self.mean = torch.zeros(shape, dtype=torch.float32, device=self.device)
-        self.abs_dev = torch.zeros(shape, dtype=torch.float32, device=self.device)
-        self.count = torch.zeros(shape, dtype=torch.int64, device=self.device)
+        self.mean = [0.0] * size
+        self.abs_dev = [0.0] * size
+        self.count = [0] * size
 
-    def update(self, value: Tensor) -> Tensor:
-        """Score ``value`` against the baseline, then fold it in; returns the z-score (0 in warmup)."""
-        x = value.detach().to(dtype=torch.float32, device=self.device)
-        valid = torch.isfinite(x) & (x > 0)
-        log_x = torch.log(torch.where(valid, x, torch.ones_like(x)))
-        first = self.count == 0
-        resid = torch.where(first, torch.zeros_like(log_x), log_x - self.mean)
-        std = self.abs_dev * _ABS_TO_STD + 1e-3
-        warmed = self.count >= self.warmup_steps
-        z = torch.where(valid & warmed, resid / std, torch.zeros_like(resid))
-        # Outlier rejection once warmed up: a spike moves the baseline by at most a few scales.
-        bound = torch.where(warmed, _CLAMP_SCALES * std, torch.full_like(std, float("inf")))
-        kept = torch.maximum(torch.minimum(resid, bound), -bound)
-        new_mean = torch.where(first, log_x, self.mean + self.alpha * kept)
-        new_abs = torch.where(first, self.abs_dev, (1 - self.alpha) * self.abs_dev + self.alpha * kept.abs())
-        self.mean = torch.where(valid, new_mean, self.mean)
-        self.abs_dev = torch.where(valid, new_abs, self.abs_dev)
-        self.count = self.count + valid.to(torch.int64)
-        return z
+    @property
+    def size(self) -> int:
+        """How many series this detector scores."""
+        return len(self.mean)
+
+    def update(self, values: Sequence[float]) -> list[float]:
+        """Score each value against its baseline, then fold it in; z is 0 in warmup and for bad values."""
+        scores: list[float] = []
+        alpha = self.alpha
+        for i, x in enumerate(values):
+            if not (x > 0 and math.isfinite(x)):
+                scores.append(0.0)
+                continue
+            log_x = math.log(x)
+            count = self.count[i]
+            if count == 0:
+                self.mean[i] = log_x
+                self.count[i] = 1
+                scores.append(0.0)
+                continue
+            resid = log_x - self.mean[i]
+            std = self.abs_dev[i] * _ABS_TO_STD + _MIN_STD
+            if count >= self.warmup_steps:
+                scores.append(resid / std)
+                bound = _CLAMP_SCALES * std
+                resid = max(-bound, min(bound, resid))
+            else:
+                scores.append(0.0)
+            self.mean[i] += alpha * resid
+            self.abs_dev[i] = (1 - alpha) * self.abs_dev[i] + alpha * abs(resid)
+            self.count[i] = count + 1
+        return scores
 
     def state_dict(self) -> dict[str, Any]:
-        """Baseline, scale and count (tensors)."""
-        return {"mean": self.mean.clone(), "abs_dev": self.abs_dev.clone(), "count": self.count.clone()}
+        """Baselines, scales and counts (plain lists)."""
+        return {"mean": list(self.mean), "abs_dev": list(self.abs_dev), "count": list(self.count)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned, onto this detector's device."""
-        self.mean = state["mean"].to(self.device, torch.float32)
-        self.abs_dev = state["abs_dev"].to(self.device, torch.float32)
-        self.count = state["count"].to(self.device, torch.int64)
+        """Restore what ``state_dict`` returned; the sizes must match."""
+        if len(state["mean"]) != self.size:
+            raise ValueError(f"detector state has {len(state['mean'])} series, this detector scores {self.size}")
+        self.mean = [float(v) for v in state["mean"]]
+        self.abs_dev = [float(v) for v in state["abs_dev"]]
+        self.count = [int(v) for v in state["count"]]
+
+
+class SpikeScore:
+    """OLMo's spike score: the share of the last ``window`` values beyond ``sigma`` std of the window mean."""
+
+    def __init__(self, window: int = 128, sigma: float = 6.0) -> None:
+        self.window = window
+        self.sigma = sigma
+        self.values: deque[float] = deque(maxlen=window)
+
+    def update(self, value: float) -> None:
+        """Add one finite value (non-finite ones are left out)."""
+        if math.isfinite(value):
+            self.values.append(value)
+
+    def is_spike(self, value: float) -> bool:
+        """True when ``value`` lies beyond ``sigma`` std of the current window (before it is added)."""
+        n = len(self.values)
+        if n < 2 or not math.isfinite(value):
+            return False
+        mean = sum(self.values) / n
+        std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / n)
+        return abs(value - mean) > self.sigma * std
+
+    def score(self) -> float:
+        """Share of the window's values that are spikes against the window itself (0 when empty)."""
+        n = len(self.values)
+        if n < 2:
+            return 0.0
+        mean = sum(self.values) / n
+        std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / n)
+        if std == 0:
+            return 0.0
+        return sum(1 for v in self.values if abs(v - mean) > self.sigma * std) / n
+
+    def state_dict(self) -> dict[str, Any]:
+        """The window's values."""
+        return {"values": list(self.values)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.values = deque((float(v) for v in state["values"]), maxlen=self.window)

@@ -25,9 +25,10 @@ class GPTModule(pl.LightningModule):
         scheduler: bool = False,
         log_grad_norm: bool = False,
         seed: int = 0,
+        sizes: dict[str, int] | None = None,
     ) -> None:
         super().__init__()
-        self.model = tiny_gpt(seed=seed)
+        self.model = tiny_gpt(seed=seed, **(sizes or {}))
         self.lr = lr
         self.fused = fused
         self.poison = poison or {}
@@ -57,12 +58,19 @@ class GPTModule(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def gpt_dataloader(n_batches: int = 40, batch_size: int = 8, seed: int = 0, repeat: bool = False) -> DataLoader:
+def gpt_dataloader(
+    n_batches: int = 40,
+    batch_size: int = 8,
+    seed: int = 0,
+    repeat: bool = False,
+    block_size: int = 32,
+    vocab_size: int = 64,
+) -> DataLoader:
     """A fixed, unshuffled stream of ``n_batches`` batches of the synthetic token pattern.
 
     ``repeat=True`` repeats one batch, so results do not depend on where a resumed epoch restarts.
     """
-    data = char_batches(batch_size=batch_size, seed=seed)
+    data = char_batches(batch_size=batch_size, block_size=block_size, vocab_size=vocab_size, seed=seed)
     batches = [next(data) for _ in range(1 if repeat else n_batches)] * (n_batches if repeat else 1)
     xs, ys = zip(*batches, strict=True)
     return DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=batch_size, shuffle=False)

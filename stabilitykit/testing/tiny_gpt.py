@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,8 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     dropout: float = 0.0
+    qk_norm: bool = False  # attention from stabilitykit.nn.QKNormAttention
+    z_loss: float = 0.0  # coefficient of a stabilitykit.nn.ZLoss added to the loss (0: off)
 
 
 class CausalSelfAttention(nn.Module):
@@ -64,7 +67,11 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn: nn.Module = CausalSelfAttention(cfg)
+        if cfg.qk_norm:
+            from stabilitykit.nn import QKNormAttention
+
+            self.attn = QKNormAttention(cfg.n_embd, cfg.n_head, dropout=cfg.dropout)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
@@ -84,6 +91,11 @@ class TinyGPT(nn.Module):
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.z_loss: nn.Module | None = None
+        if cfg.z_loss:
+            from stabilitykit.nn import ZLoss
+
+            self.z_loss = ZLoss(cfg.z_loss)
 
     def forward(self, idx: Tensor) -> Tensor:
         """Logits of shape (batch, time, vocab)."""
@@ -97,12 +109,13 @@ class TinyGPT(nn.Module):
         """Cross-entropy of next-token prediction, optionally weighted per token."""
         logits = self(idx)
         per_token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+        extra = self.z_loss(logits) if self.z_loss is not None else 0.0
         if weights is None:
-            return per_token.mean()
-        return (per_token * weights.flatten()).sum() / weights.sum()
+            return per_token.mean() + extra
+        return (per_token * weights.flatten()).sum() / weights.sum() + extra
 
 
-def tiny_gpt(seed: int = 0, **sizes: int) -> TinyGPT:
+def tiny_gpt(seed: int = 0, **sizes: Any) -> TinyGPT:
     """A seeded TinyGPT; keyword arguments override ``GPTConfig`` fields."""
     torch.manual_seed(seed)
     return TinyGPT(GPTConfig(**sizes))  # type: ignore[arg-type]

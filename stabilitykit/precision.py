@@ -1,0 +1,156 @@
+"""Capability-based precision choice (bf16 / fp16 + GradScaler / fp32, TF32) and determinism knobs.
+
+``select_precision()`` looks at the device and returns what to train with and why: bf16 autocast
+on Ampere and newer GPUs (no loss scaling needed), fp16 autocast with a GradScaler on Volta and
+Turing, fp32 where neither helps; on the CPU bf16 autocast where the CPU build supports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["PrecisionChoice", "configure_tf32", "select_precision", "set_determinism"]
+
+log = logging.getLogger("stabilitykit")
+_LOGGED: set[str] = set()
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """What to train with on one device, and why."""
+
+    device: str
+    amp_dtype: torch.dtype | None  # None: no autocast (fp32)
+    use_grad_scaler: bool
+    tf32: bool
+    lightning_precision: str  # the matching ``Trainer(precision=...)``
+    reason: str
+
+    def autocast(self) -> Any:
+        """A ready ``torch.autocast`` context for this choice (a no-op context for fp32)."""
+        enabled = self.amp_dtype is not None
+        device_type = self.device.split(":", 1)[0]
+        return torch.autocast(device_type, dtype=self.amp_dtype or torch.float32, enabled=enabled)
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """A GradScaler, enabled only when this choice needs loss scaling (fp16)."""
+        return torch.amp.GradScaler(self.device.split(":", 1)[0], enabled=self.use_grad_scaler)
+
+
+def _cpu_supports_bf16() -> bool:
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = torch.ones(2, 2) @ torch.ones(2, 2)
+        return out.dtype == torch.bfloat16
+    except (RuntimeError, AssertionError):
+        return False
+
+
+def select_precision(device: str | torch.device | None = None, log_choice: bool = True) -> PrecisionChoice:
+    """The precision to train with on ``device`` (default: the current CUDA device, else the CPU).
+
+    The choice is logged once per device on the ``stabilitykit`` logger.
+    """
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"select_precision: device {dev} requested but CUDA is not available")
+        major, minor = torch.cuda.get_device_capability(dev)
+        name = torch.cuda.get_device_name(dev)
+        if major >= 8 and torch.cuda.is_bf16_supported():
+            choice = PrecisionChoice(
+                str(dev),
+                torch.bfloat16,
+                False,
+                True,
+                "bf16-mixed",
+                f"{name} (sm_{major}{minor}) has native bf16: same range as fp32, no loss scaling; TF32 matmuls on",
+            )
+        elif major >= 7:
+            choice = PrecisionChoice(
+                str(dev),
+                torch.float16,
+                True,
+                False,
+                "16-mixed",
+                f"{name} (sm_{major}{minor}) has fp16 tensor cores but no bf16: fp16 autocast with a GradScaler",
+            )
+        else:
+            choice = PrecisionChoice(
+                str(dev),
+                None,
+                False,
+                False,
+                "32-true",
+                f"{name} (sm_{major}{minor}) has no fast half precision: fp32",
+            )
+    elif dev.type == "cpu":
+        if _cpu_supports_bf16():
+            choice = PrecisionChoice(
+                "cpu",
+                torch.bfloat16,
+                False,
+                False,
+                "bf16-mixed",
+                "CPU autocast supports bf16: halves activation memory, no loss scaling needed",
+            )
+        else:
+            choice = PrecisionChoice("cpu", None, False, False, "32-true", "this CPU build has no bf16 autocast: fp32")
+    else:
+        choice = PrecisionChoice(str(dev), None, False, False, "32-true", f"no precision rule for {dev.type}: fp32")
+    if log_choice and choice.device not in _LOGGED:
+        _LOGGED.add(choice.device)
+        log.info("precision for %s: %s (%s)", choice.device, choice.lightning_precision, choice.reason)
+    return choice
+
+
+def configure_tf32() -> bool:
+    """Allow TF32 matmuls (float32 matmul precision "high") only if the user has not chosen already.
+
+    Returns True when it changed the setting, False when the precision was not "highest".
+    """
+    if torch.get_float32_matmul_precision() != "highest":
+        return False
+    torch.set_float32_matmul_precision("high")
+    if hasattr(torch.backends, "cudnn"):
+        torch.backends.cudnn.allow_tf32 = True
+    return True
+
+
+def set_determinism(seed: int, warn_only: bool = False) -> dict[str, Any]:
+    """Seed every generator and ask torch for deterministic kernels; returns what was set.
+
+    Sets Python's, NumPy's (when installed) and torch's seeds, ``torch.use_deterministic_algorithms``,
+    cuDNN's deterministic/benchmark flags, and ``CUBLAS_WORKSPACE_CONFIG`` (needed by cuBLAS for
+    deterministic matmuls; it must be set before the first CUDA call to take effect).
+    """
+    applied: dict[str, Any] = {"seed": seed}
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+        applied["numpy_seed"] = seed % 2**32
+    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
+        pass
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    applied["CUBLAS_WORKSPACE_CONFIG"] = os.environ["CUBLAS_WORKSPACE_CONFIG"]
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    applied["deterministic_algorithms"] = True if not warn_only else "warn_only"
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    applied["cudnn.deterministic"] = True
+    applied["cudnn.benchmark"] = False
+    log.info("determinism: %s", applied)
+    return applied
