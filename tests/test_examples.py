@@ -48,3 +48,12 @@ def test_lightning_example(tmp_path, capsys) -> None:
     assert int(callback.engine.counters.skipped_total) == 1
     assert int(callback.engine.counters.clipped_total) >= 1
     assert "metrics.csv" in capsys.readouterr().out
+
+
+def test_numerics_example_names_the_nan_source_and_skips_the_bad_batch() -> None:
+    result = _load("numerics").main(["--steps", "30"])
+    assert result["summary"]["skipped"] == 2
+    record = result["record"]
+    assert record.module == "blocks.2.mlp" and record.step == 15 and "numerics.py" in record.source
+    assert [e.step for e in result["events"] if e.kind == "bad_batch"] == [25]
+    assert result["metrics"]["stability/attention/max_logit"] > 0
