@@ -6,7 +6,7 @@ W&B (``stabilitykit.sinks.WandbSink``) are optional extras imported on first use
 
 from __future__ import annotations
 
-from stabilitykit import nn, sinks
+from stabilitykit import nn, precision_eval, sinks
 from stabilitykit.config import (
     ClipConfig,
     DataGuardConfig,
@@ -54,6 +54,7 @@ __all__ = [
     "configure_tf32",
     "grad_norms",
     "nn",
+    "precision_eval",
     "replay_nonfinite",
     "select_precision",
     "set_determinism",

@@ -57,3 +57,9 @@ def test_numerics_example_names_the_nan_source_and_skips_the_bad_batch() -> None
     assert record.module == "blocks.2.mlp" and record.step == 15 and "numerics.py" in record.source
     assert [e.step for e in result["events"] if e.kind == "bad_batch"] == [25]
     assert result["metrics"]["stability/attention/max_logit"] > 0
+
+
+def test_precision_report_example(tmp_path) -> None:
+    report = _load("precision_report").main(["--out", str(tmp_path)])
+    assert set(report.variants) == {"bf16", "fp16", "tf32", "bf16 + fp32 head"}
+    assert (tmp_path / "precision.json").exists() and (tmp_path / "precision.png").exists()

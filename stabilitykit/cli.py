@@ -1,0 +1,83 @@
+"""The ``stabilitykit`` command: ``stabilitykit precision ...`` and ``stabilitykit report ...``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _load_factory(spec: str) -> Any:
+    """``package.module:function`` -> the function (the working directory is importable)."""
+    if ":" not in spec:
+        raise SystemExit(f"--model must look like package.module:function, got {spec!r}")
+    module_name, attr = spec.split(":", 1)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise SystemExit(f"--model {spec}: cannot import {module_name!r}: {exc}") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError as exc:
+        raise SystemExit(f"--model {spec}: {module_name} has no attribute {attr!r}") from exc
+
+
+def _precision(args: argparse.Namespace) -> int:
+    from stabilitykit.precision_eval import evaluate
+
+    built = _load_factory(args.model)()
+    if not (isinstance(built, tuple) and len(built) == 3):
+        raise SystemExit(f"--model {args.model}: the factory must return (model, batch, loss_fn)")
+    model, batch, loss_fn = built
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    report = evaluate(model, batch, loss_fn, variants=variants, max_elements=args.max_elements, seed=args.seed)
+    out = Path(args.out)
+    report.print(per_layer=args.per_layer)
+    json_path = report.save_json(out / "precision.json")
+    png_path = report.plot(out / "precision.png")
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from stabilitykit.report_plot import draw_report
+
+    path = draw_report(args.log, args.output, title=args.title)
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``stabilitykit`` console script."""
+    parser = argparse.ArgumentParser(prog="stabilitykit", description="Training stability tools.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    prec = sub.add_parser("precision", help="layer-wise error of bf16/fp16/TF32 against an fp32 reference")
+    prec.add_argument("--model", required=True, help="package.module:factory returning (model, batch, loss_fn)")
+    prec.add_argument("--variants", default="bf16,fp16,tf32", help="comma-separated: bf16, fp16, tf32, fp32")
+    prec.add_argument("--out", default="precision-report", help="folder for precision.json and precision.png")
+    prec.add_argument("--max-elements", type=int, default=4096, help="samples kept per captured tensor")
+    prec.add_argument("--seed", type=int, default=0)
+    prec.add_argument("--per-layer", action="store_true", help="also print every module's row")
+    prec.set_defaults(func=_precision)
+
+    rep = sub.add_parser("report", help="one picture of a run: loss, grad norm, z-score, skips, per-layer heatmap")
+    rep.add_argument("log", help="the guard's JSONL log or a Lightning CSVLogger metrics.csv")
+    rep.add_argument("-o", "--output", default="report.png")
+    rep.add_argument("--title", default=None)
+    rep.set_defaults(func=_report)
+
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
