@@ -36,5 +36,14 @@ def on_page_markdown(markdown: str, **kwargs: Any) -> str:
         return markdown
     import stabilitykit as sk
 
-    models = [sk.StabilityConfig, sk.GradNormConfig, sk.ClipConfig, sk.SkipConfig, sk.SpikeConfig, sk.NaNTraceConfig]
+    models = [
+        sk.StabilityConfig,
+        sk.GradNormConfig,
+        sk.ClipConfig,
+        sk.SkipConfig,
+        sk.SpikeConfig,
+        sk.NaNTraceConfig,
+        sk.DataGuardConfig,
+        sk.Fp16Config,
+    ]
     return markdown.replace(MARKER, "\n".join(_table(m) for m in models))
