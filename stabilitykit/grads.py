@@ -52,11 +52,16 @@ def _block_prefix(model: nn.Module) -> str | None:
 
 
 def _auto_layer(name: str, block_prefix: str | None) -> str:
+    """``blocks.3`` for a block's parameter; else the module beside the blocks (``model.lm_head``
+    when the blocks are ``model.blocks``), or the top-level module."""
     if block_prefix is not None:
         head = f"{block_prefix}." if block_prefix else ""
         if name.startswith(head):
             index = name[len(head) :].split(".", 1)[0]
             return f"{head}{index}"
+        parent = block_prefix.rsplit(".", 1)[0] + "." if "." in block_prefix else ""
+        if parent and name.startswith(parent):
+            return parent + name[len(parent) :].split(".", 1)[0]
     return name.split(".", 1)[0]
 
 

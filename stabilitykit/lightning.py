@@ -29,6 +29,7 @@ from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
 from stabilitykit.report import StepReport
 from stabilitykit.sinks.base import Sink
+from stabilitykit.sinks.wandb import WandbSink
 
 try:
     import lightning.pytorch as pl
@@ -106,7 +107,10 @@ class StabilityCallback(Callback):
             self.engine.load_state_dict(self._pending_state)
             self._pending_state = None
         self.engine.step = trainer.global_step
+        has_wandb_sink = any(isinstance(sink, WandbSink) for sink in self.hooks.sinks)
         for logger in trainer.loggers:
+            if has_wandb_sink and type(logger).__name__ == "WandbLogger":
+                continue  # the WandbSink logs to W&B already (with alerts and markers): once is enough
             if logger not in self.hooks.sinks:
                 self.hooks.add_sink(logger)  # type: ignore[arg-type]  # a Logger has the sink's shape
         self._wrap_optimizer(optimizer)

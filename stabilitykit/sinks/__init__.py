@@ -1,9 +1,14 @@
-"""Where metrics and events go: JSONL, the console, or any object with ``log_metrics`` (a Lightning logger too)."""
+"""Where metrics and events go: W&B, JSONL, the console, or any object with ``log_metrics`` (a Lightning logger too).
+
+``WandbSink`` imports wandb only when it first logs, so ``import stabilitykit`` does not need it.
+"""
 
 from __future__ import annotations
 
 from stabilitykit.sinks.base import Sink
 from stabilitykit.sinks.console import ConsoleSink
 from stabilitykit.sinks.jsonl import JsonlSink, read_jsonl
+from stabilitykit.sinks.wandb import WandbSink
+from stabilitykit.sinks.wandb_file import WandbRunFile, read_wandb_records
 
-__all__ = ["ConsoleSink", "JsonlSink", "Sink", "read_jsonl"]
+__all__ = ["ConsoleSink", "JsonlSink", "Sink", "WandbRunFile", "WandbSink", "read_jsonl", "read_wandb_records"]
