@@ -17,6 +17,7 @@ from stabilitykit.config import (
     SpikeConfig,
     StabilityConfig,
 )
+from stabilitykit.dashboard import wandb_dashboard
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.events import BadBatchError, Event, TrainingDivergedError
 from stabilitykit.grads import clip_grad_norm_, grad_norms
@@ -59,4 +60,5 @@ __all__ = [
     "select_precision",
     "set_determinism",
     "sinks",
+    "wandb_dashboard",
 ]

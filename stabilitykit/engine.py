@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.distributed import all_ranks_agree, reducer_for
+from stabilitykit.distributed import all_ranks_agree, is_distributed, reducer_for
 from stabilitykit.events import Event, TrainingDivergedError
 from stabilitykit.grads import GradNormPlan, apply_clip_coefficient, clip_coefficient, layer_names_for
 from stabilitykit.hooks import HookManager
@@ -47,6 +47,22 @@ from stabilitykit.report import StepReport, reason_from_code
 from stabilitykit.spikes import RobustDetector, SpikeScore
 
 __all__ = ["Counters", "RowInfo", "StabilityEngine", "StepDecision", "is_fused"]
+
+
+#: Name parts that wrappers (FSDP1, activation checkpointing, torch.compile) add to parameter paths.
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_layer_name(name: str, model: nn.Module | None = None) -> str:
+    """A layer name without wrapper parts: ``blocks.0``, not ``_fsdp_wrapped_module.blocks.0``."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    name = name.removesuffix("._fsdp_wrapped_module").removesuffix("._orig_mod")
+    if name in ("_fsdp_wrapped_module", "_orig_mod", "_flat_param"):
+        name = ""
+    if model is not None and isinstance(model, nn.parallel.DistributedDataParallel) and name.startswith("module."):
+        name = name[len("module.") :]
+    return name or "root"
 
 
 def is_fused(optimizer: torch.optim.Optimizer | None) -> bool:
@@ -148,6 +164,7 @@ class StabilityEngine:
         self.param_names = list(names)
         gcfg = self.config.grad_norm
         layer_of_param = layer_names_for(list(zip(self.param_names, self.params, strict=False)), model, gcfg.grouping)
+        layer_of_param = [clean_layer_name(n, model) for n in layer_of_param]
         self.layer_names = list(dict.fromkeys(layer_of_param))
         index = {name: i for i, name in enumerate(self.layer_names)}
         self.plan = GradNormPlan(
@@ -155,7 +172,7 @@ class StabilityEngine:
             [index[n] for n in layer_of_param] if gcfg.per_layer else None,
             self.layer_names if gcfg.per_layer else None,
             norm_type=gcfg.norm_type,
-            reducer=reducer_for(self.params),
+            reducer=reducer_for(self.params, model),
         )
         self.per_layer = gcfg.per_layer
         self.logged_layers = [i for i, n in enumerate(self.layer_names) if self._layer_logged(n)]
@@ -571,6 +588,10 @@ class StabilityEngine:
         reason = reason_from_code(code | _SKIP) or "nonfinite_grad"
         where = f" (first non-finite layer in backward order: {layer})" if layer else ""
         details: dict[str, Any] = {"reason": reason, "layer": layer}
+        if is_distributed():
+            rank = torch.distributed.get_rank()
+            details["rank"] = rank
+            where += f" on rank {rank}"
         source, self.source_hint = self.source_hint, None
         if source is not None:
             where = f" (first non-finite value: {source})"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -117,6 +118,7 @@ class _Layout:
     groups: list[_Group]
     segments: Tensor | None  # layer index of each present grad, in group order, on the main device
     device: torch.device
+    weights: Tensor | None = None  # 1/world for replicated grads when others are sharded (one SUM counts them once)
 
 
 def _pow(values: Tensor, p: float) -> Tensor:
@@ -162,6 +164,7 @@ class GradNormPlan:
         self.reducer = reducer
         self._local = any(to_local(q) is not q for q in self.params) or reducer is not None
         self._layouts: dict[tuple[bool, ...], _Layout] = {}
+        self._warned_empty = False
 
     def _layout(self, present: tuple[bool, ...]) -> _Layout:
         layout = self._layouts.get(present)
@@ -178,7 +181,13 @@ class GradNormPlan:
         if self.per_layer and groups:
             order = [self.layer_of[i] for g in groups for i in g.indices]
             segments = torch.tensor(order, dtype=torch.long, device=device)
-        layout = _Layout(groups, segments, device)
+        weights = None
+        flags = getattr(self.reducer, "shard_flags", None)
+        if flags is not None and not all(flags) and groups:
+            world = float(getattr(self.reducer, "world", 1))
+            values = [1.0 if flags[i] else 1.0 / world for g in groups for i in g.indices]
+            weights = torch.tensor(values, dtype=torch.float32, device=device)
+        layout = _Layout(groups, segments, device, weights)
         self._layouts[present] = layout
         return layout
 
@@ -199,9 +208,21 @@ class GradNormPlan:
         grouped = self._grouped(layout)
         p = self.norm_type
         if not grouped:
-            zero = torch.zeros((), dtype=torch.float32, device=layout.device)
-            layers = torch.zeros(len(self.layer_names), device=layout.device) if self.per_layer else None
-            return NormResult(zero, layers, self.layer_names), []
+            if not self._warned_empty:
+                self._warned_empty = True
+                rank = torch.distributed.get_rank() if self.reducer is not None else 0
+                warnings.warn(
+                    f"stabilitykit: no parameter has a gradient on rank {rank}; its grad norm is 0",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            device = self.params[0].device if self.params else torch.device("cpu")
+            sums = torch.zeros(len(self.layer_names) if self.per_layer else 1, dtype=torch.float32, device=device)
+            if self.reducer is not None:  # still join the all-reduce: the other ranks wait for it
+                self.reducer(sums, p)
+            total = sums.max() if p == math.inf else _root(sums.sum(), p)
+            layers = (sums if p == math.inf else _root(sums, p)) if self.per_layer else None
+            return NormResult(total, layers, self.layer_names), []
         pieces = [
             torch.stack(torch._foreach_norm(grads, p, dtype=torch.float32)).to(layout.device)  # type: ignore[arg-type]
             for grads in grouped
@@ -213,11 +234,13 @@ class GradNormPlan:
             if p == math.inf:
                 sums.scatter_reduce_(0, layout.segments, per_tensor, reduce="amax", include_self=True)
             else:
-                sums.index_add_(0, layout.segments, _pow(per_tensor, p))
+                powered = _pow(per_tensor, p)
+                sums.index_add_(0, layout.segments, powered * layout.weights if layout.weights is not None else powered)
         elif p == math.inf:
             sums = per_tensor.max().reshape(1)
         else:
-            sums = _pow(per_tensor, p).sum().reshape(1)
+            powered = _pow(per_tensor, p)
+            sums = (powered * layout.weights if layout.weights is not None else powered).sum().reshape(1)
         if self.reducer is not None:
             self.reducer(sums, p)
         if p == math.inf:
@@ -253,21 +276,27 @@ def _as_param_list(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:
 
 
 def clip_grad_norm_(
-    parameters: Tensor | Iterable[Tensor],
+    parameters: Tensor | Iterable[Tensor] | nn.Module,
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
+    model: nn.Module | None = None,
 ) -> Tensor:
     """Clip grads to a global norm in place and return the pre-clip total norm (fp32, on device).
 
     Same result as ``torch.nn.utils.clip_grad_norm_`` on finite grads, but a NaN/Inf total
-    leaves the grads untouched instead of spreading NaN into every grad. Under FSDP2 (DTensor
-    grads) the norm is the true global one (see ``stabilitykit.distributed``).
+    leaves the grads untouched instead of spreading NaN into every grad. The norm is the true
+    global one under DDP, FSDP2 (DTensor grads) and FSDP1; for FSDP1 pass the wrapped module as
+    ``parameters`` or ``model`` so its sharded flat parameters are known (see ``stabilitykit.distributed``).
+    Every rank must call it (it may all-reduce), including a rank without grads.
     """
     if max_norm <= 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
-    params = [p for p in _as_param_list(parameters) if p.grad is not None]
-    plan = GradNormPlan(params, norm_type=float(norm_type), reducer=reducer_for(params))
+    if isinstance(parameters, nn.Module):
+        model = model or parameters
+        parameters = parameters.parameters()
+    params = [p for p in _as_param_list(parameters) if p.requires_grad or p.grad is not None]
+    plan = GradNormPlan(params, norm_type=float(norm_type), reducer=reducer_for(params, model))
     result, grouped = plan.compute()
     if error_if_nonfinite and not bool(torch.isfinite(result.total)):
         raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped.")
@@ -287,7 +316,7 @@ def grad_norms(
     index = {name: i for i, name in enumerate(ordered)}
     params = [p for _, p in named]
     plan = GradNormPlan(
-        params, [index[n] for n in names], ordered, norm_type=float(norm_type), reducer=reducer_for(params)
+        params, [index[n] for n in names], ordered, norm_type=float(norm_type), reducer=reducer_for(params, model)
     )
     result, _ = plan.compute()
     return result.as_dict()

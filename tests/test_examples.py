@@ -63,3 +63,10 @@ def test_precision_report_example(tmp_path) -> None:
     report = _load("precision_report").main(["--out", str(tmp_path)])
     assert set(report.variants) == {"bf16", "fp16", "tf32", "bf16 + fp32 head"}
     assert (tmp_path / "precision.json").exists() and (tmp_path / "precision.png").exists()
+
+
+def test_wandb_offline_example(tmp_path) -> None:
+    result = _load("wandb_offline").main(["--steps", "90", "--out", str(tmp_path)])
+    titles = [a["title"] for a in result["logged"].alerts]
+    assert "stabilitykit: nonfinite at step 40" in titles and "stabilitykit: spike_warning at step 80" in titles
+    assert result["report"].exists()

@@ -88,3 +88,25 @@ def test_lightning_wandb_logger_and_sink_share_the_step_metric(tmp_path: Path) -
     assert steps == [0, 5]  # through the sink only: the callback skips the WandbLogger when a WandbSink is given
     assert logged.metrics["stability/*"]["step_metric"] == "trainer/global_step"
     assert [a["title"] for a in logged.alerts] == ["stabilitykit: nonfinite at step 3"]
+
+
+def test_dashboard_spec_builds_offline_with_the_four_sections() -> None:
+    workspace = sk.wandb_dashboard("my-team", "my-project", layers=["blocks.0", "lm_head"])
+    assert [s.name for s in workspace.sections] == [
+        "overview",
+        "per-layer grad norms",
+        "precision",
+        "logits and attention",
+    ]
+    spec = workspace._to_model().model_dump(by_alias=True)
+    assert spec["entity"] == "my-team" and spec["project"] == "my-project"
+    overview = workspace.sections[0].panels
+    assert {"stability/loss", "stability/grad_norm/total", "stability/events/spike_warning"} <= {
+        y for p in overview for y in p.y
+    }
+    assert all(p.x == "trainer/global_step" for s in workspace.sections for p in s.panels)
+    layer_panels = workspace.sections[1].panels
+    assert layer_panels[0].metric_regex.startswith("^stability/grad_norm/")
+    assert [p.y for p in layer_panels[1:]] == [["stability/grad_norm/blocks.0"], ["stability/grad_norm/lm_head"]]
+    keys = {y for p in workspace.sections[3].panels for y in p.y}
+    assert keys == {"stability/logits/log_z_mean", "stability/logits/log_z_max", "stability/attention/max_logit"}

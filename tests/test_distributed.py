@@ -1,0 +1,77 @@
+"""Distributed correctness on 2 and 3 CPU processes (gloo): DDP, FSDP1, FSDP2, mixed sharding.
+
+One script per world size runs every configuration inside the same processes (a spawn costs
+seconds; a configuration costs milliseconds), with a timeout so a hang fails fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "distributed_parity_script.py"
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    world = request.param
+    out = tmp_path_factory.mktemp(f"world{world}")
+    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parent.parent)}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(world), str(out), str(29600 + world)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _configs(results: dict) -> list[str]:
+    return [k for k in results if not k.startswith(("ddp|", "nan|", "no_grad"))]
+
+
+def test_every_sharding_matches_ddp_norms_and_parameters(ranks: list[dict]) -> None:
+    results = ranks[0]
+    configs = _configs(results)
+    kinds = {k.split("|")[0] for k in configs}
+    assert kinds == {"fsdp1-full", "fsdp1-grad-op", "fsdp1-no-shard", "fsdp1-mixed", "fsdp2", "fsdp2-mixed"}
+    assert len(configs) == 10 * 3 * 2  # shardings (x use_orig_params) x norm types x max_norm
+    for key in configs:
+        norm_type, max_norm = key.split("|")[-2:]
+        ref = results[f"ddp|{norm_type}|{max_norm}"]
+        got = results[key]
+        for i, (a, b) in enumerate(zip(got["norms"], ref["norms"], strict=True)):
+            assert math.isclose(a, b, rel_tol=1e-5), f"{key}: iteration {i} norm {a} vs DDP {b}"
+        for a, b in zip(got["checksum"], ref["checksum"], strict=True):
+            assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6), f"{key}: parameters differ from DDP's"
+
+
+def test_every_rank_sees_the_same_global_norm(ranks: list[dict]) -> None:
+    for key in _configs(ranks[0]):
+        norms = [r[key]["norms"] for r in ranks]
+        assert all(n == norms[0] for n in norms), key
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2", "fsdp1-full"])
+def test_nan_on_one_rank_skips_everywhere_and_names_block_and_rank(ranks: list[dict], kind: str) -> None:
+    cases = [r[f"nan|{kind}"] for r in ranks]
+    assert [c["skipped"] for c in cases] == [1] * len(ranks)
+    assert all(c["checksum"] == cases[0]["checksum"] for c in cases), "parameters differ across ranks"
+    bad = cases[1]["events"]
+    assert bad == [{"step": 2, "reason": "nonfinite_grad", "layer": "blocks.0", "rank": 1}]
+    for other in cases[0]["events"]:
+        assert other["step"] == 2 and other["rank"] == 0
+
+
+def test_rank_without_grads_joins_the_reduction_and_warns(ranks: list[dict]) -> None:
+    cases = [r["no_grad_rank"] for r in ranks]
+    assert all(c["total"] == cases[0]["total"] > 0 for c in cases)
+    assert [c["warned"] for c in cases] == [False, True] + [False] * (len(ranks) - 2)
