@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
