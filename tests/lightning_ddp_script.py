@@ -1,4 +1,8 @@
-"""Run by test_lightning.py: Lightning DDP on 2 CPU processes with a NaN on rank 1 only."""
+"""Run by test_lightning.py: Lightning on 2 CPU processes with a NaN on rank 1 only.
+
+``SK_STRATEGY``: "ddp" (default), or "fsdp2" (``ModelParallelStrategy`` with ``fully_shard`` in
+``configure_model``; Lightning's ``FSDPStrategy`` requires CUDA).
+"""
 
 from __future__ import annotations
 
@@ -8,20 +12,34 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 import stabilitykit as sk
 from stabilitykit.lightning import StabilityCallback
 from stabilitykit.testing.lightning_gpt import GPTModule, gpt_dataloader
 
 
+class FullyShardedGPT(GPTModule):
+    """FSDP2 through Lightning's ModelParallelStrategy: each block and the model are fully_shard-ed."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
 def main() -> None:
     out = Path(os.environ["SK_OUT"])
+    kind = os.environ.get("SK_STRATEGY", "ddp")
     torch.set_num_threads(1)
     callback = StabilityCallback(sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0)))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp",
+        strategy=ModelParallelStrategy() if kind == "fsdp2" else "ddp",
         max_steps=12,
         logger=False,
         enable_checkpointing=False,
@@ -30,9 +48,11 @@ def main() -> None:
         log_every_n_steps=4,
         callbacks=[callback],
     )
-    module = GPTModule(fused=False, poison={5: float("nan")}, poison_rank=1)
+    cls = FullyShardedGPT if kind == "fsdp2" else GPTModule
+    module = cls(fused=False, poison={5: float("nan")}, poison_rank=1)
     trainer.fit(module, gpt_dataloader(30))
-    checksum = sum(float(p.detach().double().sum()) for p in module.parameters())
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in module.parameters()]
+    checksum = sum(float(p.detach().double().sum()) for p in full)
     assert callback.engine is not None
     result = {
         "checksum": checksum,

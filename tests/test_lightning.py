@@ -158,9 +158,15 @@ def test_two_instances_keep_separate_state(tmp_path: Path) -> None:
     assert first.state_key != second.state_key
 
 
-def test_ddp_two_processes_nan_on_one_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_nan_on_one_rank(tmp_path: Path, strategy: str) -> None:
     script = Path(__file__).parent / "lightning_ddp_script.py"
-    env = {**os.environ, "SK_OUT": str(tmp_path), "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {
+        **os.environ,
+        "SK_OUT": str(tmp_path),
+        "SK_STRATEGY": strategy,
+        "PYTHONPATH": str(Path(__file__).parent.parent),
+    }
     proc = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path
     )
