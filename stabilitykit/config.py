@@ -21,6 +21,7 @@ __all__ = [
     "Fp16Config",
     "GradNormConfig",
     "NaNTraceConfig",
+    "PrecisionConfig",
     "SkipConfig",
     "SpikeConfig",
     "StabilityConfig",
@@ -198,6 +199,16 @@ class Fp16Config(_Strict):
     scale_floor: float = Field(1.0, gt=0, description="A loss scale below this triggers the warning.")
 
 
+class PrecisionConfig(_Strict):
+    """Precision knobs the drivers apply when they start (they do not own autocast: see sk.select_precision)."""
+
+    report_choice: bool = Field(
+        True, description="Emit one 'precision' event with sk.select_precision() for the model's device."
+    )
+    tf32: bool = Field(False, description="Call sk.configure_tf32() (matmul precision 'high' unless already chosen).")
+    deterministic_seed: int | None = Field(None, description="Call sk.set_determinism(seed) before training.")
+
+
 class StabilityConfig(_Strict):
     """Everything stabilitykit does in one place; each feature has its own section."""
 
@@ -216,6 +227,7 @@ class StabilityConfig(_Strict):
     nan_trace: NaNTraceConfig = Field(default_factory=NaNTraceConfig)  # type: ignore[arg-type]
     data: DataGuardConfig = Field(default_factory=DataGuardConfig)  # type: ignore[arg-type]
     fp16: Fp16Config = Field(default_factory=Fp16Config)  # type: ignore[arg-type]
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)  # type: ignore[arg-type]
     module_metrics: bool = Field(
         True,
         description=(

@@ -17,6 +17,7 @@ from stabilitykit.config import StabilityConfig
 from stabilitykit.engine import StabilityEngine, StepDecision, is_fused
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NaNTracer, NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
+from stabilitykit.precision import apply_precision_config
 from stabilitykit.report import StepReport
 from stabilitykit.sinks.base import Sink
 
@@ -80,6 +81,7 @@ class StabilityGuard:
         self.engine = StabilityEngine(
             optimizer_params(optimizer), self.config, model=model, hooks=self.hooks, fused=is_fused(optimizer)
         )
+        self.precision_choice = apply_precision_config(self.config.precision, self.engine.device, self.hooks)
         self.tracer: NaNTracer | None = None
         self.last_nonfinite: NonFiniteRecord | None = None
         self._trace_left = 0

@@ -27,6 +27,7 @@ from stabilitykit.engine import StabilityEngine, StepDecision, is_fused
 from stabilitykit.guard import optimizer_params, scaler_enabled
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
+from stabilitykit.precision import apply_precision_config
 from stabilitykit.report import StepReport
 from stabilitykit.sinks.base import Sink
 from stabilitykit.sinks.wandb import WandbSink
@@ -69,6 +70,7 @@ class StabilityCallback(Callback):
         self._original_step: Any = None
         self._held_schedulers: list[tuple[Any, Any]] = []
         self._state_key = self._generate_state_key(name=name or "default")
+        self.precision_choice: Any | None = None
         self._bad_batch: Tensor | None = None
         self._batch: tuple[Any, int] | None = None
         self.last_nonfinite: NonFiniteRecord | None = None
@@ -114,6 +116,8 @@ class StabilityCallback(Callback):
             if logger not in self.hooks.sinks:
                 self.hooks.add_sink(logger)  # type: ignore[arg-type]  # a Logger has the sink's shape
         self._wrap_optimizer(optimizer)
+        if self.precision_choice is None:
+            self.precision_choice = apply_precision_config(config.precision, self.engine.device, self.hooks)
         for sched_cfg in trainer.lr_scheduler_configs:
             if sched_cfg.interval == "step" and getattr(sched_cfg.scheduler, "optimizer", optimizer) is optimizer:
                 self._wrap_scheduler(sched_cfg.scheduler)

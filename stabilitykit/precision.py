@@ -154,3 +154,24 @@ def set_determinism(seed: int, warn_only: bool = False) -> dict[str, Any]:
     applied["cudnn.benchmark"] = False
     log.info("determinism: %s", applied)
     return applied
+
+
+def apply_precision_config(config: Any, device: torch.device, hooks: Any) -> PrecisionChoice | None:
+    """What ``StabilityConfig.precision`` asks the drivers to do at start; emits one "precision" event."""
+    from stabilitykit.events import Event
+
+    details: dict[str, Any] = {}
+    if config.deterministic_seed is not None:
+        details["determinism"] = set_determinism(config.deterministic_seed)
+    if config.tf32:
+        details["tf32_set"] = configure_tf32()
+    if not config.report_choice:
+        return None
+    choice = select_precision(device)
+    details.update(
+        amp_dtype=str(choice.amp_dtype).replace("torch.", "") if choice.amp_dtype else None,
+        use_grad_scaler=choice.use_grad_scaler,
+        lightning_precision=choice.lightning_precision,
+    )
+    hooks.emit(Event("precision", 0, f"{choice.lightning_precision} on {choice.device}: {choice.reason}", details))
+    return choice

@@ -222,3 +222,16 @@ def test_repeated_fp16_overflows_recommend_bf16() -> None:
     assert event.details["overflow_rate"] > 0.1
     assert guard.engine.counters.overflow_total == 5
     assert math.isfinite(guard.engine.last_host_metrics["stability/scaler/scale"])
+
+
+def test_precision_config_reports_the_choice_once_through_the_guard() -> None:
+    model = sk.testing.tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    events: list[sk.Event] = []
+    hooks = sk.HookManager()
+    hooks.on("precision", events.append)
+    guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(), hooks=hooks)
+    assert guard.precision_choice is not None and guard.precision_choice.lightning_precision == "bf16-mixed"
+    assert len(events) == 1 and events[0].details["amp_dtype"] == "bfloat16" and "cpu" in events[0].message
+    quiet = sk.StabilityConfig(precision=sk.PrecisionConfig(report_choice=False))
+    assert sk.StabilityGuard(model, opt, quiet).precision_choice is None

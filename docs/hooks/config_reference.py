@@ -45,5 +45,6 @@ def on_page_markdown(markdown: str, **kwargs: Any) -> str:
         sk.NaNTraceConfig,
         sk.DataGuardConfig,
         sk.Fp16Config,
+        sk.PrecisionConfig,
     ]
     return markdown.replace(MARKER, "\n".join(_table(m) for m in models))
