@@ -51,8 +51,8 @@ def test_missing_run_warns_once_and_training_goes_on() -> None:
     sink = WandbSink()
     model = sk.testing.tiny_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
-    guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(log_every_n_steps=2), sinks=[sink])
     with pytest.warns(RuntimeWarning, match="no active W&B run") as caught:
+        guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(log_every_n_steps=2), sinks=[sink])
         for x, y in batches(6):
             guard.backward(model.loss(x, y))
             guard.step()
