@@ -37,13 +37,9 @@ from stabilitykit.distributed import all_ranks_agree, is_distributed, reducer_fo
 from stabilitykit.events import Event, TrainingDivergedError
 from stabilitykit.grads import GradNormPlan, apply_clip_coefficient, clip_coefficient, layer_names_for
 from stabilitykit.hooks import HookManager
-from stabilitykit.report import BAD_BATCH as _BAD_BATCH
-from stabilitykit.report import BAD_GRAD as _BAD_GRAD
-from stabilitykit.report import BAD_LOSS as _BAD_LOSS
 from stabilitykit.report import OVERFLOW as _OVERFLOW
-from stabilitykit.report import REMOTE as _REMOTE
 from stabilitykit.report import SKIP as _SKIP
-from stabilitykit.report import StepReport, reason_from_code
+from stabilitykit.report import StepReport, pack_code, reason_from_code
 from stabilitykit.spikes import RobustDetector, SpikeScore
 
 __all__ = ["Counters", "RowInfo", "StabilityEngine", "StepDecision", "is_fused"]
@@ -342,6 +338,7 @@ class StabilityEngine:
             layer_norms=norms.layer_norms,
             layer_names=self.layer_names,
             scaler_active=scaler_active,
+            bad_batch=force_skip,
         )
         decision = StepDecision(report=report, skip=skip, skip_known=None, logging=logging)
         if logging or len(self._infos) >= self._capacity:
@@ -490,11 +487,7 @@ class StabilityEngine:
         for values, info in zip(rows, infos, strict=True):
             total, loss = values[TOTAL], values[LOSS]
             code = _code_of(values, info)
-            if (
-                code & (_BAD_GRAD | _BAD_LOSS)
-                or not math.isfinite(total)
-                or (info.has_loss and not math.isfinite(loss))
-            ):
+            if not math.isfinite(total) or (info.has_loss and not math.isfinite(loss)):
                 c.nonfinite_total += 1
             if code & _SKIP:
                 layer = self._bad_layer(values)
@@ -744,22 +737,17 @@ class StabilityEngine:
 
 
 def _code_of(values: list[float], info: RowInfo) -> int:
-    """The packed reason code of one journal row (0 when the step was not skipped)."""
-    if values[SKIP] < 0.5:
-        return 0
-    code = _SKIP
-    if values[SKIP] > 1.5:
-        return code | _BAD_BATCH
-    bad_grad = not math.isfinite(values[TOTAL])
-    if bad_grad:
-        code |= _BAD_GRAD
-        if info.scaler_active:
-            code |= _OVERFLOW
-    if info.has_loss and not math.isfinite(values[LOSS]):
-        code |= _BAD_LOSS
-    if not code & (_BAD_GRAD | _BAD_LOSS):
-        code |= _REMOTE
-    return code
+    """The packed reason code of one journal row (0 when the step was not skipped).
+
+    The skip column holds 1 for a skip, plus 2 when the data guard forced it.
+    """
+    return pack_code(
+        skipped=values[SKIP] > 0.5,
+        grad_finite=math.isfinite(values[TOTAL]),
+        loss_finite=not info.has_loss or math.isfinite(values[LOSS]),
+        scaler_active=info.scaler_active,
+        bad_batch=values[SKIP] > 1.5,
+    )
 
 
 _EMPTY_REPORT = StepReport(

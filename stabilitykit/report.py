@@ -13,10 +13,24 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["StepReport", "reason_from_code"]
+__all__ = ["StepReport", "pack_code", "reason_from_code"]
 
 # Reason codes packed into one integer so a single read tells the host everything.
 SKIP, BAD_LOSS, BAD_GRAD, OVERFLOW, REMOTE, BAD_BATCH = 1, 2, 4, 8, 16, 32
+
+
+def pack_code(skipped: bool, grad_finite: bool, loss_finite: bool, scaler_active: bool, bad_batch: bool = False) -> int:
+    """The packed reason code of one step from what the host read of it (0 when not skipped)."""
+    if not skipped:
+        return 0
+    if bad_batch:
+        return SKIP | BAD_BATCH
+    code = SKIP
+    if not grad_finite:
+        code |= BAD_GRAD | (OVERFLOW if scaler_active else 0)
+    if not loss_finite:
+        code |= BAD_LOSS
+    return code if code != SKIP else code | REMOTE  # skipped, yet finite here: another rank saw it
 
 
 def reason_from_code(code: int) -> str | None:
@@ -51,6 +65,7 @@ class StepReport:
     layer_norms: Tensor | None = None
     layer_names: list[str] = field(default_factory=list)
     scaler_active: bool = False
+    bad_batch: Tensor | None = None  # the data guard's device flag, when it checked this step's batch
     _code_value: int | None = None
 
     @property
@@ -68,17 +83,12 @@ class StepReport:
 
     def _read_code(self) -> int:
         loss = self.loss if self.loss is not None else self.grad_norm.new_zeros(())
-        skipped, grad_ok, loss_ok = torch.stack(
-            [self.skipped.float(), torch.isfinite(self.grad_norm).float(), torch.isfinite(loss).float()]
-        ).tolist()
-        if not skipped:
-            return 0
-        code = SKIP
-        if not grad_ok:
-            code |= BAD_GRAD | (OVERFLOW if self.scaler_active else 0)
-        if not loss_ok:
-            code |= BAD_LOSS
-        return code if code != SKIP else code | REMOTE
+        flags = [self.skipped.float(), torch.isfinite(self.grad_norm).float(), torch.isfinite(loss).float()]
+        if self.bad_batch is not None:
+            flags.append(self.bad_batch.float())
+        values = torch.stack(flags).tolist()
+        bad_batch = len(values) > 3 and values[3] > 0.5
+        return pack_code(values[0] > 0.5, values[1] > 0.5, values[2] > 0.5, self.scaler_active, bad_batch)
 
     @property
     def layers(self) -> dict[str, Tensor]:

@@ -39,14 +39,14 @@ class Variant:
 
 
 @contextlib.contextmanager
-def _fp32_reference() -> Iterator[None]:
-    """Matmul precision "highest", TF32 off (restored afterwards)."""
+def _matmul_precision(precision: str, allow_tf32: bool) -> Iterator[None]:
+    """Float32 matmul precision and the cuBLAS/cuDNN TF32 switches, restored afterwards."""
     previous = torch.get_float32_matmul_precision()
     cuda_tf32 = torch.backends.cuda.matmul.allow_tf32
     cudnn_tf32 = torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("highest")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision(precision)
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    torch.backends.cudnn.allow_tf32 = allow_tf32
     try:
         yield
     finally:
@@ -55,20 +55,14 @@ def _fp32_reference() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = cudnn_tf32
 
 
-@contextlib.contextmanager
-def _tf32() -> Iterator[None]:
-    previous = torch.get_float32_matmul_precision()
-    cuda_tf32 = torch.backends.cuda.matmul.allow_tf32
-    cudnn_tf32 = torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("high")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
-        torch.backends.cuda.matmul.allow_tf32 = cuda_tf32
-        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+def _fp32_reference() -> contextlib.AbstractContextManager[None]:
+    """Matmul precision "highest", TF32 off."""
+    return _matmul_precision("highest", allow_tf32=False)
+
+
+def _tf32() -> contextlib.AbstractContextManager[None]:
+    """Matmul precision "high", TF32 on."""
+    return _matmul_precision("high", allow_tf32=True)
 
 
 def _builtin(name: str, device_type: str) -> Variant:

@@ -103,6 +103,21 @@ def _save(path: Path, data: dict[str, Any]) -> None:
 _SEED_HINT = "run `pytest --stabilitykit-update-refs` (or STABILITYKIT_UPDATE_REFS=1) on this device to record it"
 
 
+def _reference(path: Path, name: str, key: str, value: Any, update: bool, what: str) -> Any:
+    """The stored reference ``{name: {key: ...}}`` in ``path``; records ``value`` and skips when updating,
+    skips with a seeding hint when there is none."""
+    refs = _load(path)
+    if update:
+        refs.setdefault(name, {})[key] = value
+        _save(path, refs)
+        shown = f": {value:.6g}" if isinstance(value, float) else ""
+        pytest.skip(f"recorded {what} reference {name!r} on {key}{shown} in {path}")
+    ref = refs.get(name, {}).get(key)
+    if ref is None:
+        pytest.skip(f"no {what} reference for {name!r} on device {key!r} in {path}; {_SEED_HINT}")
+    return ref
+
+
 @pytest.fixture
 def stabilitykit_device_key(request: pytest.FixtureRequest) -> str:
     """The device key references are stored under; override this fixture to choose your own."""
@@ -143,15 +158,8 @@ def grad_norm_regression(request: pytest.FixtureRequest, stabilitykit_device_key
         norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)  # type: ignore[arg-type]
         norm = float(torch.stack(norms).norm())
         path = Path(refs_file) if refs_file is not None else default_file
-        refs = _load(path)
         key = stabilitykit_device_key
-        if update:
-            refs.setdefault(name, {})[key] = norm
-            _save(path, refs)
-            pytest.skip(f"recorded grad-norm reference {name!r} on {key}: {norm:.6g} in {path}")
-        ref = refs.get(name, {}).get(key)
-        if ref is None:
-            pytest.skip(f"no grad-norm reference for {name!r} on device {key!r} in {path}; {_SEED_HINT}")
+        ref = _reference(path, name, key, norm, update, "grad-norm")
         rel = abs(norm - ref) / abs(ref) if ref else abs(norm)
         if not rel <= rtol:
             pytest.fail(
@@ -192,15 +200,8 @@ def precision_regression(request: pytest.FixtureRequest, stabilitykit_device_key
             for variant, phases in report.variants.items()
         }
         path = Path(refs_file) if refs_file is not None else default_file
-        refs = _load(path)
         key = stabilitykit_device_key
-        if update:
-            refs.setdefault(name, {})[key] = got
-            _save(path, refs)
-            pytest.skip(f"recorded precision reference {name!r} on {key} in {path}")
-        ref = refs.get(name, {}).get(key)
-        if ref is None:
-            pytest.skip(f"no precision reference for {name!r} on device {key!r} in {path}; {_SEED_HINT}")
+        ref = _reference(path, name, key, got, update, "precision")
         failures = []
         for variant, phases in got.items():
             for phase, modules in phases.items():
