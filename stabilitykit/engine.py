@@ -290,7 +290,7 @@ class StabilityEngine:
         logging = self.is_logging_step(step)
         norms, grouped = self.plan.compute(grad_scale)
         total = norms.total
-        finite_grad = torch.isfinite(total)
+        finite_grad = norms.finite if norms.finite is not None else torch.isfinite(total)
         loss = None
         if self._loss_sum is not None:
             loss = self._loss_sum if self._loss_count == 1 else self._loss_sum / self._loss_count

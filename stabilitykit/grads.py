@@ -98,6 +98,12 @@ class NormResult:
     total: Tensor
     layer_norms: Tensor | None
     layer_names: list[str]
+    #: 0-d bool: every grad is finite on every rank (a reduction may hide a NaN, so this is kept apart).
+    finite: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.finite is None:
+            self.finite = torch.isfinite(self.total)
 
     def as_dict(self) -> dict[str, Tensor]:
         """``{"layer name": norm, ..., "total": norm}`` (0-d tensors, no host sync)."""
