@@ -144,7 +144,9 @@ class SpikeMonitor:
         self.layer_names = list(layer_names)
         self.detector = RobustDetector(config.alpha, config.warmup_steps, size=2)  # [grad norm, loss]
         per_layer = config.per_layer and bool(self.layer_names)
-        self.layer_detector = RobustDetector(config.alpha, config.warmup_steps, size=len(self.layer_names)) if per_layer else None
+        self.layer_detector = (
+            RobustDetector(config.alpha, config.warmup_steps, size=len(self.layer_names)) if per_layer else None
+        )
         self.spike_score = SpikeScore(config.score_window, config.score_sigma)
         self.last_z: tuple[float, float] = (0.0, 0.0)
         self.max_z_grad_recent = 0.0
@@ -169,7 +171,9 @@ class SpikeMonitor:
         if z_grad >= cfg.z_warning:
             where = f"; largest layer z-score: {leading}" if leading else ""
             message = f"grad-norm z-score {z_grad:.1f} at step {step} (warning at {cfg.z_warning}){where}"
-            events.append(Event("spike_warning", step, message, {"z": z_grad, "grad_norm": grad_norm, "layer": leading}))
+            events.append(
+                Event("spike_warning", step, message, {"z": z_grad, "grad_norm": grad_norm, "layer": leading})
+            )
         if z_loss >= cfg.z_spike:
             message = f"loss z-score {z_loss:.1f} at step {step} (spike at {cfg.z_spike})"
             events.append(Event("loss_spike", step, message, {"z": z_loss, "loss": loss}))
