@@ -89,6 +89,11 @@ class NaNTracer:
                 self._handles.append(module.register_full_backward_hook(self._backward_hook(name)))
         return self
 
+    @property
+    def attached(self) -> bool:
+        """The hooks are in place."""
+        return bool(self._handles)
+
     def detach(self) -> None:
         """Remove every hook this tracer added."""
         for handle in self._handles:
