@@ -140,7 +140,7 @@ class StabilityGuard:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Counters, EMAs, detector state and unread journal rows (the optimizer, scaler and scheduler save their own)."""
+        """Counters, EMAs, detector state and unread journal rows (optimizer, scaler, scheduler save their own)."""
         return self.core.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -112,7 +112,6 @@ class StabilityEngine:
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
         self._nan = torch.full((), math.nan, dtype=torch.float32, device=self.device)
         self._loss_sum: Tensor | None = None
-        self._loss_count = 0
         self.last_host_metrics: dict[str, float] = {}
         #: Where a driver's tracer saw the first non-finite value; named by this step's skip events.
         self.source_hint: Any | None = None
@@ -158,10 +157,14 @@ class StabilityEngine:
     # ----------------------------------------------------------------------------- the step
 
     def record_loss(self, loss: Tensor) -> None:
-        """Remember one micro-batch's loss (detached, on the device) for this optimizer step."""
+        """Add one micro-batch's loss (detached, on the device) to this optimizer step's loss.
+
+        The step's loss is the sum of the losses backpropagated into its grads: with the usual
+        ``loss / accumulate`` per micro-batch (Lightning, Accelerate and the HF Trainer divide for
+        you) that is the mean loss of the whole batch.
+        """
         value = loss.detach().float().mean()
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
-        self._loss_count += 1
 
     def evaluate(
         self,
@@ -183,10 +186,8 @@ class StabilityEngine:
         norms, grouped = self.plan.compute(grad_scale)
         total = norms.total
         finite = norms.finite if norms.finite is not None else torch.isfinite(total)
-        loss = None
-        if self._loss_sum is not None:
-            loss = self._loss_sum if self._loss_count == 1 else self._loss_sum / self._loss_count
-        self._loss_sum, self._loss_count = None, 0
+        loss = self._loss_sum  # the sum of what was backpropagated: with ``loss / accumulate`` the batch mean
+        self._loss_sum = None
         skip = self._false
         if cfg.skip.nonfinite:
             skip = ~(finite & torch.isfinite(loss)) if loss is not None else ~finite
