@@ -29,9 +29,14 @@ __all__ = [
 
 
 class _Strict(BaseModel):
-    """Base for all config models: unknown fields are an error, assignment is validated."""
+    """Base for all config models: unknown fields are an error, and a config is immutable.
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    A driver reads its config when it is built; a field assigned afterwards would be validated and
+    then silently ignored, so assignment raises instead. Derive a changed copy with
+    ``config.model_copy(update={...})`` and build a new driver with it.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 def _check_norm_type(value: float) -> float:
@@ -127,6 +132,14 @@ class SkipConfig(_Strict):
     sync_ranks: bool = Field(
         True,
         description="Under torch.distributed, all-reduce the skip flag so every rank decides alike.",
+    )
+    restore_buffers: Literal["auto", "all", "none"] = Field(
+        "auto",
+        description=(
+            "Buffers a skipped step puts back as they were before its forward passes: 'auto' the running "
+            "statistics of modules with track_running_stats (BatchNorm, InstanceNorm), 'all' every buffer, "
+            "'none' nothing."
+        ),
     )
 
 

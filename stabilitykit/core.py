@@ -17,8 +17,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from stabilitykit.buffers import BufferGuard, running_stat_buffers
 from stabilitykit.config import StabilityConfig
 from stabilitykit.engine import StabilityEngine, StepDecision, is_fused
 from stabilitykit.hooks import HookManager
@@ -27,11 +29,9 @@ from stabilitykit.precision import PrecisionChoice, apply_precision_config
 from stabilitykit.report import StepReport
 from stabilitykit.scaler import ScalerAdapter
 from stabilitykit.schedule import hold_scheduler, release_scheduler
+from stabilitykit.state import STATE_VERSION, validate_state
 
-__all__ = ["STATE_VERSION", "DriverCore", "coerce_config", "optimizer_params", "unwrap_optimizer"]
-
-#: Version of the state a core saves; ``load_state_dict`` accepts this and older versions it knows.
-STATE_VERSION = 1
+__all__ = ["STATE_VERSION", "DriverCore", "check_supported", "coerce_config", "optimizer_params", "unwrap_optimizer"]
 #: Steps traced after a non-finite step in mode "on_nonfinite".
 TRACE_AFTER_NONFINITE = 10
 
@@ -55,6 +55,50 @@ def coerce_config(config: Any) -> StabilityConfig:
         f"{type(config).__name__}. Sections such as ClipConfig go inside one: "
         "StabilityConfig(clip=ClipConfig(...))"
     )
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_contradictions(config: StabilityConfig) -> None:
+    """Settings that can never take effect: say so once per process."""
+    skip = config.skip
+    can_skip = skip.nonfinite or config.data.mode == "skip" or bool(getattr(skip, "spike", False))
+    if "max_consecutive" in skip.model_fields_set and skip.max_consecutive is not None and not can_skip:
+        message = (
+            "stabilitykit: SkipConfig(max_consecutive=...) has no effect with SkipConfig(nonfinite=False) and no "
+            "other skip source (DataGuardConfig(mode='skip')): nothing is ever skipped, so nothing can diverge"
+        )
+        if message not in _WARNED:
+            _WARNED.add(message)
+            warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def check_supported(model: nn.Module | None, optimizer: Any, params: list[Tensor]) -> None:
+    """Refuse, at construction and by name, what the step cannot guard."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError(
+            "stabilitykit cannot guard torch.optim.LBFGS: its step() re-evaluates a closure several times, "
+            "so there is no single set of final grads to measure, clip or skip. Clip inside your closure "
+            "(torch.nn.utils.clip_grad_norm_) or use an optimizer that steps once per batch."
+        )
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    for i, p in enumerate(params):
+        if p.is_complex():
+            name = names.get(id(p), f"param_{i}")
+            raise TypeError(
+                f"parameter {name!r} is complex ({p.dtype}); stabilitykit's fused norms are real-valued. "
+                "Keep it out of the guarded optimizer, or store it as a real view (torch.view_as_real)."
+            )
+    if model is not None:
+        ids = {id(p) for p in params}
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if getattr(module, "sparse", False) and isinstance(weight, Tensor) and id(weight) in ids:
+                raise TypeError(
+                    f"module {name!r} ({type(module).__name__}(sparse=True)) makes sparse gradients, which "
+                    "fused norms cannot read; use sparse=False, or give its parameters their own optimizer"
+                )
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -97,13 +141,17 @@ class DriverCore:
         apply_precision: bool = True,
     ) -> None:
         self.config = coerce_config(config)
+        _warn_contradictions(self.config)
         self.model = model
         self.optimizer = unwrap_optimizer(optimizer)
+        params = optimizer_params(self.optimizer)
+        check_supported(model, self.optimizer, params)
         self.hooks = hooks or HookManager()
         self.scaler = ScalerAdapter(scaler)
         self.engine = StabilityEngine(
-            optimizer_params(self.optimizer), self.config, model=model, hooks=self.hooks, fused=is_fused(self.optimizer)
+            params, self.config, model=model, hooks=self.hooks, fused=is_fused(self.optimizer)
         )
+        self.buffers = BufferGuard(running_stat_buffers(model, self.config.skip.restore_buffers))
         self.precision_choice: PrecisionChoice | None = None
         if apply_precision:
             self.precision_choice = apply_precision_config(self.config.precision, self.engine.device, self.hooks)
@@ -166,11 +214,26 @@ class DriverCore:
         self.decision = decision
         trace = self.config.nan_trace
         replaying = trace.mode == "on_nonfinite" and trace.replay and replay is not None
-        if replaying and self.engine.resolve(decision) and decision.report.reason != "bad_batch":
+        if decision.skip_known is None and (replaying or self._step_creates_state()):
+            self.engine.resolve(decision)  # one sync: the replay, or state a skipped step must not create
+        if replaying and decision.skip_known and decision.report.reason != "bad_batch":
             assert replay is not None
             self._replay(replay, decision.report.step)
+        if decision.skip_known is not False:
+            self.buffers.restore(decision.skip if decision.skip_known is None else True)
         self._trace_source(decision)
         return decision
+
+    def _step_creates_state(self) -> bool:
+        """A fused step on the device would create optimizer state (a first momentum buffer) for some
+        parameter: a skipped step must not leave it behind, so the host decides this step (one sync;
+        only until every parameter with a grad has state, usually the first step)."""
+        if not self.engine.fused:
+            return False
+        state = self.optimizer.state
+        if len(state) >= len(self.engine.params):
+            return False
+        return any(p.grad is not None and not state.get(p) for p in self.engine.params)
 
     def run_optimizer_step(self, step_fn: Callable[[], Any]) -> Any:
         """Run the optimizer step for the step in flight, or skip it (no step in flight: just run it)."""
@@ -191,6 +254,7 @@ class DriverCore:
         decision, self.decision = self.decision, None
         if decision is None:
             return None
+        self.buffers.save()
         try:
             self.last_report = self.engine.finish(decision, log_step=self._log_step)
         finally:
@@ -319,10 +383,8 @@ class DriverCore:
         return {"version": STATE_VERSION, "engine": self.engine.state_dict(), "trace_left": self._trace_left}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what ``state_dict`` returned."""
-        version = int(state.get("version", STATE_VERSION))
-        if version > STATE_VERSION:
-            raise ValueError(f"stabilitykit state version {version} is newer than this release reads ({STATE_VERSION})")
+        """Restore what ``state_dict`` returned: validated as a whole first, then loaded all at once."""
+        validate_state(state)
         self.engine.load_state_dict(dict(state["engine"]))
         self._trace_left = int(state.get("trace_left", 0))
         self._trace_for(self.engine.step)

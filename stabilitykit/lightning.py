@@ -29,6 +29,7 @@ from stabilitykit.nan import NonFiniteRecord
 from stabilitykit.precision import PrecisionChoice
 from stabilitykit.report import StepReport
 from stabilitykit.sinks.base import Sink
+from stabilitykit.state import validate_state
 
 try:
     import lightning.pytorch as pl
@@ -236,11 +237,13 @@ class StabilityCallback(Callback):
 
     def _load(self, state: Mapping[str, Any]) -> None:
         states = state.get("optimizers")
-        if states is None:  # saved by an earlier release: one engine state
-            states = [{"engine": dict(state)}]
+        if not isinstance(states, list):
+            raise ValueError("StabilityCallback state has no 'optimizers' list (not saved by this callback)")
         if len(states) != len(self.cores):
             raise ValueError(
                 f"StabilityCallback state holds {len(states)} optimizer(s), this run has {len(self.cores)}"
             )
+        for core_state in states:
+            validate_state(core_state)  # every optimizer's state first: nothing loads unless all of it can
         for core, core_state in zip(self.cores, states, strict=True):
             core.load_state_dict(core_state)

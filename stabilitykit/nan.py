@@ -355,6 +355,18 @@ def replay_nonfinite(
     or None when the replay stayed finite (the cause was not in this batch's computation).
     """
     params = [p for p in (params if params is not None else model.parameters()) if p.requires_grad]
+    buffers = [b for b in model.buffers() if b is not None]
+    saved = [b.detach().clone() for b in buffers]  # a training-mode forward moves running statistics
+    try:
+        return _replay(model, loss_fn, params, step)
+    finally:
+        if buffers:
+            torch._foreach_copy_(buffers, saved)
+
+
+def _replay(
+    model: nn.Module, loss_fn: Callable[[], Tensor], params: Sequence[Tensor], step: int | None
+) -> NonFiniteRecord | None:
     tracer = NaNTracer(model)
     tracer.step = step
     error: str | None = None

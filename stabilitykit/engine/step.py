@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from stabilitykit.config import StabilityConfig
 from stabilitykit.distributed import all_ranks_agree, is_distributed, reducer_for
 from stabilitykit.engine.clipping import make_clip_strategy
-from stabilitykit.engine.journal import MAX_JOURNAL_ROWS, Journal, Row, RowInfo
+from stabilitykit.engine.journal import COLUMNS, MAX_JOURNAL_ROWS, Journal, Row, RowInfo
 from stabilitykit.engine.layers import build_layer_map
 from stabilitykit.engine.ledger import Divergence, Ledger
 from stabilitykit.events import Event
@@ -52,8 +52,16 @@ __all__ = ["StabilityEngine", "StepDecision", "is_fused"]
 
 
 def is_fused(optimizer: Any | None) -> bool:
-    """True for optimizers that honour ``found_inf`` inside their step (fused Adam/AdamW/SGD)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    """True for optimizers that skip on the device through ``found_inf`` (fused Adam/AdamW/SGD).
+
+    A subclass that overrides ``step`` (to keep a weight EMA, say) would still run its own extra
+    work on a step skipped through ``found_inf``, so it counts as non-fused: the host reads the
+    decision and does not call ``step`` at all.
+    """
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    step = getattr(type(optimizer), "step", None)
+    return str(getattr(step, "__module__", "")).startswith("torch.optim")
 
 
 @dataclass
@@ -402,16 +410,24 @@ class StabilityEngine:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned (tensors move to this engine's device)."""
+        """Restore what ``state_dict`` returned (tensors move to this engine's device).
+
+        Everything is loaded into fresh objects first and swapped in only when all of it loaded, so
+        a state that does not fit leaves the engine exactly as it was.
+        """
         saved_layers = list(state.get("layer_names", self.layer_names))
         if saved_layers != self.layer_names:
             raise ValueError(
                 "engine state was saved for other layers: "
                 f"{saved_layers[:3]}... vs {self.layer_names[:3]}... (different model or grouping)"
             )
+        ledger = Ledger(self.config, self.ledger.layer_names, self.fused, self.ledger.rank)
+        ledger.load_state_dict(state["ledger"])
+        clip = make_clip_strategy(self.config.clip, self.device)
+        if clip is not None and state.get("clip"):
+            clip.load_state_dict(state["clip"])
+        journal = Journal(self.journal.capacity, self.journal.width - len(COLUMNS), self.device)
+        journal.load_state_dict(state.get("journal", {}))
         self.step = int(state["step"])
-        self.ledger.load_state_dict(state["ledger"])
-        if self.clip is not None and state.get("clip"):
-            self.clip.load_state_dict(state["clip"])
-        self.journal.load_state_dict(state.get("journal", {}))
+        self.ledger, self.clip, self.journal = ledger, clip, journal
         self._mark_measure()
