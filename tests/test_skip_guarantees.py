@@ -194,5 +194,5 @@ def test_unsupported_parameters_and_optimizers_are_refused_by_name() -> None:
     with pytest.raises(TypeError, match="parameter 'weight' is complex"):
         sk.StabilityGuard(complex_net, torch.optim.SGD(complex_net.parameters(), lr=0.1))
     net = torch.nn.Linear(4, 4)
-    with pytest.raises(TypeError, match="cannot guard torch.optim.LBFGS"):
+    with pytest.raises(TypeError, match=r"cannot guard torch\.optim\.LBFGS"):
         sk.StabilityGuard(net, torch.optim.LBFGS(net.parameters()))
