@@ -1,292 +1,293 @@
-"""Spike early warning and adaptive clipping, against the tools users would otherwise run. Prints tables.
+"""Spike early warning against the detectors users would otherwise run, on the same series. Prints tables.
 
-    python benchmarks/spikes.py [--seeds 5] [--steps 10000] [--train-steps 600]
+    python benchmarks/spikes.py [--seeds 3] [--steps 6000] [--traces benchmarks/instability/traces.npz]
 
-Part 1, synthetic grad-norm streams: log-normal AR(1) noise (phi 0.9) around a level that rises
-slowly for 300 steps, drops by 40% at a warmup regime change (step 1000) and then trends down;
-spikes of 2x to 1000x every ~100 steps; 5 NaN and 5 Inf events per stream. Detectors:
+Part 1, the synthetic suite (``spike_suite.synthetic_stream``): log-normal AR(1) grad-norm
+streams, stationary std sigma 0.05-0.4 and lag-1 correlation phi 0-0.95, on a level with a warmup
+ramp, a regime change and a 4x decay; one-step spikes of 1.5x-1000x every 80-120 steps; NaN and
+Inf events. Per configuration: recall on spikes >= 3x, false alarms per 10k clean steps, and the
+Gaussian bound (the best recall any detector reaches on a 3x spike at 1 false alarm per 10k).
 
-* stabilitykit: ``RobustDetector`` (one-step-ahead log-space baseline, robust residual scale),
-  warning at z >= 4 (``SpikeConfig`` defaults);
-* ZClip (package ``zclip``): its own ``_compute_clip_val`` / ``_update_ema`` on each value, the
-  rule its ``step`` applies; a step counts as detected when ZClip would clip it;
-* OLMo-style: the value is above mean + 6 std of the previous 128 values;
-* Lightning ``SpikeDetection`` (``lightning.fabric``): its own ``_is_spike`` / ``_update_stats``,
-  the rule its ``on_train_batch_end`` applies, with its defaults (window 10, rtol 2).
+Part 2, real instabilities (``benchmarks/instability/traces.npz``, from ``train.py``): loss-based
+ground truth (see ``spike_suite``), recall of loss-spike and divergence onsets, the share alerted
+before the loss moved, and alerts per 10k healthy steps (all runs; and the runs with no event).
 
-Reported: recall per spike size, false alarms per 10k clean steps, and recall on spikes after
-the first NaN/Inf event (a detector whose statistics went NaN stops detecting).
+Detectors, each on the same values:
 
-Part 2, a tiny char-level GPT trained on the CPU with injected events (a junk batch, a x1000
-gradient, a NaN, a 10x LR surge for 5 steps). Arms: no clipping, fixed clip 1.0, ZClip, the
-last two again with a hand-rolled "skip the step when the loss is not finite" check, and
-stabilitykit adaptive (with skip). Reported: final eval loss vs a clean run, divergence, and
-the steps between the LR surge and the first spike warning.
+* stabilitykit: ``SpikeMonitor``'s ``spike_alert`` (the rare alert), and its ``spike_warning``;
+* stabilitykit before: the previous ``RobustDetector`` warning at z >= 4 (what used to page);
+* OLMo-core: above mean + 6 std of the previous 128 values (grad norm and loss);
+* Lightning ``SpikeDetection`` (its defaults, on the loss; on the stream in part 1);
+* ZClip as a detector: a step counts when ZClip would clip it (grad norm);
+* Megatron: above 10x the largest of the previous 100 values (loss; the stream in part 1).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import random
-import statistics
+import sys
 import time
-from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-import torch
+sys.path.insert(0, str(Path(__file__).parent))
 
-import stabilitykit as sk
-from stabilitykit.spikes import RobustDetector
-from stabilitykit.testing import char_batches, tiny_gpt
+import numpy as np
+from spike_suite import (
+    PHIS,
+    SIGMAS,
+    SPIKE_SIZES,
+    TRACES,
+    Flag,
+    Run,
+    gaussian_bound,
+    ground_truth,
+    lightning_rule,
+    load_runs,
+    megatron_rule,
+    olmo_rule,
+    synthetic_stream,
+    zclip_rule,
+)
 
-SIZES = (2.0, 3.0, 5.0, 10.0, 100.0, 1000.0)
+from stabilitykit.config import SpikeConfig
+from stabilitykit.spikes import RobustDetector, SpikeMonitor
 
-
-# ----------------------------------------------------------------------------- part 1: streams
-def make_stream(seed: int, steps: int) -> tuple[list[float], dict[int, float], set[int]]:
-    """Values, {spike step: factor}, and the NaN/Inf event steps."""
-    rng = random.Random(seed)
-    values = []
-    noise = 0.0
-    for t in range(steps):
-        level = math.log(2.0) + 0.4 * min(t, 300) / 300  # slow rise over the first 300 steps
-        if t >= 1000:
-            level += math.log(0.6) - 0.3 * (t - 1000) / steps  # regime change, then a slow decline
-        noise = 0.9 * noise + 0.05 * rng.gauss(0.0, 1.0)
-        values.append(math.exp(level + noise))
-    spikes: dict[int, float] = {}
-    t, i = 200, 0
-    while t < steps:
-        spikes[t] = SIZES[i % len(SIZES)]
-        i += 1
-        t += rng.randint(80, 120)
-    free = [t for t in range(300, steps) if all(abs(t - s) > 3 for s in spikes)]
-    events = set(rng.sample(free, 10))
-    for t, factor in spikes.items():
-        values[t] *= factor
-    for j, t in enumerate(sorted(events)):
-        values[t] = math.nan if j % 2 == 0 else math.inf
-    return values, spikes, events
+Row = dict[str, float]  # one step of a real trace: grad_norm, loss, layer norms, signals
+RowFlag = Callable[[Row], bool]
 
 
-def ours() -> Callable[[float], bool]:
+# ----------------------------------------------------------------------------- our detectors
+def ours_alert_stream() -> Flag:
+    monitor = SpikeMonitor(SpikeConfig(), [])
+    step = [0]
+
+    def flag(x: float) -> bool:
+        events = monitor.update(step[0], x, None, None, False)
+        step[0] += 1
+        return any(e.kind == "spike_alert" for e in events)
+
+    return flag
+
+
+def old_stream() -> Flag:
     detector = RobustDetector(alpha=0.1, warmup_steps=20, size=1)
     return lambda x: detector.update([x])[0] >= 4.0
 
 
-def zclip_rule() -> Callable[[float], bool]:
-    from zclip import ZClip
+def ours_real(kind: str) -> Callable[[list[str]], RowFlag]:
+    def make(layer_names: list[str]) -> RowFlag:
+        monitor = SpikeMonitor(SpikeConfig(per_layer=True), layer_names)
+        step = [0]
 
-    z = ZClip(warmup_steps=25)  # its defaults: alpha 0.97, z_thresh 2.5, mode zscore, clip_option adaptive_scaling
+        def flag(row: Row) -> bool:
+            layers = [row[f"layer/{n}"] for n in layer_names]
+            signals = {k: row[k] for k in ("max_attn_logit", "log_z", "update") if k in row}
+            events = monitor.update(step[0], row["grad_norm"], row["loss"], layers, False, signals=signals)
+            step[0] += 1
+            return any(e.kind == kind for e in events)
 
-    def flag(x: float) -> bool:
-        if not z.initialized:
-            z.buffer.append(x)
-            if len(z.buffer) >= z.warmup_steps:
-                z._initialize_ema()
-            return False
-        clip = z._compute_clip_val(x)
-        z._update_ema(clip if clip is not None else x)
-        return clip is not None
+        return flag
 
-    return flag
-
-
-def olmo_rule(window: int = 128, sigma: float = 6.0) -> Callable[[float], bool]:
-    past: deque[float] = deque(maxlen=window)
-
-    def flag(x: float) -> bool:
-        hit = False
-        if len(past) >= 20:
-            mean = sum(past) / len(past)
-            std = math.sqrt(sum((v - mean) ** 2 for v in past) / len(past))
-            hit = math.isfinite(x) and x > mean + sigma * std
-        if math.isfinite(x):
-            past.append(x)
-        return hit
-
-    return flag
+    return make
 
 
-def lightning_rule() -> Callable[[float], bool]:
-    from lightning.fabric.utilities.spike import SpikeDetection
+def on_series(factory: Callable[[], Flag], series: tuple[str, ...]) -> Callable[[list[str]], RowFlag]:
+    """A one-series peer applied to each named series of a real trace; a step counts if any flags."""
 
-    detector = SpikeDetection()  # defaults: mode min, window 10, warmup 1, rtol 2.0, finite_only
-    count = {"n": 0}
+    def make(layer_names: list[str]) -> RowFlag:
+        flags = {name: factory() for name in series}
 
-    def flag(x: float) -> bool:
-        value = torch.tensor(x)
-        i = count["n"]
-        count["n"] += 1
-        spike = i >= detector.warmup and detector._is_spike(value)
-        if not spike:
-            detector._update_stats(value)
-        return bool(spike) and math.isfinite(x)
+        def flag(row: Row) -> bool:
+            return any([f(row[name]) for name, f in flags.items()])  # a list: every flag sees every step
 
-    return flag
+        return flag
+
+    return make
 
 
-DETECTORS: dict[str, Callable[[], Callable[[float], bool]]] = {
-    "stabilitykit": ours,
-    "ZClip": zclip_rule,
+STREAM_DETECTORS: dict[str, Callable[[], Flag]] = {
+    "stabilitykit alert": ours_alert_stream,
+    "stabilitykit before (z>=4)": old_stream,
     "OLMo 6 std / 128": olmo_rule,
     "Lightning SpikeDetection": lightning_rule,
+    "ZClip (would clip)": zclip_rule,
+    "Megatron 10x": megatron_rule,
+}
+
+REAL_DETECTORS: dict[str, Callable[[list[str]], RowFlag]] = {
+    "stabilitykit alert": ours_real("spike_alert"),
+    "stabilitykit warning": ours_real("spike_warning"),
+    "stabilitykit before (z>=4)": on_series(old_stream, ("grad_norm",)),
+    "OLMo 6 std / 128 (grad norm, loss)": on_series(olmo_rule, ("grad_norm", "loss")),
+    "Lightning SpikeDetection (loss)": on_series(lightning_rule, ("loss",)),
+    "ZClip (grad norm)": on_series(zclip_rule, ("grad_norm",)),
+    "Megatron 10x (loss)": on_series(megatron_rule, ("loss",)),
 }
 
 
-def part1(seeds: int, steps: int) -> dict[str, dict[str, float]]:
-    results: dict[str, dict[str, Any]] = {}
-    for name, factory in DETECTORS.items():
-        hits = {s: [0, 0] for s in SIZES}
-        after = [0, 0]
-        false_alarms, clean = 0, 0
-        start = time.perf_counter()
-        for seed in range(seeds):
-            values, spikes, events = make_stream(seed, steps)
-            first_event = min(events)
-            flag = factory()
-            for t, x in enumerate(values):
-                hit = flag(x)
-                if t in spikes:
-                    hits[spikes[t]][0] += hit
-                    hits[spikes[t]][1] += 1
-                    if t > first_event:
-                        after[0] += hit
-                        after[1] += 1
-                elif t not in events:
-                    clean += 1
-                    false_alarms += hit
-        row = {f"{s:g}x": hits[s][0] / hits[s][1] for s in SIZES}
-        row["FP/10k"] = false_alarms / clean * 1e4
-        row["recall after NaN"] = after[0] / max(after[1], 1)
-        row["us/step"] = (time.perf_counter() - start) / (seeds * steps) * 1e6
-        results[name] = row
-    return results
+# ----------------------------------------------------------------------------- part 1
+def part1(seeds: int, steps: int, detectors: dict[str, Callable[[], Flag]]) -> dict[str, Any]:
+    """Per configuration and detector: recall on >= 3x spikes, per-size recall, false alarms, recall after NaN."""
+    table: dict[str, Any] = {}
+    for sigma in SIGMAS:
+        for phi in PHIS:
+            key = f"sigma={sigma:g} phi={phi:g}"
+            streams = [synthetic_stream(sigma, phi, seed, steps) for seed in range(seeds)]
+            innovation = streams[0].innovation
+            cell: dict[str, Any] = {"innovation": innovation, "bound_3x": gaussian_bound(innovation, 3.0)}
+            for name, factory in detectors.items():
+                hits = {s: [0, 0] for s in SPIKE_SIZES}
+                after = [0, 0]
+                false_alarms = clean = 0
+                for stream in streams:
+                    flag = factory()
+                    first_bad = min(stream.bad)
+                    for t, x in enumerate(stream.values):
+                        hit = flag(x)
+                        if t in stream.spikes:
+                            size = stream.spikes[t]
+                            hits[size][0] += hit
+                            hits[size][1] += 1
+                            if t > first_bad and size >= 3:
+                                after[0] += hit
+                                after[1] += 1
+                        elif t >= 100 and t not in stream.bad and t not in stream.ignore:
+                            clean += 1
+                            false_alarms += hit
+                big = [hits[s] for s in SPIKE_SIZES if s >= 3]
+                cell[name] = {
+                    "recall_3x+": sum(h for h, _ in big) / max(1, sum(n for _, n in big)),
+                    "by_size": {f"{s:g}x": hits[s][0] / max(1, hits[s][1]) for s in SPIKE_SIZES},
+                    "fa_per_10k": false_alarms / clean * 1e4,
+                    "recall_after_nan": after[0] / max(1, after[1]),
+                }
+            table[key] = cell
+    return table
 
 
-# ----------------------------------------------------------------------------- part 2: training
-def _eval_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
-    with torch.no_grad():
-        return float(model.loss(*batch))
+def print_part1(table: dict[str, Any], detectors: list[str]) -> None:
+    short = {name: name.split(" (")[0].replace("stabilitykit", "sk") for name in detectors}
+    print("\n## Synthetic suite: recall on spikes >= 3x / false alarms per 10k clean steps\n")
+    print("| config | innovation | bound 3x | " + " | ".join(short[d] for d in detectors) + " |")
+    print("|" + " --- |" * (3 + len(detectors)))
+    for key, cell in table.items():
+        parts = [f"{cell[d]['recall_3x+']:.2f} / {cell[d]['fa_per_10k']:.1f}" for d in detectors]
+        print(f"| {key} | {cell['innovation']:.3f} | {cell['bound_3x']:.2f} | " + " | ".join(parts) + " |")
+    ours = detectors[0]
+    print(f"\n## Synthetic suite, {ours}: recall by spike size\n")
+    print("| config | " + " | ".join(f"{s:g}x" for s in SPIKE_SIZES) + " | bound 3x | FA/10k |")
+    print("|" + " --- |" * (3 + len(SPIKE_SIZES)))
+    for key, cell in table.items():
+        by = cell[ours]["by_size"]
+        print(
+            f"| {key} | "
+            + " | ".join(f"{by[f'{s:g}x']:.2f}" for s in SPIKE_SIZES)
+            + f" | {cell['bound_3x']:.2f} | {cell[ours]['fa_per_10k']:.1f} |"
+        )
+    print("\n## Synthetic suite, summary\n")
+    print(
+        "| detector | configs (innovation <= 0.16) meeting recall >= 0.95 and FA <= 1 | mean recall 3x+ (<= 0.16) "
+        "| worst FA/10k | recall after NaN/Inf |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    for d in detectors:
+        easy = [c for c in table.values() if c["innovation"] <= 0.16]
+        ok = sum(1 for c in easy if c[d]["recall_3x+"] >= 0.95 and c[d]["fa_per_10k"] <= 1.0)
+        mean = sum(c[d]["recall_3x+"] for c in easy) / len(easy)
+        worst = max(c[d]["fa_per_10k"] for c in table.values())
+        after = sum(c[d]["recall_after_nan"] for c in table.values()) / len(table)
+        print(f"| {d} | {ok}/{len(easy)} | {mean:.2f} | {worst:.1f} | {after:.2f} |")
 
 
-def train(arm: str, steps: int, inject: bool, seed: int = 0) -> dict[str, Any]:
-    """One training run; returns final eval loss, divergence and the first warning after the LR surge."""
-    torch.manual_seed(seed)
-    model = tiny_gpt(seed=seed)
-    base_lr = 3e-3
-    opt = torch.optim.AdamW(model.parameters(), lr=base_lr, weight_decay=0.1)
-    data = char_batches(batch_size=16, seed=seed)
-    eval_batch = next(char_batches(batch_size=64, seed=seed + 100))
-    junk, big, nan, surge = steps // 4, int(steps * 0.42), int(steps * 0.58), int(steps * 0.75)
-    guard = None
-    warnings_at: list[int] = []
-    zclip = None
-    if arm == "stabilitykit adaptive":
-        cfg = sk.StabilityConfig(clip=sk.ClipConfig(mode="adaptive", warmup_steps=25), log_every_n_steps=10)
-        guard = sk.StabilityGuard(model, opt, cfg)
-        guard.hooks.on("spike_warning", lambda e: warnings_at.append(e.step))
-    elif arm.startswith("ZClip"):
-        from zclip import ZClip
-
-        zclip = ZClip(warmup_steps=25)
-    diverged = False
-    for step in range(steps):
-        x, y = next(data)
-        if inject and step == junk:
-            x = torch.randint(0, model.cfg.vocab_size, x.shape)
-            y = torch.randint(0, model.cfg.vocab_size, y.shape)
-        lr = base_lr * (10.0 if inject and surge <= step < surge + 5 else 1.0)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        loss = model.loss(x, y)
-        if inject and step == big:
-            loss = loss * 1000.0
-        if inject and step == nan:
-            loss = loss * float("nan")
-        if guard is not None:
-            guard.backward(loss)
-            guard.step()
-            guard.zero_grad()
-            continue
-        loss.backward()
-        if arm.endswith("+ NaN check") and not math.isfinite(float(loss.detach())):
-            opt.zero_grad()  # the hand-rolled guard: drop a non-finite step
-            continue
-        if arm.startswith("fixed clip 1.0"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        elif zclip is not None:
-            zclip.step(model)
-        opt.step()
-        opt.zero_grad()
-    if guard is not None:
-        guard.close()
-    final = _eval_loss(model, eval_batch)
-    diverged = not math.isfinite(final) or any(not torch.isfinite(p).all() for p in model.parameters())
-    lead = next((s - surge for s in warnings_at if s >= surge), None)
-    return {"final": final, "diverged": diverged, "warning_after_surge": lead}
+# ----------------------------------------------------------------------------- part 2
+def rows_of(run: Run) -> list[Row]:
+    names = run.columns
+    return [{n: float(v) for n, v in zip(names, r, strict=True)} for r in run.data.tolist()]
 
 
-def part2(steps: int, seeds: int) -> dict[str, dict[str, Any]]:
-    """Each arm over ``seeds`` seeds: mean final loss (NaN if any seed diverged), slowest first warning."""
-    arms = ("no clipping", "fixed clip 1.0", "ZClip", "fixed clip 1.0 + NaN check", "ZClip + NaN check")
-    plan = [("clean run (no injections)", False)] + [(a, True) for a in (*arms, "stabilitykit adaptive")]
-    results = {}
-    for arm, inject in plan:
-        runs = [train(arm if inject else "no clipping", steps, inject=inject, seed=s) for s in range(seeds)]
-        lags = [r["warning_after_surge"] for r in runs if r["warning_after_surge"] is not None]
-        results[arm] = {
-            "final": statistics.fmean(r["final"] for r in runs),
-            "diverged": any(r["diverged"] for r in runs),
-            "warning_after_surge": max(lags) if lags else None,
+def part2(runs: list[Run], detectors: dict[str, Callable[[list[str]], RowFlag]]) -> dict[str, Any]:
+    """Per detector: onset recall, share before the loss moved, lead times, alerts per 10k healthy steps."""
+    truths = {run.key: ground_truth(run.col("loss")) for run in runs}
+    out: dict[str, Any] = {}
+    for name, make in detectors.items():
+        spikes_hit = spikes_n = early = div_hit = div_n = 0
+        leads: list[int] = []
+        fa = healthy = fa_quiet = healthy_quiet = 0
+        for run in runs:
+            truth = truths[run.key]
+            flag = make(run.layer_names())
+            alerts = np.array([flag(row) for row in rows_of(run)], dtype=bool)
+            steps = np.flatnonzero(alerts)
+            for m, t in truth.spikes:
+                spikes_n += 1
+                inside = steps[(steps >= m - 30) & (steps <= t + 3)]
+                if len(inside):
+                    spikes_hit += 1
+                    leads.append(int(m - inside[0]))
+                    early += inside[0] < m
+            for d in truth.divergences:
+                div_n += 1
+                div_hit += bool(((steps >= d - 30) & (steps <= d + 3)).any())
+            fa += int(alerts[truth.healthy].sum())
+            healthy += int(truth.healthy.sum())
+            if not truth.spikes and not truth.divergences:
+                fa_quiet += int(alerts[truth.healthy].sum())
+                healthy_quiet += int(truth.healthy.sum())
+        out[name] = {
+            "spike_recall": spikes_hit / max(1, spikes_n),
+            "spikes": spikes_n,
+            "before_moved": early / max(1, spikes_hit),
+            "median_lead": float(np.median(leads)) if leads else math.nan,
+            "divergence_recall": div_hit / max(1, div_n),
+            "divergences": div_n,
+            "fa_per_10k": fa / max(1, healthy) * 1e4,
+            "fa_per_10k_quiet_runs": fa_quiet / max(1, healthy_quiet) * 1e4,
+            "healthy_steps": healthy,
+            "quiet_steps": healthy_quiet,
         }
-    return results
+    return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="spike detection and adaptive clipping benchmark")
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=10_000)
-    parser.add_argument("--train-steps", type=int, default=600)
-    parser.add_argument("--train-seeds", type=int, default=3)
+def print_part2(table: dict[str, Any], runs: list[Run]) -> None:
+    any_row = next(iter(table.values()))
+    print(
+        f"\n## Real instabilities: {len(runs)} runs, {any_row['spikes']} loss-spike onsets, "
+        f"{any_row['divergences']} divergence onsets, {any_row['healthy_steps']} healthy steps "
+        f"({any_row['quiet_steps']} in runs with no event)\n"
+    )
+    print(
+        "| detector | loss-spike recall | alerted before the loss moved | median lead (steps) "
+        "| divergence recall | alerts / 10k healthy steps | same, runs with no event |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, r in table.items():
+        print(
+            f"| {name} | {r['spike_recall']:.2f} | {r['before_moved']:.2f} | {r['median_lead']:.0f} "
+            f"| {r['divergence_recall']:.2f} | {r['fa_per_10k']:.1f} | {r['fa_per_10k_quiet_runs']:.1f} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6000)
+    parser.add_argument("--traces", default=str(TRACES))
+    parser.add_argument("--skip-synthetic", action="store_true")
     args = parser.parse_args(argv)
-    torch.set_num_threads(2)
-
-    print(f"1. synthetic grad-norm streams: {args.seeds} seeds x {args.steps} steps")
-    table = part1(args.seeds, args.steps)
-    cols = [f"{s:g}x" for s in SIZES] + ["FP/10k", "recall after NaN", "us/step"]
-    print(f"{'detector':<26}" + "".join(f"{c:>10}" for c in cols[:-2]) + f"{'after NaN':>11}{'us/step':>9}")
-    for name, row in table.items():
-        cells = "".join(f"{row[c]:>10.2f}" for c in cols[:-2])
-        print(f"{name:<26}{cells}{row['recall after NaN']:>11.2f}{row['us/step']:>9.1f}")
-
-    print(
-        f"\n2. tiny GPT, {args.train_steps} steps x {args.train_seeds} seeds (mean final eval loss): "
-        "junk batch, x1000 gradient, NaN, 10x LR surge for 5 steps"
-    )
-    runs = part2(args.train_steps, args.train_seeds)
-    clean = runs["clean run (no injections)"]["final"]
-    print(f"{'arm':<28}{'final loss':>12}{'vs clean':>10}{'diverged':>10}{'warned (steps after surge)':>28}")
-    for arm, r in runs.items():
-        rel = (r["final"] / clean - 1) * 100 if math.isfinite(r["final"]) else math.nan
-        warned = "-" if r["warning_after_surge"] is None else str(r["warning_after_surge"])
-        print(f"{arm:<28}{r['final']:>12.4f}{rel:>+9.1f}%{r['diverged']!s:>10}{warned:>28}")
-    ours_row = table["stabilitykit"]
-    big = min(ours_row[f"{s:g}x"] for s in SIZES if s >= 5)
-    print(
-        f"\nstabilitykit: recall >= 5x spikes {big:.3f} (target >= 0.95), "
-        f"{ours_row['FP/10k']:.2f} false alarms per 10k clean steps (target <= 1), "
-        f"recall on 3x spikes {ours_row['3x']:.3f}"
-    )
-    final = runs["stabilitykit adaptive"]["final"]
-    zc = runs["ZClip + NaN check"]["final"]
-    print(
-        f"stabilitykit adaptive final loss {final:.4f}: {(final / clean - 1) * 100:+.1f}% vs clean (target within 2%), "
-        f"ZClip + NaN check {zc:.4f}" + ("" if math.isfinite(zc) else " (diverged)")
-    )
+    start = time.perf_counter()
+    if Path(args.traces).exists():
+        runs = load_runs(Path(args.traces))
+        print_part2(part2(runs, REAL_DETECTORS), runs)
+    else:
+        print(f"(no traces at {args.traces}: run benchmarks/instability/train.py first)")
+    if not args.skip_synthetic:
+        print_part1(part1(args.seeds, args.steps, STREAM_DETECTORS), list(STREAM_DETECTORS))
+    print(f"\n({time.perf_counter() - start:.0f}s)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -141,6 +141,17 @@ class SkipConfig(_Strict):
             "'none' nothing."
         ),
     )
+    spike: bool = Field(
+        False,
+        description=(
+            "Skip-on-spike: also skip a finite step whose grad norm (or loss) is an outlier, decided on "
+            "the device with no host sync (stabilitykit.spike_skip.SpikeSkipRule)."
+        ),
+    )
+    spike_z: float = Field(6.0, gt=0, description="Skip-on-spike: log-space z-score above which a step is skipped.")
+    spike_alpha: float = Field(0.05, gt=0, lt=1, description="Skip-on-spike: EMA rate of the log-space statistics.")
+    spike_warmup_steps: int = Field(50, ge=1, description="Skip-on-spike: finite steps before any step is skipped.")
+    spike_on_loss: bool = Field(True, description="Skip-on-spike: test the loss as well as the grad norm.")
 
 
 class SpikeConfig(_Strict):
@@ -149,8 +160,28 @@ class SpikeConfig(_Strict):
     enabled: bool = Field(True, description="Run the spike detectors.")
     warmup_steps: int = Field(20, ge=1, description="Steps that only collect statistics.")
     alpha: float = Field(0.1, gt=0, lt=1, description="EMA rate of the log-space baseline.")
-    z_warning: float = Field(4.0, gt=0, description="Robust z-score that raises a spike warning.")
+    z_warning: float = Field(
+        4.0, gt=0, description="Grad-norm (or layer) z-score that raises a spike_warning (dashboard only)."
+    )
     z_spike: float = Field(6.0, gt=0, description="Robust z-score of the loss that is a loss spike.")
+    z_alert: float = Field(
+        5.0,
+        gt=0,
+        description="With no loss given: the grad-norm z-score that raises a spike_alert (the rare event that pages).",
+    )
+    z_joint: float = Field(
+        3.0, gt=0, description="With a loss: grad norm and loss both at this z-score raise a spike_alert."
+    )
+    z_loss_alert: float = Field(6.0, gt=0, description="Loss z-score that raises a spike_alert.")
+    alert_cooldown: int = Field(20, ge=1, description="Steps after a spike_alert during which no other is raised.")
+    trend_warning: float = Field(
+        0.7,
+        gt=0,
+        description=(
+            "Precursor signals (max attention logit, log Z, update size): warn when the recent level "
+            "exceeds the long-run level by this much in log units (0.7: about 2x)."
+        ),
+    )
     per_layer: bool = Field(
         False, description="Also score each layer's grad norm (names the layer that leads a spike)."
     )

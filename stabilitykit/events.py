@@ -10,6 +10,7 @@ __all__ = ["EVENT_KINDS", "BadBatchError", "Event", "TrainingDivergedError"]
 #: Every event kind the engine emits; ``HookManager.on`` accepts these and ``"*"``.
 EVENT_KINDS = (
     "spike_warning",
+    "spike_alert",
     "loss_spike",
     "nonfinite",
     "skipped",

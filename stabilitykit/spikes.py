@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from stabilitykit.events import Event
@@ -21,7 +21,7 @@ from stabilitykit.events import Event
 if TYPE_CHECKING:
     from stabilitykit.config import SpikeConfig
 
-__all__ = ["RobustDetector", "SpikeMonitor", "SpikeScore"]
+__all__ = ["PredictiveDetector", "RobustDetector", "SpikeMonitor", "SpikeScore", "TrendDetector"]
 
 #: |residual| EMA * 1.2533 estimates the standard deviation of a normal residual.
 _ABS_TO_STD = 1.2533
@@ -89,6 +89,139 @@ class RobustDetector:
         self.count = [int(v) for v in state["count"]]
 
 
+class PredictiveDetector:
+    """One-step-ahead robust z-scores of log(x) that model autocorrelation, for ``size`` series.
+
+    Grad-norm series are autocorrelated (AR(1)-like in log space, phi up to 0.95): a plain EMA
+    baseline mistakes slow wander for noise, so its residual scale widens and 3x jumps drown.
+    This detector predicts ``level + phi * (last - level)``, with ``level`` an EMA of log(x) and
+    ``phi`` the lag-1 autocorrelation of the deviations from it (estimated online, in [0, 0.98]).
+    The residual scale is an EMA of |residual| (x1.2533); once warm, residuals are clamped to
+    ``clamp`` scales before they update anything, and a clamped value is what ``last`` keeps, so
+    one spike moves neither the baseline nor the scale nor the next prediction. NaN, Inf and
+    non-positive values are never ingested: the detector is never blind after one.
+    """
+
+    def __init__(
+        self, alpha: float = 0.1, warmup_steps: int = 20, size: int = 1, slow_alpha: float = 0.02, clamp: float = 3.0
+    ) -> None:
+        if not 0 < alpha < 1 or not 0 < slow_alpha < 1:
+            raise ValueError(f"alpha and slow_alpha must be in (0, 1), got {alpha!r} and {slow_alpha!r}")
+        self.alpha = alpha
+        self.slow_alpha = slow_alpha
+        self.clamp = clamp
+        self.warmup_steps = warmup_steps
+        self.level = [0.0] * size
+        self.last = [0.0] * size
+        self.abs_dev = [0.0] * size
+        self.cov = [0.0] * size  # EMA of d_t * d_{t-1}, d = clean log value - level
+        self.var = [0.0] * size  # EMA of d_t ** 2
+        self.count = [0] * size
+
+    @property
+    def size(self) -> int:
+        """How many series this detector scores."""
+        return len(self.level)
+
+    def phi(self, i: int = 0) -> float:
+        """The current lag-1 autocorrelation estimate of series ``i``."""
+        return min(0.98, max(0.0, self.cov[i] / self.var[i])) if self.var[i] > 0 else 0.0
+
+    def scale(self, i: int = 0) -> float:
+        """The current one-step-ahead residual scale of series ``i`` (log space, std units)."""
+        return self.abs_dev[i] * _ABS_TO_STD + _MIN_STD
+
+    def update(self, values: Sequence[float]) -> list[float]:
+        """Score each value against its prediction, then fold it in; z is 0 in warmup and for bad values."""
+        scores: list[float] = []
+        for i, x in enumerate(values):
+            if not (x > 0 and math.isfinite(x)):
+                scores.append(0.0)
+                continue
+            y = math.log(x)
+            count = self.count[i]
+            if count == 0:
+                self.level[i] = self.last[i] = y
+                self.count[i] = 1
+                scores.append(0.0)
+                continue
+            level, last = self.level[i], self.last[i]
+            phi = self.phi(i)
+            pred = level + phi * (last - level)
+            resid = y - pred
+            std = self.scale(i)
+            if count >= self.warmup_steps:
+                scores.append(resid / std)
+                bound = self.clamp * std
+                resid = max(-bound, min(bound, resid))
+            else:
+                scores.append(0.0)
+            clean = pred + resid
+            a = self.alpha
+            self.abs_dev[i] = (1 - a) * self.abs_dev[i] + a * abs(resid)
+            d_prev, d_now = last - level, clean - level
+            s = self.slow_alpha
+            self.cov[i] = (1 - s) * self.cov[i] + s * d_now * d_prev
+            self.var[i] = (1 - s) * self.var[i] + s * d_now * d_now
+            self.level[i] = level + a * (clean - level)
+            self.last[i] = clean
+            self.count[i] = count + 1
+        return scores
+
+    def state_dict(self) -> dict[str, Any]:
+        """Levels, last clean values, scales, autocorrelation moments and counts (plain lists)."""
+        return {
+            "level": list(self.level),
+            "last": list(self.last),
+            "abs_dev": list(self.abs_dev),
+            "cov": list(self.cov),
+            "var": list(self.var),
+            "count": list(self.count),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned; the sizes must match."""
+        if len(state["level"]) != self.size:
+            raise ValueError(f"detector state has {len(state['level'])} series, this detector scores {self.size}")
+        for key in ("level", "last", "abs_dev", "cov", "var"):
+            setattr(self, key, [float(v) for v in state[key]])
+        self.count = [int(v) for v in state["count"]]
+
+
+class TrendDetector:
+    """Slow growth of a positive signal: the fast EMA of log(x) against a slow one, in log units.
+
+    For precursors that drift rather than jump (max attention logit, |log Z|, update size): the
+    score is ``fast - slow`` (log of the ratio of the recent level to the long-run level).
+    Non-finite and non-positive values are never ingested.
+    """
+
+    def __init__(self, fast: float = 0.1, slow: float = 0.01, warmup_steps: int = 50) -> None:
+        self.fast_alpha, self.slow_alpha, self.warmup_steps = fast, slow, warmup_steps
+        self.fast = self.slow = 0.0
+        self.count = 0
+
+    def update(self, x: float) -> float:
+        """Fold in one value; the log growth of the recent level over the long-run level (0 in warmup)."""
+        if not (x > 0 and math.isfinite(x)):
+            return 0.0
+        y = math.log(x)
+        if self.count == 0:
+            self.fast = self.slow = y
+        self.fast += self.fast_alpha * (y - self.fast)
+        self.slow += self.slow_alpha * (y - self.slow)
+        self.count += 1
+        return self.fast - self.slow if self.count >= self.warmup_steps else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Both levels and the count."""
+        return {"fast": self.fast, "slow": self.slow, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.fast, self.slow, self.count = float(state["fast"]), float(state["slow"]), int(state["count"])
+
+
 class SpikeScore:
     """OLMo's spike score: the share of the last ``window`` values beyond ``sigma`` std of the window mean."""
 
@@ -132,30 +265,60 @@ class SpikeScore:
 
 
 class SpikeMonitor:
-    """Early warning over journal rows: scores each step on the host and returns its events.
+    """Early warning over journal rows: a *warning* for the dashboard, an *alert* to page a person.
 
     The engine's ledger calls ``update`` exactly once per optimizer step (in step order, skipped
     steps included) with host floats, and ``metrics()`` on logging steps. Everything it keeps
     round-trips through ``state_dict``.
+
+    * ``spike_warning`` (frequent, cheap to ignore): the total grad norm's one-step-ahead z-score
+      reaches ``z_warning``, a layer's reaches it (``per_layer``), or a precursor signal passed in
+      ``signals`` (max attention logit, log Z, update size) crosses ``trend_warning`` (log units of
+      growth over its long-run level; once per crossing).
+    * ``spike_alert`` (rare): with a loss, the grad norm and the loss jump together (both z-scores
+      reach ``z_joint``) or the loss alone reaches ``z_loss_alert``; a grad-norm jump the loss does
+      not share is a one-batch outlier and only warns. Without a loss (``loss=None``), the grad
+      norm's z-score reaching ``z_alert`` alerts. At most one per ``alert_cooldown`` steps. Only
+      alerts are meant for ``run.alert``.
+    * ``loss_spike``: the loss's z-score reaches ``z_spike`` (kept for existing hooks).
+
+    Both z-scores come from ``PredictiveDetector`` (log space, autocorrelation-aware, robust
+    scale). Non-finite values are never ingested, so the monitor is never blind after a NaN.
     """
 
     def __init__(self, config: SpikeConfig, layer_names: Sequence[str]) -> None:
         self.config = config
         self.layer_names = list(layer_names)
-        self.detector = RobustDetector(config.alpha, config.warmup_steps, size=2)  # [grad norm, loss]
+        self.detector = PredictiveDetector(config.alpha, config.warmup_steps, size=2)  # [grad norm, loss]
         per_layer = config.per_layer and bool(self.layer_names)
         self.layer_detector = (
-            RobustDetector(config.alpha, config.warmup_steps, size=len(self.layer_names)) if per_layer else None
+            PredictiveDetector(config.alpha, config.warmup_steps, size=len(self.layer_names)) if per_layer else None
         )
+        self.trends: dict[str, TrendDetector] = {}
+        self.trend_high: set[str] = set()  # signals above trend_warning (a warning fires on the crossing)
         self.spike_score = SpikeScore(config.score_window, config.score_sigma)
         self.last_z: tuple[float, float] = (0.0, 0.0)
         self.max_z_grad_recent = 0.0
         self.max_z_loss_recent = 0.0
+        self.max_trend_recent = 0.0
+        self.last_alert_step: int | None = None
+        self.alerts = 0
 
     def update(
-        self, step: int, grad_norm: float, loss: float | None, layer_norms: Sequence[float] | None, skipped: bool
+        self,
+        step: int,
+        grad_norm: float,
+        loss: float | None,
+        layer_norms: Sequence[float] | None,
+        skipped: bool,
+        signals: Mapping[str, float] | None = None,
     ) -> list[Event]:
-        """Score one step; the events it raises (``spike_warning``, ``loss_spike``)."""
+        """Score one step; the events it raises (``spike_warning``, ``spike_alert``, ``loss_spike``).
+
+        ``signals``: optional precursors measured at this step, by name (e.g.
+        ``{"attention/max_logit": 31.0, "log_z": 6.2, "update_rms": 1e-3}``); a missing or
+        non-finite one is simply not scored.
+        """
         cfg = self.config
         z_grad, z_loss = self.detector.update([grad_norm, math.nan if loss is None else loss])
         self.last_z = (z_grad, z_loss)
@@ -163,20 +326,63 @@ class SpikeMonitor:
         self.max_z_loss_recent = max(self.max_z_loss_recent, z_loss)
         self.spike_score.update(grad_norm)
         leading: str | None = None
+        layer_top = 0.0
         if self.layer_detector is not None and layer_norms is not None:
             layer_z = self.layer_detector.update(layer_norms)
-            if layer_z and max(layer_z) >= cfg.z_warning:
-                leading = self.layer_names[max(range(len(layer_z)), key=layer_z.__getitem__)]
+            if layer_z:
+                top = max(range(len(layer_z)), key=layer_z.__getitem__)
+                layer_top = layer_z[top]
+                if layer_top >= cfg.z_warning:
+                    leading = self.layer_names[top]
+        trend_name, trend_top = None, 0.0
+        for name, value in (signals or {}).items():
+            detector = self.trends.get(name)
+            if detector is None:
+                detector = self.trends[name] = TrendDetector(warmup_steps=max(cfg.warmup_steps, 50))
+            growth = detector.update(abs(value))
+            if growth < cfg.trend_warning:
+                self.trend_high.discard(name)
+            elif name not in self.trend_high:
+                self.trend_high.add(name)
+                if growth > trend_top:
+                    trend_name, trend_top = name, growth
+        self.max_trend_recent = max(self.max_trend_recent, trend_top)
         events: list[Event] = []
+        warn_signal = None
         if z_grad >= cfg.z_warning:
+            warn_signal = "grad_norm"
+        elif leading is not None:
+            warn_signal = f"layer {leading}"
+        elif trend_name is not None and trend_top >= cfg.trend_warning:
+            warn_signal = trend_name
+        if warn_signal is not None:
             where = f"; largest layer z-score: {leading}" if leading else ""
-            message = f"grad-norm z-score {z_grad:.1f} at step {step} (warning at {cfg.z_warning}){where}"
-            events.append(
-                Event("spike_warning", step, message, {"z": z_grad, "grad_norm": grad_norm, "layer": leading})
-            )
+            if warn_signal == trend_name:
+                message = f"{trend_name} grew {math.exp(trend_top):.1f}x over its long-run level at step {step}"
+            else:
+                message = f"grad-norm z-score {z_grad:.1f} at step {step} (warning at {cfg.z_warning}){where}"
+            details = {"z": z_grad, "grad_norm": grad_norm, "layer": leading, "signal": warn_signal}
+            events.append(Event("spike_warning", step, message, details))
         if z_loss >= cfg.z_spike:
             message = f"loss z-score {z_loss:.1f} at step {step} (spike at {cfg.z_spike})"
             events.append(Event("loss_spike", step, message, {"z": z_loss, "loss": loss}))
+        cooled = self.last_alert_step is None or step - self.last_alert_step >= cfg.alert_cooldown
+        if loss is None:
+            why = "grad norm" if z_grad >= cfg.z_alert else None
+        elif z_loss >= cfg.z_loss_alert:
+            why = "loss"
+        else:
+            why = "grad norm and loss" if min(z_grad, z_loss) >= cfg.z_joint else None
+        if cooled and why is not None:
+            message = (
+                f"{why} jumped at step {step}: z-scores {z_grad:.1f} (grad norm {grad_norm:.3g}) and "
+                f"{z_loss:.1f} (loss {'n/a' if loss is None else f'{loss:.4g}'}); a loss spike or divergence may follow"
+            )
+            z = z_grad if why == "grad norm" else z_loss
+            details = {"z": z, "z_grad": z_grad, "z_loss": z_loss, "grad_norm": grad_norm, "loss": loss}
+            events.append(Event("spike_alert", step, message, {**details, "layer": leading}))
+            self.last_alert_step = step
+            self.alerts += 1
         return events
 
     def metrics(self) -> dict[str, float]:
@@ -185,28 +391,45 @@ class SpikeMonitor:
             "spikes/z_grad_norm": self.last_z[0],
             "spikes/z_loss": self.last_z[1],
             "spikes/max_z_grad_norm": self.max_z_grad_recent,
+            "spikes/max_z_loss": self.max_z_loss_recent,
             "spikes/score": self.spike_score.score(),
+            "spikes/alerts": float(self.alerts),
         }
-        self.max_z_grad_recent = self.max_z_loss_recent = 0.0
+        if self.trends:
+            out["spikes/max_trend"] = self.max_trend_recent
+        self.max_z_grad_recent = self.max_z_loss_recent = self.max_trend_recent = 0.0
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """Detector baselines, the score window and the interval maxima (plain values)."""
+        """Detector baselines, trends, the score window, interval maxima and the alert clock (plain values)."""
         return {
+            "version": 2,
             "detector": self.detector.state_dict(),
             "layer_detector": self.layer_detector.state_dict() if self.layer_detector is not None else None,
+            "trends": {name: d.state_dict() for name, d in self.trends.items()},
+            "trend_high": sorted(self.trend_high),
             "spike_score": self.spike_score.state_dict(),
             "last_z": list(self.last_z),
-            "recent": [self.max_z_grad_recent, self.max_z_loss_recent],
+            "recent": [self.max_z_grad_recent, self.max_z_loss_recent, self.max_trend_recent],
+            "last_alert_step": self.last_alert_step,
+            "alerts": self.alerts,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned."""
-        self.detector.load_state_dict(state["detector"])
-        if self.layer_detector is not None and state.get("layer_detector") is not None:
-            self.layer_detector.load_state_dict(state["layer_detector"])
+        """Restore what ``state_dict`` returned (a state from before version 2 restores the score window only)."""
+        if state.get("version", 1) >= 2:
+            self.detector.load_state_dict(state["detector"])
+            if self.layer_detector is not None and state.get("layer_detector") is not None:
+                self.layer_detector.load_state_dict(state["layer_detector"])
+            self.trends = {}
+            self.trend_high = set(state.get("trend_high", []))
+            for name, sub in state.get("trends", {}).items():
+                self.trends[name] = TrendDetector(warmup_steps=max(self.config.warmup_steps, 50))
+                self.trends[name].load_state_dict(sub)
+            self.last_alert_step = state.get("last_alert_step")
+            self.alerts = int(state.get("alerts", 0))
         self.spike_score.load_state_dict(state["spike_score"])
         z = state.get("last_z", (0.0, 0.0))
         self.last_z = (float(z[0]), float(z[1]))
-        recent = state.get("recent", (0.0, 0.0))
-        self.max_z_grad_recent, self.max_z_loss_recent = float(recent[0]), float(recent[1])
+        recent = [*state.get("recent", (0.0, 0.0)), 0.0]
+        self.max_z_grad_recent, self.max_z_loss_recent, self.max_trend_recent = (float(v) for v in recent[:3])

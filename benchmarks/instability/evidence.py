@@ -1,0 +1,86 @@
+"""Final loss against peak learning rate per arm, from the stored traces: a markdown table and a plot.
+
+    python benchmarks/instability/evidence.py [--traces benchmarks/instability/traces.npz]
+                                              [--plot docs/guides/img/evidence.png]
+
+Reads only the traces (``train.py`` writes them); prints, per arm and LR, the held-out loss at
+the end of the run, and per run the loss spikes and divergences of the loss-based ground truth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+from spike_suite import TRACES, ground_truth, load_runs
+
+ORDER = ("baseline", "qknorm", "zloss", "both", "clip", "zclip", "adaptive", "skip")
+LABELS = {
+    "baseline": "baseline",
+    "qknorm": "qk-norm",
+    "zloss": "z-loss",
+    "both": "qk-norm + z-loss",
+    "clip": "fixed clip 1.0",
+    "zclip": "ZClip",
+    "adaptive": "adaptive clipping",
+    "skip": "skip-on-spike",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--traces", default=str(TRACES))
+    parser.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+    args = parser.parse_args(argv)
+    runs = load_runs(Path(args.traces))
+    lrs = sorted({r.lr for r in runs})
+    by = {(r.arm, r.lr): r for r in runs}
+    arms = [a for a in ORDER if any(r.arm == a for r in runs)]
+    print("| arm | " + " | ".join(f"LR {lr:g}" for lr in lrs) + " |")
+    print("|" + " --- |" * (1 + len(lrs)))
+    for arm in arms:
+        cells = []
+        for lr in lrs:
+            run = by.get((arm, lr))
+            if run is None:
+                cells.append("-")
+                continue
+            truth = ground_truth(run.col("loss"))
+            marks = len(truth.spikes) * "s" + len(truth.divergences) * "D"
+            skipped = int(np.nansum(run.col("skipped")))
+            extra = f" ({marks}{', ' if marks and skipped else ''}{f'{skipped} skipped' if skipped else ''})"
+            cells.append(f"{run.final_loss:.3f}" + (extra if marks or skipped else ""))
+        print(f"| {LABELS[arm]} | " + " | ".join(cells) + " |")
+    print("\ns: a loss spike, D: a divergence (loss-based ground truth); n skipped: steps the arm skipped")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        for arm in arms:
+            points = [(lr, by[(arm, lr)].final_loss) for lr in lrs if (arm, lr) in by]
+            points = [(x, y) for x, y in points if math.isfinite(y)]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker="o", label=LABELS[arm])
+        ax.set_xscale("log")
+        ax.set_xlabel("peak learning rate")
+        ax.set_ylabel("held-out loss at the end (nats/byte)")
+        ax.set_title("0.5M-parameter byte GPT on the stdlib, 400 steps")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.plot, dpi=110)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

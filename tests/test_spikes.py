@@ -1,0 +1,179 @@
+"""Spike detectors, the warning/alert monitor and device-side skip-on-spike, on real values (no model needed)."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stabilitykit.config import SkipConfig, SpikeConfig
+from stabilitykit.events import EVENT_KINDS
+from stabilitykit.spike_skip import SpikeSkipRule
+from stabilitykit.spikes import PredictiveDetector, SpikeMonitor
+from stabilitykit.testing.syncs import count_host_syncs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from spike_suite import ground_truth, olmo_rule, synthetic_stream
+
+
+def _ar1(n: int, sigma: float, phi: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    noise, out = 0.0, []
+    for _ in range(n):
+        noise = phi * noise + sigma * math.sqrt(1 - phi * phi) * rng.gauss(0, 1)
+        out.append(math.exp(noise))
+    return out
+
+
+def test_predictive_detector_learns_autocorrelation_and_scores_a_3x_jump() -> None:
+    values = _ar1(2000, sigma=0.35, phi=0.9, seed=1)  # innovation 0.153: a 3x jump is ~7 deviations
+    detector = PredictiveDetector(size=1)
+    for x in values:
+        detector.update([x])
+    assert 0.6 < detector.phi() < 0.98
+    assert 0.10 < detector.scale() < 0.25  # near the innovation, far below the stationary 0.35
+    z = detector.update([values[-1] * 3.0])[0]
+    assert z > 5.0
+
+
+def test_predictive_detector_never_ingests_nan_or_inf_and_keeps_scoring() -> None:
+    detector = PredictiveDetector(size=1)
+    for x in _ar1(200, 0.1, 0.5, seed=2):
+        detector.update([x])
+    before = detector.state_dict()
+    assert detector.update([math.nan]) == [0.0] and detector.update([math.inf]) == [0.0]
+    assert detector.update([-1.0]) == [0.0]
+    assert detector.state_dict() == before
+    assert detector.update([10.0])[0] > 10  # a 10x jump right after the NaN is still seen
+
+
+def test_monitor_alerts_rarely_on_a_noisy_autocorrelated_stream_and_catches_spikes() -> None:
+    stream = synthetic_stream(0.35, 0.9, seed=3, steps=4000)
+    monitor = SpikeMonitor(SpikeConfig(), [])
+    alerts: set[int] = set()
+    for step, x in enumerate(stream.values):
+        if any(e.kind == "spike_alert" for e in monitor.update(step, x, None, None, False)):
+            alerts.add(step)
+    big = [t for t, f in stream.spikes.items() if f >= 3]
+    recall = sum(t in alerts for t in big) / len(big)
+    clean = [t for t in range(100, len(stream.values)) if t not in stream.spikes and t not in stream.bad]
+    false_alarms = sum(t in alerts for t in clean if t not in stream.ignore)
+    assert recall >= 0.9
+    assert false_alarms <= 2
+    # the window rule users compare with misses more of the same spikes
+    flag = olmo_rule()
+    olmo = {t for t, x in enumerate(stream.values) if flag(x)}
+    assert sum(t in olmo for t in big) / len(big) < recall
+
+
+def test_monitor_with_a_loss_alerts_only_when_grad_norm_and_loss_jump_together() -> None:
+    monitor = SpikeMonitor(SpikeConfig(), [])
+    values = _ar1(300, 0.1, 0.5, seed=7)
+    losses = [2.0 * math.exp(0.03 * random.Random(t).gauss(0, 1)) for t in range(300)]
+    kinds: dict[int, list[str]] = {}
+    for t in range(300):
+        x, loss = values[t], losses[t]
+        if t == 150:
+            x *= 20  # a one-batch grad-norm outlier: the loss does not move
+        if t == 250:
+            x, loss = x * 5, loss * 1.5  # both jump: a real spike
+        kinds[t] = [e.kind for e in monitor.update(t, x, loss, None, False)]
+    assert "spike_warning" in kinds[150] and "spike_alert" not in kinds[150]
+    assert "spike_alert" in kinds[250]
+
+
+def test_monitor_warning_is_separate_from_alert_and_names_the_signal() -> None:
+    monitor = SpikeMonitor(SpikeConfig(per_layer=True), ["a", "b"])
+    rng = random.Random(0)
+    events = []
+    for step in range(300):
+        grad = math.exp(rng.gauss(0, 0.05))
+        logit = 10.0 * (1.02 ** max(0, step - 150))  # attention logit growth after step 150
+        events += monitor.update(step, grad, 2.0, [grad, grad], False, signals={"attention/max_logit": logit})
+    kinds = [e.kind for e in events]
+    assert "spike_warning" in kinds and "spike_alert" not in kinds
+    assert any(e.details.get("signal") == "attention/max_logit" for e in events)
+    assert "spike_alert" in EVENT_KINDS
+
+
+def test_monitor_alert_cooldown_and_state_round_trip() -> None:
+    cfg = SpikeConfig(alert_cooldown=10)
+    a, b = SpikeMonitor(cfg, []), SpikeMonitor(cfg, [])
+    values = _ar1(300, 0.1, 0.5, seed=4)
+    for step, x in enumerate(values[:200]):
+        a.update(step, x, None, None, False)
+    b.load_state_dict(a.state_dict())
+    earlier = a.metrics()["spikes/alerts"]
+    out_a, out_b = [], []
+    for step in range(200, 215):
+        x = 50.0 if step in (201, 205, 213) else values[step]
+        out_a += [e.kind for e in a.update(step, x, None, None, False) if e.kind == "spike_alert"]
+        out_b += [e.kind for e in b.update(step, x, None, None, False) if e.kind == "spike_alert"]
+    assert out_a == out_b == ["spike_alert", "spike_alert"]  # 201 and 213; 205 falls in the cooldown
+    assert a.metrics()["spikes/alerts"] == earlier + 2
+
+
+def test_ground_truth_rule_finds_a_spike_and_a_divergence() -> None:
+    loss = [3.0 - 0.001 * t for t in range(400)]
+    loss[150] = 5.0
+    for t in range(250, 400):
+        loss[t] = 8.0
+    truth = ground_truth(loss)
+    assert truth.spikes[0] == (150, 150) and truth.divergences == [250]
+    assert not truth.healthy[150] and truth.healthy[110] and not truth.healthy[300]
+
+
+# ----------------------------------------------------------------------------- skip-on-spike
+def _feed(rule: SpikeSkipRule, values: list[float], loss: float = 2.0) -> list[bool]:
+    out = []
+    for v in values:
+        total = torch.tensor(v)
+        out.append(bool(rule.decide(total, torch.tensor(loss), torch.isfinite(total))))
+    return out
+
+
+def test_spike_skip_rule_skips_an_outlier_and_not_the_noise() -> None:
+    rule = SpikeSkipRule(z_threshold=6.0, warmup_steps=20)
+    noise = _ar1(300, 0.1, 0.0, seed=5)
+    assert not any(_feed(rule, noise))
+    assert _feed(rule, [20.0]) == [True]
+    assert not any(_feed(rule, noise[:50]))
+
+
+def test_spike_skip_rule_is_nan_safe_and_adopts_a_level_shift() -> None:
+    rule = SpikeSkipRule(z_threshold=6.0, warmup_steps=20)
+    _feed(rule, _ar1(100, 0.05, 0.0, seed=6))
+    before = {k: v.clone() for k, v in rule.state_dict().items()}
+    assert _feed(rule, [math.nan, math.inf]) == [False, False]  # the non-finite rule skips these
+    after = rule.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    flags = _feed(rule, [5.0] * 20)  # a lasting 5x level shift: skipped briefly, then adopted
+    assert flags[0] and not any(flags[10:])
+    skip_loss = rule.decide(torch.tensor(5.0), torch.tensor(40.0), torch.tensor(True))
+    assert bool(skip_loss)  # a loss 20x above its level is a spike too
+
+
+def test_spike_skip_rule_makes_no_host_sync_and_round_trips() -> None:
+    rule = SpikeSkipRule(warmup_steps=5)
+    values = torch.exp(torch.randn(30) * 0.1)
+    with count_host_syncs() as syncs:
+        flags = [rule.decide(v, torch.tensor(2.0), torch.isfinite(v)) for v in values]
+    assert syncs.count == 0 and all(f.dtype == torch.bool and f.dim() == 0 for f in flags)
+    twin = SpikeSkipRule(warmup_steps=5)
+    twin.load_state_dict(rule.state_dict())
+    x = torch.tensor(30.0)
+    assert bool(rule.decide(x)) and bool(twin.decide(x))
+    with pytest.raises(KeyError, match="count"):
+        twin.load_state_dict({"mean": torch.zeros(2), "abs_dev": torch.zeros(2)})
+
+
+def test_skip_config_spike_fields_validate() -> None:
+    cfg = SkipConfig(spike=True, spike_z=5.0)
+    assert cfg.spike and cfg.spike_z == 5.0 and cfg.spike_warmup_steps == 50
+    with pytest.raises(ValueError, match="spike_alpha"):
+        SkipConfig(spike_alpha=1.5)
