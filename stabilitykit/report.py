@@ -16,15 +16,24 @@ from torch import Tensor
 __all__ = ["StepReport", "pack_code", "reason_from_code"]
 
 # Reason codes packed into one integer so a single read tells the host everything.
-SKIP, BAD_LOSS, BAD_GRAD, OVERFLOW, REMOTE, BAD_BATCH = 1, 2, 4, 8, 16, 32
+SKIP, BAD_LOSS, BAD_GRAD, OVERFLOW, REMOTE, BAD_BATCH, SPIKE = 1, 2, 4, 8, 16, 32, 64
 
 
-def pack_code(skipped: bool, grad_finite: bool, loss_finite: bool, scaler_active: bool, bad_batch: bool = False) -> int:
+def pack_code(
+    skipped: bool,
+    grad_finite: bool,
+    loss_finite: bool,
+    scaler_active: bool,
+    bad_batch: bool = False,
+    spike: bool = False,
+) -> int:
     """The packed reason code of one step from what the host read of it (0 when not skipped)."""
     if not skipped:
         return 0
     if bad_batch:
         return SKIP | BAD_BATCH
+    if spike and grad_finite and loss_finite:
+        return SKIP | SPIKE
     code = SKIP
     if not grad_finite:
         code |= BAD_GRAD | (OVERFLOW if scaler_active else 0)
@@ -39,6 +48,8 @@ def reason_from_code(code: int) -> str | None:
         return None
     if code & BAD_BATCH:
         return "bad_batch"
+    if code & SPIKE:
+        return "spike"
     if code & OVERFLOW:
         return "fp16_overflow"
     if code & BAD_LOSS:
@@ -66,6 +77,7 @@ class StepReport:
     layer_names: list[str] = field(default_factory=list)
     scaler_active: bool = False
     bad_batch: Tensor | None = None  # the data guard's device flag, when it checked this step's batch
+    spike: Tensor | None = None  # the skip-on-spike rule's device flag, when it is on
     _code_value: int | None = None
 
     @property
@@ -75,8 +87,8 @@ class StepReport:
 
     @property
     def reason(self) -> str | None:
-        """Why the step was skipped: "nonfinite_loss", "nonfinite_grad", "fp16_overflow",
-        "nonfinite_on_other_rank", or None (reads the device once unless the engine already did)."""
+        """Why the step was skipped: "nonfinite_loss", "nonfinite_grad", "fp16_overflow", "bad_batch",
+        "spike", "nonfinite_on_other_rank", or None (reads the device once unless the engine already did)."""
         if self._code_value is None:
             self._code_value = self._read_code()
         return reason_from_code(self._code_value)
@@ -84,11 +96,12 @@ class StepReport:
     def _read_code(self) -> int:
         loss = self.loss if self.loss is not None else self.grad_norm.new_zeros(())
         flags = [self.skipped.float(), torch.isfinite(self.grad_norm).float(), torch.isfinite(loss).float()]
-        if self.bad_batch is not None:
-            flags.append(self.bad_batch.float())
+        flags.append(self.bad_batch.float() if self.bad_batch is not None else flags[0].new_zeros(()))
+        flags.append(self.spike.float() if self.spike is not None else flags[0].new_zeros(()))
         values = torch.stack(flags).tolist()
-        bad_batch = len(values) > 3 and values[3] > 0.5
-        return pack_code(values[0] > 0.5, values[1] > 0.5, values[2] > 0.5, self.scaler_active, bad_batch)
+        return pack_code(
+            values[0] > 0.5, values[1] > 0.5, values[2] > 0.5, self.scaler_active, values[3] > 0.5, values[4] > 0.5
+        )
 
     @property
     def layers(self) -> dict[str, Tensor]:

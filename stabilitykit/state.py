@@ -61,6 +61,7 @@ class _Engine(_State):
     step: int = Field(ge=0)
     ledger: _Ledger
     clip: dict[str, torch.Tensor]
+    spike_rule: dict[str, torch.Tensor] | None = None
     journal: _Journal
     layer_names: list[str]
 

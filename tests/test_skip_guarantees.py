@@ -196,3 +196,29 @@ def test_unsupported_parameters_and_optimizers_are_refused_by_name() -> None:
     net = torch.nn.Linear(4, 4)
     with pytest.raises(TypeError, match=r"cannot guard torch\.optim\.LBFGS"):
         sk.StabilityGuard(net, torch.optim.LBFGS(net.parameters()))
+
+
+def test_skip_on_spike_skips_a_finite_outlier_on_the_device_with_state_intact() -> None:
+    from stabilitykit.testing.syncs import count_host_syncs
+
+    model = _bn_net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    cfg = sk.StabilityConfig(skip=sk.SkipConfig(spike=True, spike_warmup_steps=10), log_every_n_steps=100)
+    guard = sk.StabilityGuard(model, opt, cfg)
+    reports = []
+    for step, (x, y) in enumerate(_data(30)):
+        loss = torch.nn.functional.cross_entropy(model(x), y) * (1000.0 if step == 25 else 1.0)
+        guard.backward(loss)
+        if step == 25:
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            with count_host_syncs() as syncs:
+                report = guard.step()
+            assert syncs.count == 0
+            assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        else:
+            report = guard.step()
+        guard.zero_grad()
+        reports.append(report)
+    assert [r.step for r in reports if bool(r.skipped)] == [25]
+    assert reports[25].reason == "spike"
+    assert guard.summary()["skipped"] == 1

@@ -1,8 +1,9 @@
 """The device journal: one row of named columns per optimizer step, read to the host in one copy.
 
 A row holds ``total`` (pre-clip norm), ``loss``, ``skip`` (1 skipped, +2 when the data guard
-forced it), ``coef`` (clip coefficient), ``threshold`` and then one norm per layer. Rows stay on
-the device until a logging step (or a step whose decision the host must know now) reads them.
+forced it, +4 when skip-on-spike did), ``coef`` (clip coefficient), ``threshold`` and then one
+norm per layer. Rows stay on the device until a logging step (or a step whose decision the host
+must know now) reads them.
 """
 
 from __future__ import annotations
@@ -81,13 +82,15 @@ class Journal:
         self.infos.append(info)
 
     def _decode(self, values: list[float], info: RowInfo) -> Row:
-        total, loss, skip = values[TOTAL], values[LOSS], values[SKIP]
+        total, loss = values[TOTAL], values[LOSS]
+        flags = round(values[SKIP])  # 1 skipped, +2 the data guard forced it, +4 skip-on-spike
         code = pack_code(
-            skipped=skip > 0.5,
+            skipped=bool(flags & 1),
             grad_finite=math.isfinite(total),
             loss_finite=not info.has_loss or math.isfinite(loss),
             scaler_active=info.scaler_active,
-            bad_batch=skip > 1.5,
+            bad_batch=bool(flags & 2),
+            spike=bool(flags & 4),
         )
         return Row(
             info.step,

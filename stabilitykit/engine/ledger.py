@@ -79,10 +79,13 @@ class Ledger:
         self.spikes = SpikeMonitor(config.spikes, layer_names) if config.spikes.enabled else None
         self.fp16 = Fp16Monitor(config.fp16)
 
-    def fold(self, row: Row, source: Any | None = None) -> tuple[list[Event], Divergence | None]:
+    def fold(
+        self, row: Row, source: Any | None = None, signals: dict[str, float] | None = None
+    ) -> tuple[list[Event], Divergence | None]:
         """Take one row into the counters and monitors: its events, and a divergence if this row completes one.
 
         ``source``: where a tracer saw the first non-finite value of this step (named in its events).
+        ``signals``: precursors measured at this step (module metrics), for the spike monitor.
         """
         c = self.counters
         events: list[Event] = []
@@ -116,7 +119,7 @@ class Ledger:
             c.max_norm_recent = max(c.max_norm_recent, row.total)
         if self.spikes is not None:
             layers = row.layers if self.layer_names and len(row.layers) == len(self.layer_names) else None
-            events.extend(self.spikes.update(row.step, row.total, row.loss, layers, row.skipped))
+            events.extend(self.spikes.update(row.step, row.total, row.loss, layers, row.skipped, signals=signals))
         row.folded = True
         return events, divergence
 
@@ -152,6 +155,8 @@ class Ledger:
             first = Event(
                 "bad_batch", step, "the data guard found non-finite values or bad labels in the batch", details
             )
+        elif reason == "spike":
+            first = Event("spike_warning", step, f"step {step} skipped as a spike (skip-on-spike){where}", details)
         elif reason == "nonfinite_on_other_rank":
             first = Event("nonfinite", step, "another rank saw a non-finite value; every rank skips", details)
         else:

@@ -47,6 +47,7 @@ from stabilitykit.events import Event
 from stabilitykit.grads import GradNormPlan, apply_clip_coefficient, clip_coefficient
 from stabilitykit.hooks import HookManager
 from stabilitykit.report import StepReport
+from stabilitykit.spike_skip import SpikeSkipRule
 
 __all__ = ["StabilityEngine", "StepDecision", "is_fused"]
 
@@ -112,6 +113,12 @@ class StabilityEngine:
         self.device = self.params[0].device
         self.step = 0  # optimizer steps attempted so far (skipped ones included)
         self.clip = make_clip_strategy(self.config.clip, self.device)
+        scfg = self.config.skip
+        self.spike_rule = (
+            SpikeSkipRule(scfg.spike_z, scfg.spike_alpha, scfg.spike_warmup_steps, self.device, scfg.spike_on_loss)
+            if scfg.spike
+            else None
+        )
         rank = torch.distributed.get_rank() if is_distributed() else None
         self.ledger = Ledger(self.config, self.layer_names if self.per_layer else [], fused, rank)
         capacity = min(self.config.log_every_n_steps or 1, MAX_JOURNAL_ROWS)
@@ -197,13 +204,22 @@ class StabilityEngine:
         loss = self._loss_sum  # the sum of what was backpropagated: with ``loss / accumulate`` the batch mean
         self._loss_sum = None
         skip = self._false
+        all_finite = finite & torch.isfinite(loss) if loss is not None else finite
         if cfg.skip.nonfinite:
-            skip = ~(finite & torch.isfinite(loss)) if loss is not None else ~finite
+            skip = ~all_finite
         if force_skip is not None:
             skip = skip | force_skip
-        if (cfg.skip.nonfinite or force_skip is not None) and cfg.skip.sync_ranks:
+        spike = self.spike_rule.decide(total, loss, all_finite) if self.spike_rule is not None else None
+        if spike is not None:
+            skip = skip | spike
+        can_skip = cfg.skip.nonfinite or force_skip is not None or spike is not None
+        if can_skip and cfg.skip.sync_ranks:
             skip = all_ranks_agree(skip)
-        skip_column = skip.float() if force_skip is None else skip.float() + 2 * force_skip.float()
+        skip_column = skip.float()
+        if force_skip is not None:
+            skip_column = skip_column + 2 * force_skip.float()
+        if spike is not None:
+            skip_column = skip_column + 4 * spike.float()
 
         coef, threshold = self._one, self._nan
         if self.clip is not None:
@@ -223,13 +239,14 @@ class StabilityEngine:
             layer_names=self.layer_names,
             scaler_active=scaler_active,
             bad_batch=force_skip,
+            spike=spike,
         )
         decision = StepDecision(report=report, skip=skip, skip_known=None, logging=logging)
         if logging or self.journal.full:
             self._read_journal(decision, loss_scale)
-        elif (cfg.skip.nonfinite or force_skip is not None) and not self.fused:
+        elif can_skip and not self.fused:
             self.resolve(decision)  # the one sync a non-fused optimizer pays to skip
-        elif not cfg.skip.nonfinite and force_skip is None:
+        elif not can_skip:
             decision.skip_known = False
         return decision
 
@@ -314,23 +331,27 @@ class StabilityEngine:
         step = self.step
         self.step += 1
         self._mark_measure()
-        divergence = self._fold(decision.rows, step)
+        divergence = self._fold(decision.rows, step, decision.module_metrics)
         if decision.logging:
             self._log_metrics(decision, step if log_step is None else log_step)
         if divergence is not None:
             self._diverged(divergence, raise_error=True)
         return decision.report
 
-    def _fold(self, rows: list[Row], step: int) -> Divergence | None:
-        """Fold rows the ledger has not taken yet; emit their events; the first divergence among them."""
+    def _fold(self, rows: list[Row], step: int, signals: dict[str, float] | None = None) -> Divergence | None:
+        """Fold rows the ledger has not taken yet; emit their events; the first divergence among them.
+
+        ``signals``: module metrics measured at ``step`` (max attention logit, log Z), scored with its row.
+        """
         first: Divergence | None = None
         for row in rows:
             if row.folded:
                 continue
-            source = None
+            source, row_signals = None, None
             if row.step == step:
                 source, self.source_hint = self.source_hint, None
-            events, divergence = self.ledger.fold(row, source)
+                row_signals = signals
+            events, divergence = self.ledger.fold(row, source, row_signals)
             for event in events:
                 self.hooks.emit(event)
             first = first or divergence
@@ -405,6 +426,7 @@ class StabilityEngine:
             "step": self.step,
             "ledger": self.ledger.state_dict(),
             "clip": self.clip.state_dict() if self.clip is not None else {},
+            "spike_rule": self.spike_rule.state_dict() if self.spike_rule is not None else None,
             "journal": self.journal.state_dict(),
             "layer_names": list(self.layer_names),
         }
@@ -428,6 +450,13 @@ class StabilityEngine:
             clip.load_state_dict(state["clip"])
         journal = Journal(self.journal.capacity, self.journal.width - len(COLUMNS), self.device)
         journal.load_state_dict(state.get("journal", {}))
+        rule = self.spike_rule
+        if rule is not None and state.get("spike_rule"):
+            scfg = self.config.skip
+            rule = SpikeSkipRule(
+                scfg.spike_z, scfg.spike_alpha, scfg.spike_warmup_steps, self.device, scfg.spike_on_loss
+            )
+            rule.load_state_dict(state["spike_rule"])
         self.step = int(state["step"])
-        self.ledger, self.clip, self.journal = ledger, clip, journal
+        self.ledger, self.clip, self.journal, self.spike_rule = ledger, clip, journal, rule
         self._mark_measure()
