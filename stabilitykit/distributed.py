@@ -17,9 +17,9 @@ Parameters with the same tuple of groups share one row of a packed matrix (per-l
 p-th powers and per-layer non-finite counts). Each distinct group is all-reduced ONCE per step
 with the rows that need it (a row over two mesh dimensions is reduced over one, then the other:
 the grid's sum). Finiteness never rides on the values: counts of non-finite per-tensor norms
-travel in the same tensors, and one extra row over the whole world (folded into a world-sized
-reduction when there is one) makes the flag identical on every rank, whatever a backend's MAX
-does with NaN. Pipeline stages cannot be seen from the model: pass ``extra_group`` (the
+travel in the same tensors, and a world-wide count (folded into a world-sized reduction when
+there is one, else one more all-reduce of a single number) makes the flag identical on every
+rank, whatever a backend's MAX does with NaN. Pipeline stages cannot be seen from the model: pass ``extra_group`` (the
 pipeline group) and the stage totals are summed over it, as torchtitan does.
 """
 
@@ -180,14 +180,21 @@ class LayoutReducer:
     groups: list[Any]
     rows_of_group: list[list[int]]
     extra_group: Any | None = None
+    #: the world count row rides in a world-sized reduction of the rows (per-layer flags global)
+    world_row_folded: bool = False
     #: NormResult.finite is identical on every rank of the default group (always true here).
     finite_is_global: bool = True
     _index: dict[tuple[int, str], Tensor] = field(default_factory=dict)
 
     @property
+    def separate_world_count(self) -> bool:
+        """The non-finite count needs its own world all-reduce (one int, layer lists may differ by rank)."""
+        return not self.world_row_folded and self.extra_group is not dist.group.WORLD
+
+    @property
     def collectives_per_step(self) -> int:
         """All-reduces one ``compute()`` makes (without any Partial-grad redistribution)."""
-        return len(self.groups) + (self.extra_group is not None)
+        return len(self.groups) + (self.extra_group is not None) + self.separate_world_count
 
     def _rows_index(self, g: int, device: torch.device) -> Tensor:
         key = (g, str(device))
@@ -212,11 +219,15 @@ class LayoutReducer:
             packed.index_copy_(0, index, part)
 
     def reduce_total(self, pair: Tensor, norm_type: float) -> None:
-        """All-reduce ``[stage total, non-finite count]`` over ``extra_group`` (no-op without one)."""
-        if self.extra_group is None:
-            return
-        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-        dist.all_reduce(pair, op=op, group=self.extra_group)
+        """Make ``[stage total, non-finite count]`` global in place: the count over the world (unless
+        already), then both over ``extra_group`` (pipeline stages). A count stays > 0 under SUM or MAX."""
+        if self.separate_world_count:
+            count = pair[1:].clone()
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            pair[1:] = count
+        if self.extra_group is not None:
+            op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+            dist.all_reduce(pair, op=op, group=self.extra_group)
 
 
 def reducer_for(
@@ -271,16 +282,13 @@ def reducer_for(
     n_rows = len(row_groups)
     rows_of_group = [[r for r, gs in enumerate(row_groups) if g in gs] for g in range(len(groups))]
     extra = canon(extra_group) if extra_group is not None else None
-    # the world-wide non-finite count row: folded into a world-sized reduction when there is one
-    if extra is not dist.group.WORLD:
-        world_group = canonical.get(tuple(range(world)))
-        if world_group is None:
-            world_group = dist.group.WORLD
-            canonical[tuple(range(world))] = world_group
-            groups.append(world_group)
-            rows_of_group.append([])
+    # the world-wide non-finite count row joins a world-sized reduction of the rows when there is
+    # one (every rank then has the same layers); otherwise it is one separate int (reduce_total)
+    world_group = canonical.get(tuple(range(world)))
+    folded = world_group is not None and world_group in groups
+    if folded:
         rows_of_group[groups.index(world_group)].append(n_rows)
-    return LayoutReducer(row_of, n_rows, groups, rows_of_group, extra)
+    return LayoutReducer(row_of, n_rows, groups, rows_of_group, extra, world_row_folded=folded)
 
 
 def all_ranks_agree(flag: Tensor, group: Any | None = None) -> Tensor:

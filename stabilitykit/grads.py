@@ -304,7 +304,7 @@ class GradNormPlan:
         values, counts = packed[:rows, 0], packed[:rows, 1]
         layer_values = values.amax(0) if p == math.inf else values.sum(0)
         layer_bad = counts.sum(0)
-        if reducer.extra_group is None:
+        if reducer.world_row_folded:
             layer_bad = layer_bad + packed[rows, 1]  # world-wide per layer (same layers on every rank)
         stage = layer_values.max() if p == math.inf else layer_values.sum()
         pair = torch.stack([stage, packed[rows, 1].sum()])

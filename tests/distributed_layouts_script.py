@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -292,11 +293,11 @@ def state_digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     """A hash of this rank's parameter shards and optimizer state, bit for bit."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(_local(p).detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(_local(p).detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         for key, value in sorted(opt.state.get(p, {}).items()):
             h.update(key.encode())
             if torch.is_tensor(value):
-                h.update(_local(value).detach().contiguous().view(torch.uint8).numpy().tobytes())
+                h.update(_local(value).detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -333,8 +334,9 @@ def skip_case(layout: str, norm_type: float, value: str) -> dict[str, Any]:
 
 def placements_case() -> dict[str, Any]:
     """DTensor grads with every pair of (Shard, Replicate, Partial) placements on a 2 x 2 mesh."""
-    import stabilitykit as sk
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    import stabilitykit as sk
 
     mesh = _mesh((2, 2), ("a", "b"))
     coord = mesh.get_coordinate()
@@ -373,11 +375,13 @@ def worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     results: dict[str, Any] = {"parity": {}, "skip": {}}
     refs: dict[tuple[str, float, float], dict[str, Any]] = {}
     for layout, p, max_norm in parity:
-        ref_key = (reference_group(layout) is None and "world" or layout, p, max_norm)
+        ref_key = ((reference_group(layout) is None and "world") or layout, p, max_norm)
         if ref_key not in refs:
             refs[ref_key] = reference(layout, p, max_norm)
         results["parity"][f"{layout}|{p}|{max_norm}"] = {"got": train(layout, p, max_norm), "ref": refs[ref_key]}
     for layout, p, value in skips:
+        if os.environ.get("SK_DEBUG"):
+            print(f"rank {rank}: skip {layout} {p} {value}", file=sys.stderr, flush=True)
         results["skip"][f"{layout}|{p}|{value}"] = skip_case(layout, p, value)
     results["placements"] = placements_case()
     return results
