@@ -33,6 +33,7 @@ __all__ = [
 #: Added to the total norm before dividing, exactly as ``torch.nn.utils.clip_grad_norm_`` does.
 CLIP_EPS = 1e-6
 
+
 def _block_prefix(model: nn.Module) -> str | None:
     """The largest ModuleList/Sequential whose children all share one type (the model's blocks)."""
     best: tuple[tuple[int, int], str] | None = None

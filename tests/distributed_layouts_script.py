@@ -279,7 +279,8 @@ def train(layout: str, norm_type: float, max_norm: float) -> dict[str, Any]:
     start = time.perf_counter()
     for it in range(ITERS):
         s.backward(it)
-        norms.append(float(sk.clip_grad_norm_(s.model, max_norm, norm_type, extra_group=s.extra_group)))
+        extra = {"extra_group": s.extra_group} if s.extra_group is not None else {}
+        norms.append(float(sk.clip_grad_norm_(s.model, max_norm, norm_type, **extra)))
         opt.step()
         opt.zero_grad()
     return {"norms": norms, "params": full_params(s.model), "seconds": time.perf_counter() - start}

@@ -139,30 +139,43 @@ def train(kind: str, orig: bool, norm_type: float, max_norm: float, rank: int) -
     return {"norms": norms, "checksum": full_checksum(model, kind)}
 
 
-def guard_nan_case(kind: str, rank: int) -> dict[str, Any]:
-    """A NaN in rank 1's grads (after reduction): every rank skips; parameters stay equal."""
+def guard_nan_case(kind: str, rank: int, norm_type: float = 2.0, value: float = math.nan) -> dict[str, Any]:
+    """A NaN/Inf in rank 1's grads (after reduction): every rank skips; state bitwise kept, equal on all ranks."""
+    from distributed_layouts_script import state_digest
+
     import stabilitykit as sk
 
     model, after_backward = wrap(kind, True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    cfg = sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0), log_every_n_steps=3)
+    mixed = kind == "fsdp2-mixed"  # DTensor and plain params: neither fused nor foreach
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=not mixed, foreach=False if mixed else None)
+    cfg = sk.StabilityConfig(
+        grad_norm=sk.GradNormConfig(norm_type=norm_type),
+        clip=sk.ClipConfig(mode="fixed", max_norm=1.0),
+        log_every_n_steps=3,
+    )
     guard = sk.StabilityGuard(model, opt, cfg)
     events: list[dict[str, Any]] = []
     guard.hooks.on("nonfinite", lambda e: events.append({"step": e.step, **e.details}))
-    for it in range(6):
+    unchanged = None
+    for it in range(4):
         guard.backward(loss_of(model, rank, it))
         if after_backward is not None:
             after_backward()
-        if it == 2 and rank == 1:
-            p = next(q for q in model.parameters() if q.grad is not None)
-            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            grad.view(-1)[0] = float("nan")
+        if it == 2:
+            if rank == 1:
+                p = next(q for q in model.parameters() if q.grad is not None)
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                grad.view(-1)[0] = value
+            before = state_digest(model, opt)
         guard.step()
+        if it == 2:
+            unchanged = state_digest(model, opt) == before
         guard.zero_grad()
     guard.close()
     return {
         "checksum": full_checksum(model, kind),
-        "skipped": guard.engine.counters.skipped_total,
+        "skipped": guard.skipped_total,
+        "unchanged": unchanged,
         "events": events,
     }
 
@@ -193,8 +206,12 @@ def worker(rank: int, world: int) -> dict[str, Any]:
             results[f"ddp|{norm_type}|{max_norm}"] = train("ddp", True, norm_type, max_norm, rank)
             for kind, orig in kinds:
                 results[f"{kind}|orig={orig}|{norm_type}|{max_norm}"] = train(kind, orig, norm_type, max_norm, rank)
-    for kind in ("ddp", "fsdp2", "fsdp1-full", "fsdp2-hsdp-Wx1"):
-        results[f"nan|{kind}"] = guard_nan_case(kind, rank)
+    for kind, orig in kinds:
+        if not orig:
+            continue  # the guard cases build with use_orig_params=True
+        for norm_type, value in ((1.0, math.nan), (2.0, math.inf), (math.inf, math.nan)):
+            results[f"nan|{kind}|{norm_type}|{value}"] = guard_nan_case(kind, rank, norm_type, value)
+    results["nan|ddp|2.0|nan"] = guard_nan_case("ddp", rank)
     results["no_grad_rank"] = no_grad_rank_case(rank)
     return results
 

@@ -51,13 +51,24 @@ def test_every_rank_sees_the_same_global_norm(ranks: list[dict]) -> None:
         assert all(n == norms[0] for n in norms), key
 
 
+def test_nonfinite_on_one_rank_skips_everywhere_for_every_layout_and_norm(ranks: list[dict]) -> None:
+    keys = [k for k in ranks[0] if k.startswith("nan|")]
+    assert {k.split("|")[1] for k in keys} == {"ddp", *{k.split("|")[0] for k in _configs(ranks[0])}}
+    assert {k.split("|")[2] for k in keys} == {"1.0", "2.0", "inf"}
+    for key in keys:
+        cases = [r[key] for r in ranks]
+        assert [c["skipped"] for c in cases] == [1] * len(ranks), key
+        assert all(c["unchanged"] for c in cases), f"{key}: state changed on the skipped step"
+        assert all(c["checksum"] == cases[0]["checksum"] for c in cases), f"{key}: parameters differ across ranks"
+        assert all(e["step"] == 2 for c in cases for e in c["events"]), key
+        assert [e["rank"] for e in cases[1]["events"]] == [1], key
+
+
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2", "fsdp1-full", "fsdp2-hsdp-Wx1"])
-def test_nan_on_one_rank_skips_everywhere_and_names_block_and_rank(ranks: list[dict], kind: str) -> None:
-    cases = [r[f"nan|{kind}"] for r in ranks]
-    assert [c["skipped"] for c in cases] == [1] * len(ranks)
-    assert all(c["checksum"] == cases[0]["checksum"] for c in cases), "parameters differ across ranks"
+def test_nan_names_block_and_rank(ranks: list[dict], kind: str) -> None:
+    cases = [r[f"nan|{kind}|2.0|inf" if kind != "ddp" else "nan|ddp|2.0|nan"] for r in ranks]
     bad = cases[1]["events"]
-    assert bad == [{"step": 2, "reason": "nonfinite_grad", "layer": "blocks.0", "rank": 1}]
+    assert bad[0]["layer"] == "blocks.0" and bad[0]["reason"] == "nonfinite_grad", bad
     for other in cases[0]["events"]:
         assert other["step"] == 2 and other["rank"] == 0
 

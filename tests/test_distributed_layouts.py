@@ -29,7 +29,7 @@ def _run(tmp_path_factory: pytest.TempPathFactory, mode: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return _run(tmp_path_factory, "all" if FULL else "ci")
+    return _run(tmp_path_factory, "ci")
 
 
 def check_parity(ranks: list[dict]) -> None:
@@ -74,3 +74,12 @@ def test_dtensor_grads_with_any_placements_reduce_to_the_full_norm(ranks: list[d
     for rank in ranks:
         for p, (got, ref) in rank["placements"].items():
             assert math.isclose(got, ref, rel_tol=RTOL), f"p={p}: {got} vs {ref}"
+
+
+@pytest.mark.distributed_matrix
+@pytest.mark.skipif(not FULL, reason="the whole 4-process matrix: set STABILITYKIT_FULL_MATRIX=1")
+def test_whole_matrix_every_norm_max_norm_nan_and_inf(tmp_path_factory: pytest.TempPathFactory) -> None:
+    ranks = _run(tmp_path_factory, "all")
+    assert len(ranks[0]["parity"]) == 8 * 3 * 2 and len(ranks[0]["skip"]) == 8 * 3 * 2
+    check_parity(ranks)
+    check_skips(ranks)
