@@ -41,13 +41,13 @@ def layouts(out: Path) -> bool:
     worst: dict[tuple[str, str], float] = defaultdict(float)
     for rank in ranks:
         for key, case in rank["parity"].items():
-            layout, p = key.split("|")[0] + ("|" + key.split("|")[1] if "orig" in key else ""), key.split("|")[-2]
+            layout, p = key.split("|")[0] + (" " + key.split("|")[1] if "orig" in key else ""), key.split("|")[-2]
             for a, b in zip(case["got"]["norms"], case["ref"]["norms"], strict=True):
                 worst[(layout, p)] = max(worst[(layout, p)], _rel(a, b))
     skips: dict[tuple[str, str], bool] = defaultdict(lambda: True)
     for key in ranks[0]["skip"]:
         parts = key.split("|")
-        layout, p = "|".join(parts[:-2]), parts[-2]
+        layout, p = " ".join(parts[:-2]), parts[-2]
         ok = all(
             r["skip"][key]["skipped"] == 1
             and r["skip"][key]["unchanged"]
