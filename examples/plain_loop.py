@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         guard.zero_grad()
         if step % 10 == 0:
             print(
-                f"step {report.step:3d}  loss {float(report.loss) * args.accumulate:.3f}  "  # type: ignore[arg-type]
+                f"step {report.step:3d}  loss {float(report.loss):.3f}  "  # type: ignore[arg-type]
                 f"grad norm {float(report.grad_norm):.3f}  scale {scaler.get_scale():.0f}"
             )
     guard.close()

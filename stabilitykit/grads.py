@@ -9,7 +9,6 @@ multiplies the grads.
 from __future__ import annotations
 
 import math
-import re
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -27,66 +26,10 @@ __all__ = [
     "clip_coefficient",
     "clip_grad_norm_",
     "grad_norms",
-    "layer_names_for",
 ]
 
 #: Added to the total norm before dividing, exactly as ``torch.nn.utils.clip_grad_norm_`` does.
 CLIP_EPS = 1e-6
-
-
-def _block_prefix(model: nn.Module) -> str | None:
-    """The largest ModuleList/Sequential whose children all share one type (the model's blocks)."""
-    best: tuple[tuple[int, int], str] | None = None
-    for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(module.children())
-        if len(children) < 2 or len({type(child) for child in children}) != 1:
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        key = (size, len(children))
-        if best is None or key > best[0]:
-            best = (key, name)
-    return None if best is None else best[1]
-
-
-def _auto_layer(name: str, block_prefix: str | None) -> str:
-    """``blocks.3`` for a block's parameter; else the module beside the blocks (``model.lm_head``
-    when the blocks are ``model.blocks``), or the top-level module."""
-    if block_prefix is not None:
-        head = f"{block_prefix}." if block_prefix else ""
-        if name.startswith(head):
-            index = name[len(head) :].split(".", 1)[0]
-            return f"{head}{index}"
-        parent = block_prefix.rsplit(".", 1)[0] + "." if "." in block_prefix else ""
-        if parent and name.startswith(parent):
-            return parent + name[len(parent) :].split(".", 1)[0]
-    return name.split(".", 1)[0]
-
-
-def layer_names_for(
-    named_params: Sequence[tuple[str, Tensor]],
-    model: nn.Module | None,
-    grouping: str | Sequence[str] = "auto",
-) -> list[str]:
-    """The layer name of each parameter under a grouping rule ("auto", "top", "param" or regexes)."""
-    block_prefix = _block_prefix(model) if model is not None else None
-    patterns = [re.compile(p) for p in grouping] if not isinstance(grouping, str) else []
-    names: list[str] = []
-    for name, _ in named_params:
-        if grouping == "param":
-            names.append(name)
-        elif grouping == "top":
-            names.append(name.split(".", 1)[0])
-        else:
-            layer = None
-            for pattern in patterns:
-                match = pattern.match(name)
-                if match:
-                    layer = match.group(0)
-                    break
-            names.append(layer if layer is not None else _auto_layer(name, block_prefix))
-    return names
 
 
 @dataclass
@@ -385,15 +328,14 @@ def grad_norms(
     Global under torch.distributed like ``clip_grad_norm_``; with ``extra_group`` (pipeline
     stages) the total spans the stages and each layer's norm is its own stage's.
     """
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    names = layer_names_for(named, model, grouping)
-    ordered = list(dict.fromkeys(names))
-    index = {name: i for i, name in enumerate(ordered)}
-    params = [p for _, p in named]
+    from stabilitykit.engine.layers import build_layer_map  # the engine imports this module
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    layers = build_layer_map(params, model, grouping)
     plan = GradNormPlan(
         params,
-        [index[n] for n in names],
-        ordered,
+        layers.layer_of,
+        layers.layer_names,
         norm_type=float(norm_type),
         reducer=reducer_for(params, model, extra_group),
     )

@@ -1,4 +1,4 @@
-"""StabilityGuard: drives the engine from a plain PyTorch loop.
+"""StabilityGuard: the driver for plain PyTorch loops (and Accelerate, Fabric) over the driver core.
 
 guard.backward(loss)   # scaled when a GradScaler is given; call it once per micro-batch
 report = guard.step()  # unscale once, norms, clip, skip or step, scheduler, scaler.update()
@@ -14,40 +14,15 @@ import torch
 from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.engine import StabilityEngine, StepDecision, is_fused
+from stabilitykit.core import DriverCore, optimizer_params
+from stabilitykit.engine import StabilityEngine
 from stabilitykit.hooks import HookManager
-from stabilitykit.nan import NaNTracer, NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
-from stabilitykit.precision import apply_precision_config
+from stabilitykit.nan import NaNTracer, NonFiniteRecord
+from stabilitykit.precision import PrecisionChoice
 from stabilitykit.report import StepReport
 from stabilitykit.sinks.base import Sink
 
 __all__ = ["StabilityGuard", "optimizer_params"]
-
-
-def optimizer_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    """Every parameter the optimizer updates, in param-group order, without duplicates."""
-    seen: set[int] = set()
-    params: list[Tensor] = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-    return params
-
-
-def scaler_enabled(scaler: Any) -> bool:
-    """True for a GradScaler that actually scales (``enabled=True``)."""
-    return scaler is not None and bool(scaler.is_enabled())
-
-
-def unscale_once(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
-    """``scaler.unscale_(optimizer)`` unless it already ran since the last ``update()`` (a second call raises)."""
-    from torch.amp.grad_scaler import OptState
-
-    state = scaler._per_optimizer_states[id(optimizer)]
-    if state["stage"] is OptState.READY:
-        scaler.unscale_(optimizer)
 
 
 class StabilityGuard:
@@ -55,108 +30,63 @@ class StabilityGuard:
 
     The guard owns ``backward`` (so it can scale the loss and remember it) and ``step`` (so it can
     unscale exactly once, clip, and skip). A skipped step leaves parameters, optimizer state and the
-    LR scheduler bitwise unchanged.
+    LR scheduler bitwise unchanged. Calling ``scaler.unscale_(optimizer)`` yourself before ``step``
+    (the PyTorch AMP recipe) is fine: the guard sees it and never unscales twice.
     """
 
     def __init__(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        config: StabilityConfig | Mapping[str, Any] | None = None,
+        config: StabilityConfig | Mapping[str, Any] | str | None = None,
         scaler: Any | None = None,
         scheduler: Any | None = None,
         sinks: Iterable[Sink] | None = None,
         hooks: HookManager | None = None,
     ) -> None:
-        if isinstance(config, Mapping):
-            config = StabilityConfig.from_mapping(config)
-        self.config = config or StabilityConfig()
+        self.hooks = hooks or HookManager()
+        for sink in sinks or []:
+            self.hooks.add_sink(sink)
+        self.core = DriverCore(model, optimizer, config, hooks=self.hooks, scaler=scaler)
+        self.config = self.core.config
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
         self.scheduler = scheduler
-        self.hooks = hooks or HookManager()
-        for sink in sinks or []:
-            self.hooks.add_sink(sink)
-        self.engine = StabilityEngine(
-            optimizer_params(optimizer), self.config, model=model, hooks=self.hooks, fused=is_fused(optimizer)
-        )
-        self.precision_choice = apply_precision_config(self.config.precision, self.engine.device, self.hooks)
-        self.tracer: NaNTracer | None = None
-        self.last_nonfinite: NonFiniteRecord | None = None
-        self._trace_left = 0
-        self._bad_batch: Tensor | None = None
-        mode = self.config.nan_trace.mode
-        if mode == "always" or (mode == "every_n" and self.engine.is_logging_step(0)):
-            self._start_tracing()
 
-    # ------------------------------------------------------------------ tracing
-    def _start_tracing(self) -> None:
-        if self.tracer is None:
-            self.tracer = NaNTracer(self.model)
-        self.tracer.attach()
-        self.tracer.step = self.engine.step
+    @property
+    def engine(self) -> StabilityEngine:
+        """The engine behind this guard (counters, layer names, journal)."""
+        return self.core.engine
 
-    def _trace_source(self, decision: StepDecision) -> None:
-        """On a skip the host saw, hand the tracer's first non-finite module to the engine's events."""
-        if self.tracer is not None and self.tracer._handles and decision.skip_known:
-            found = self.tracer.first
-            if found is not None:
-                self.last_nonfinite = found
-                self.engine.source_hint = found
+    @property
+    def precision_choice(self) -> PrecisionChoice | None:
+        """What ``sk.select_precision()`` recommends for the model's device (``config.precision``)."""
+        return self.core.precision_choice
 
-    def _tracing_after_step(self, decision: StepDecision) -> None:
-        mode = self.config.nan_trace.mode
-        if self.tracer is not None:
-            self.tracer.clear()
-        next_step = self.engine.step
-        if mode == "always":
-            self._start_tracing()
-            return
-        wants = False
-        if mode == "every_n":
-            wants = next_step % self.config.nan_trace.every_n_steps == 0
-        elif mode == "on_nonfinite":
-            if decision.skip_known:
-                self._trace_left = 10
-            wants = self._trace_left > 0
-            self._trace_left = max(0, self._trace_left - 1)
-        if wants:
-            self._start_tracing()
-        elif self.tracer is not None:
-            self.tracer.detach()
+    @property
+    def tracer(self) -> NaNTracer | None:
+        """The NaN tracer, when ``config.nan_trace`` uses one."""
+        return self.core.tracer
 
-    def _replay(self, decision: StepDecision, replay: Callable[[], Tensor] | None) -> None:
-        """on_nonfinite: re-run the bad batch with hooks and anomaly mode, and name its source."""
-        reason = decision.report.reason
-        if replay is None or not decision.skip_known or reason == "bad_batch":
-            return
-        record = replay_nonfinite(self.model, replay, self.engine.params, step=self.engine.step)
-        if record is not None:
-            self.last_nonfinite = record
-            self.engine.source_hint = record
+    @property
+    def last_nonfinite(self) -> NonFiniteRecord | None:
+        """Where the latest traced or replayed non-finite value came from."""
+        return self.core.last_nonfinite
 
     # ------------------------------------------------------------------ the loop API
     def check_batch(self, batch: Any) -> None:
-        """The data guard: check ``batch`` before training on it (``config.data``).
+        """The data guard (``config.data``) on one micro-batch; call it for each before its forward.
 
-        ``mode="raise"`` (and ``"off"``, when called anyway): raise ``BadBatchError`` naming the
-        path, index and step (one sync). ``mode="skip"``: the coming step is skipped on the device
-        when the batch is bad (no sync); a ``bad_batch`` event reports it.
+        ``mode="raise"``: raise ``BadBatchError`` naming the path, index and step (one sync).
+        ``mode="skip"``: the coming step is skipped on the device when any of its micro-batches was
+        bad (no sync); a ``bad_batch`` event reports it.
         """
-        dcfg = self.config.data
-        if dcfg.mode == "skip":
-            self._bad_batch = batch_is_bad(batch, dcfg.num_classes, dcfg.label_keys)
-        else:
-            check_batch(batch, dcfg.num_classes, step=self.engine.step, label_keys=dcfg.label_keys)
+        self.core.check_batch(batch)
 
     def backward(self, loss: Tensor, **kwargs: Any) -> None:
         """Backpropagate ``loss`` (scaled when a GradScaler is enabled) and remember its value."""
-        self.engine.record_loss(loss)
-        if scaler_enabled(self.scaler):
-            self.scaler.scale(loss).backward(**kwargs)  # type: ignore[union-attr]
-        else:
-            loss.backward(**kwargs)
+        self.core.backward(loss, **kwargs)
 
     def step(self, replay: Callable[[], Tensor] | None = None) -> StepReport:
         """Measure, clip, and step the optimizer, or skip the step; returns this step's report.
@@ -164,36 +94,21 @@ class StabilityGuard:
         ``replay``: recomputes this batch's loss (forward only). With ``nan_trace.mode="on_nonfinite"``
         a skipped step is replayed once with hooks and anomaly mode to name where it went non-finite.
         """
-        scaler_on = scaler_enabled(self.scaler)
-        grad_scale = None
-        if scaler_on:
-            if self.engine.fused:
-                grad_scale = self.scaler._get_scale_async()  # type: ignore[union-attr]  # grads stay scaled
-            else:
-                unscale_once(self.scaler, self.optimizer)
-        loss_scale = getattr(self.scaler, "_scale", None) if scaler_on else None
-        decision = self.engine.evaluate(
-            grad_scale=grad_scale, scaler_active=scaler_on, loss_scale=loss_scale, force_skip=self._bad_batch
-        )
-        self._bad_batch = None
-        replaying = self.config.nan_trace.mode == "on_nonfinite" and self.config.nan_trace.replay and replay is not None
-        if replaying:
-            self.engine.resolve(decision)  # the replay needs to know now: one sync per step in this mode
-        if scaler_on:
-            if self.engine.fused or decision.skip_known is not True:
-                self.scaler.step(self.optimizer)  # type: ignore[union-attr]  # fused: skips via its found_inf
-            self.scaler.update()  # type: ignore[union-attr]  # the scale backs off after an overflow
-        else:
-            self.engine.apply(decision, self.optimizer.step, self.optimizer)
-        if self.scheduler is not None and not self.engine.hold_scheduler(decision):
-            self.scheduler.step()
-        self._trace_source(decision)
-        if replaying:
-            self._replay(decision, replay)
+        core = self.core
+        core.evaluate(replay=replay)
+        undo = core.wrap_optimizer_step(self.optimizer)
         try:
-            report = self.engine.finish(decision)
+            if core.scaler.enabled:
+                self.scaler.step(self.optimizer)  # type: ignore[union-attr]  # skips an fp16 overflow itself
+                self.scaler.update()  # type: ignore[union-attr]  # the scale backs off after an overflow
+            else:
+                self.optimizer.step()
         finally:
-            self._tracing_after_step(decision)
+            undo()
+        if self.scheduler is not None and not core.should_hold_scheduler():
+            self.scheduler.step()
+        report = core.finish()
+        assert report is not None
         return report
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -203,19 +118,19 @@ class StabilityGuard:
     @property
     def step_count(self) -> int:
         """Optimizer steps attempted so far, skipped ones included."""
-        return self.engine.step
+        return self.core.engine.step
 
     @property
     def skipped_total(self) -> int:
         """Skipped steps as of the host's last look (exact on logging steps and for non-fused optimizers)."""
-        return self.engine.skipped_total
+        return self.core.engine.skipped_total
 
     def summary(self) -> dict[str, Any]:
         """Totals for a run summary (reads the steps since the last logging step first: one sync)."""
-        self.engine.flush()
-        c = self.engine.counters
+        self.core.flush()
+        c = self.core.engine.counters
         return {
-            "steps": self.engine.step,
+            "steps": self.core.engine.step,
             "skipped": c.skipped_total,
             "clipped": c.clipped_total,
             "max_grad_norm": c.max_norm,
@@ -225,16 +140,14 @@ class StabilityGuard:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Engine counters, EMAs and detector state (optimizer/scaler/scheduler are saved by their owners)."""
-        return {"engine": self.engine.state_dict()}
+        """Counters, EMAs, detector state and unread journal rows (optimizer, scaler, scheduler save their own)."""
+        return self.core.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
-        self.engine.load_state_dict(dict(state["engine"]))
+        self.core.load_state_dict(state)
 
     def close(self) -> None:
         """Process the steps since the last logging step, remove tracing hooks and close the sinks."""
-        self.engine.flush()
-        if self.tracer is not None:
-            self.tracer.detach()
+        self.core.close()
         self.hooks.close()

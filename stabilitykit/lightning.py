@@ -1,21 +1,20 @@
-"""StabilityCallback: drives the engine from Lightning's hooks.
+"""StabilityCallback: Lightning's hooks mapped onto the driver core, one core per optimizer.
 
-Hook placement:
-
+* ``on_train_batch_start``: the data guard (OR-ed over the micro-batches of a step).
 * ``on_before_backward``: the micro-batch loss is recorded (device tensor, no sync).
-* ``on_before_optimizer_step``: grads are final here (after accumulation, after DDP reduction,
-  after the precision plugin's unscale, before clipping); the engine measures, clips and decides.
-* the optimizer's ``step`` is wrapped at fit start: a skipped step never reaches the optimizer
-  (fused optimizers get the skip flag as ``found_inf`` on the device instead), and step-interval
-  LR schedulers are held on skipped steps. ``training_step`` never has to return None, so nothing
-  hangs or raises under DDP: every rank takes the same, all-reduced decision.
+* ``on_before_optimizer_step``: grads are final (after accumulation, DDP reduction and the
+  precision plugin's unscale, before clipping): the core measures, clips and decides.
+* each optimizer's ``step`` is routed through its core at fit start (a skipped step never reaches
+  the optimizer; fused optimizers get the skip in ``found_inf``), and step-interval LR schedulers
+  are held on skipped steps without touching their saved state. ``training_step`` never returns
+  None, so nothing hangs under DDP: every rank takes the same, all-reduced decision.
+* ``on_train_batch_end``: events, sinks, the divergence check.
 
-Requires the ``lightning`` extra.
+Every wrapper is undone at fit end, on an exception and at teardown. Requires the ``lightning`` extra.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -23,14 +22,13 @@ import torch
 from torch import Tensor
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.engine import StabilityEngine, StepDecision, is_fused
-from stabilitykit.guard import optimizer_params, scaler_enabled
+from stabilitykit.core import DriverCore, coerce_config, unwrap_optimizer
+from stabilitykit.engine import StabilityEngine
 from stabilitykit.hooks import HookManager
-from stabilitykit.nan import NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
-from stabilitykit.precision import apply_precision_config
+from stabilitykit.nan import NonFiniteRecord
+from stabilitykit.precision import PrecisionChoice
 from stabilitykit.report import StepReport
 from stabilitykit.sinks.base import Sink
-from stabilitykit.sinks.wandb import WandbSink
 
 try:
     import lightning.pytorch as pl
@@ -48,39 +46,52 @@ class StabilityCallback(Callback):
 
     Metrics go to every logger in ``trainer.loggers`` (any Lightning logger) with
     ``step=trainer.global_step``, and to any extra ``sinks``. The logging cadence is
-    ``config.log_every_n_steps`` when you set it, else ``trainer.log_every_n_steps``.
+    ``config.log_every_n_steps`` when you set it, else ``trainer.log_every_n_steps``, counted in
+    each optimizer's own steps. With several optimizers (GANs, manual optimization) each one is
+    guarded on its own: its own skip decision, and metrics under ``<prefix>/opt<i>/``.
     """
 
     def __init__(
         self,
-        config: StabilityConfig | Mapping[str, Any] | None = None,
+        config: StabilityConfig | Mapping[str, Any] | str | None = None,
         sinks: Iterable[Sink] | None = None,
         name: str | None = None,
     ) -> None:
-        if isinstance(config, Mapping):
-            config = StabilityConfig.from_mapping(config)
-        self.config = config or StabilityConfig()
+        self.config = coerce_config(config)
         self.name = name
         self.hooks = HookManager(sinks)
-        self.engine: StabilityEngine | None = None
-        self.last_report: StepReport | None = None
-        self._pending: StepDecision | None = None
+        self.cores: list[DriverCore] = []
         self._pending_state: dict[str, Any] | None = None
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._original_step: Any = None
-        self._held_schedulers: list[tuple[Any, Any]] = []
-        self._state_key = self._generate_state_key(name=name or "default")
-        self.precision_choice: Any | None = None
-        self._bad_batch: Tensor | None = None
         self._batch: tuple[Any, int] | None = None
-        self.last_nonfinite: NonFiniteRecord | None = None
+        self._loss_since_step: list[Tensor] = []  # several optimizers: losses not yet claimed by a step
+        self._state_key = self._generate_state_key(name=name or "default")
 
     @property
     def state_key(self) -> str:
         """Key of this callback's state in a checkpoint; ``name`` lets several instances coexist."""
         return self._state_key  # Lightning reads it around every hook call: computed once
 
-    # ------------------------------------------------------------------ setup
+    @property
+    def engine(self) -> StabilityEngine | None:
+        """The first optimizer's engine (None before fit starts)."""
+        return self.cores[0].engine if self.cores else None
+
+    @property
+    def last_report(self) -> StepReport | None:
+        """The first optimizer's latest step report."""
+        return self.cores[0].last_report if self.cores else None
+
+    @property
+    def last_nonfinite(self) -> NonFiniteRecord | None:
+        """Where the latest traced or replayed non-finite value came from."""
+        return self.cores[0].last_nonfinite if self.cores else None
+
+    @property
+    def precision_choice(self) -> PrecisionChoice | None:
+        """What ``sk.select_precision()`` recommends for the model's device."""
+        return self.cores[0].precision_choice if self.cores else None
+
+    # ------------------------------------------------------------------ setup and teardown
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Refuse a second clipper: Lightning's gradient_clip_val would clip after our norms were read."""
         if self.config.clip.mode != "off" and trainer.gradient_clip_val:
@@ -91,173 +102,145 @@ class StabilityCallback(Callback):
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Build the engine over the first optimizer and wrap its step and step-interval schedulers."""
+        """One core per optimizer; route each optimizer's step and its step-interval schedulers through it."""
         if not trainer.optimizers:
             raise ValueError("StabilityCallback needs an optimizer: configure_optimizers returned none")
-        optimizer = trainer.optimizers[0]
+        self._release()
         config = self.config
         if "log_every_n_steps" not in config.model_fields_set:
-            config = config.model_copy(update={"log_every_n_steps": max(1, trainer.log_every_n_steps)})  # type: ignore[attr-defined]
-        self.engine = StabilityEngine(
-            optimizer_params(optimizer),
-            config,
-            model=pl_module,
-            hooks=self.hooks,
-            fused=is_fused(optimizer),
-        )
-        if self._pending_state is not None:
-            self.engine.load_state_dict(self._pending_state)
-            self._pending_state = None
-        self.engine.step = trainer.global_step
-        has_wandb_sink = any(isinstance(sink, WandbSink) for sink in self.hooks.sinks)
+            every = max(1, trainer.log_every_n_steps)  # type: ignore[attr-defined]
+            config = config.model_copy(update={"log_every_n_steps": every})
+        many = len(trainer.optimizers) > 1
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
         for logger in trainer.loggers:
-            if has_wandb_sink and type(logger).__name__ == "WandbLogger":
-                continue  # the WandbSink logs to W&B already (with alerts and markers): once is enough
-            if logger not in self.hooks.sinks:
+            if not any(sink is logger for sink in self.hooks.sinks) and not self._wandb_sink_covers(logger):
                 self.hooks.add_sink(logger)  # type: ignore[arg-type]  # a Logger has the sink's shape
-        self._wrap_optimizer(optimizer)
-        if self.precision_choice is None:
-            self.precision_choice = apply_precision_config(config.precision, self.engine.device, self.hooks)
+        for i, optimizer in enumerate(trainer.optimizers):
+            cfg = config
+            if many:
+                cfg = config.model_copy(update={"metric_prefix": f"{config.metric_prefix}/opt{i}".strip("/")})
+            core = DriverCore(
+                pl_module, optimizer, cfg, self.hooks, scaler=scaler, tracing=i == 0, apply_precision=i == 0
+            )
+            self.cores.append(core)
+        if self._pending_state is not None:
+            self._load(self._pending_state)
+            self._pending_state = None
+        for core in self.cores:
+            core.wrap_optimizer_step(core.optimizer)
         for sched_cfg in trainer.lr_scheduler_configs:
-            if sched_cfg.interval == "step" and getattr(sched_cfg.scheduler, "optimizer", optimizer) is optimizer:
-                self._wrap_scheduler(sched_cfg.scheduler)
+            if sched_cfg.interval != "step":
+                continue
+            target = unwrap_optimizer(getattr(sched_cfg.scheduler, "optimizer", None))
+            for core in self.cores:
+                if target is None or target is core.optimizer:
+                    core.hold_scheduler(sched_cfg.scheduler)
+                    break
+
+    def _wandb_sink_covers(self, logger: Any) -> bool:
+        """A WandbSink logs to W&B already (with alerts and markers): the WandbLogger is not fed twice."""
+        if type(logger).__name__ != "WandbLogger":
+            return False
+        return any(type(sink).__name__ == "WandbSink" for sink in self.hooks.sinks)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Catch up on the last steps' events, then undo the optimizer and scheduler wrapping."""
-        if self.engine is not None:
-            self.engine.flush()
-        if self._optimizer is not None and self._original_step is not None:
-            self._optimizer.step = self._original_step  # type: ignore[method-assign]
-        for scheduler, original in self._held_schedulers:
-            scheduler.step = original
-        self._held_schedulers.clear()
-        self._optimizer = None
-        self._original_step = None
+        """Fold the last steps, then undo every wrapper."""
+        for core in self.cores:
+            core.finish()
+            core.flush()
+        self._release()
 
-    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        original = optimizer.step
-        callback = self
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Undo every wrapper: an interrupted fit leaves the optimizer and schedulers as they were."""
+        self._release()
 
-        original_step: Any = original
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Undo every wrapper (idempotent) and remove tracing hooks."""
+        self._release()
+        for core in self.cores:
+            if core.tracer is not None:
+                core.tracer.detach()
 
-        @functools.wraps(original)
-        def step(closure: Any = None, **kwargs: Any) -> Any:
-            result = None
-            if closure is not None:  # the closure runs training_step, backward and our hook
-                result = closure()
-
-            def call_original() -> Any:
-                return original_step(**kwargs) if closure is None else original_step(closure=lambda: result, **kwargs)
-
-            decision = callback._pending
-            if decision is None or hasattr(optimizer, "found_inf"):  # GradScaler (fused) set found_inf itself
-                return call_original()
-            callback.engine.apply(decision, call_original, optimizer)  # type: ignore[union-attr]
-            return result
-
-        self._optimizer = optimizer
-        self._original_step = original
-        optimizer.step = step  # type: ignore[method-assign]
-
-    def _wrap_scheduler(self, scheduler: Any) -> None:
-        original = scheduler.step
-        callback = self
-
-        @functools.wraps(original)
-        def step(*args: Any, **kwargs: Any) -> Any:
-            decision = callback._pending  # Lightning steps schedulers before on_train_batch_end
-            if decision is not None and callback.engine is not None and callback.engine.hold_scheduler(decision):
-                return None
-            return original(*args, **kwargs)
-
-        self._held_schedulers.append((scheduler, original))
-        scheduler.step = step
+    def _release(self) -> None:
+        for core in self.cores:
+            core.release()
 
     # ------------------------------------------------------------------ the step
+    def _core_for(self, optimizer: Any) -> DriverCore | None:
+        target = unwrap_optimizer(optimizer)
+        for core in self.cores:
+            if core.optimizer is target:
+                return core
+        return None
+
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """The data guard (``config.data``): raise on a bad batch, or have the coming step skipped."""
-        if self._replaying:
-            self._batch = (batch, batch_idx)  # kept for a replay if this step goes non-finite
-        dcfg = self.config.data
-        if dcfg.mode == "off" or self.engine is None:
-            return
-        if dcfg.mode == "skip":
-            bad = batch_is_bad(batch, dcfg.num_classes, dcfg.label_keys)
-            self._bad_batch = bad if self._bad_batch is None or bad is None else self._bad_batch | bad
-        else:
-            check_batch(batch, dcfg.num_classes, step=trainer.global_step, label_keys=dcfg.label_keys)
+        """The data guard on this micro-batch; the batch is kept for a replay if the step goes non-finite."""
+        self._batch = (batch, batch_idx)
+        for core in self.cores:
+            core.check_batch(batch)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        """Remember each micro-batch's loss (stays on the device)."""
-        if self.engine is not None:
-            self.engine.record_loss(loss)
+        """Remember each micro-batch's loss (stays on the device) for the optimizer that steps next."""
+        if len(self.cores) == 1:
+            self.cores[0].record_loss(loss)
+        elif self.cores:
+            self._loss_since_step.append(loss.detach())
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        """Grads are final here: measure, clip and decide; the wrapped optimizer step acts on it."""
-        engine = self.engine
-        if engine is None or optimizer is not self._optimizer:
+        """Grads are final here: measure, clip and decide; the optimizer's routed step acts on it."""
+        core = self._core_for(optimizer)
+        if core is None:
             return
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        scaler_on = scaler_enabled(scaler)
-        grad_scale = None
-        if scaler_on and engine.fused:
-            grad_scale = scaler._get_scale_async()  # type: ignore[union-attr]  # Lightning leaves fused grads scaled
-        engine.step = trainer.global_step
-        loss_scale = getattr(scaler, "_scale", None) if scaler_on else None
-        self._pending = engine.evaluate(
-            grad_scale=grad_scale, scaler_active=scaler_on, loss_scale=loss_scale, force_skip=self._bad_batch
+        for loss in self._loss_since_step:
+            core.record_loss(loss)
+        self._loss_since_step = []
+        batch = self._batch
+
+        def replay() -> Tensor:
+            assert batch is not None
+            out = pl_module.training_step(*batch)
+            return out["loss"] if isinstance(out, Mapping) else out  # type: ignore[return-value]
+
+        core.evaluate(
+            replay=replay if batch is not None and pl_module.automatic_optimization else None,
+            log_step=trainer.global_step,
         )
-        self._bad_batch = None
-        if self._replaying:
-            # the replay must know now (one sync per step in this mode); it runs before the skipped
-            # step, so training_step sees the same global_step as the bad batch did
-            if engine.resolve(self._pending) and self._pending.report.reason != "bad_batch" and self._batch:
-                self._replay(pl_module, *self._batch, self._pending)
-            self._batch = None
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """After the optimizer step: sinks, events and the divergence check."""
-        decision, self._pending = self._pending, None
-        if decision is None or self.engine is None:
-            return
-        self.last_report = self.engine.finish(decision)
-
-    @property
-    def _replaying(self) -> bool:
-        trace = self.config.nan_trace
-        return trace.mode == "on_nonfinite" and trace.replay
-
-    def _replay(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int, decision: StepDecision) -> None:
-        """Re-run ``training_step`` on the skipped batch with hooks and anomaly mode to name the source."""
-        assert self.engine is not None
-
-        def loss_fn() -> Tensor:
-            out = pl_module.training_step(batch, batch_idx)
-            return out["loss"] if isinstance(out, dict) else out  # type: ignore[return-value]
-
-        record = replay_nonfinite(pl_module, loss_fn, self.engine.params, step=decision.report.step)
-        if record is not None:
-            self.last_nonfinite = record
-            self.engine.source_hint = record
+        """After the optimizer step(s): sinks, events and the divergence check."""
+        self._batch = None
+        for core in self.cores:
+            core.finish()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The engine's counters, EMAs and detector state."""
-        if self.engine is None:
+        """Each core's state (counters, EMAs, detectors, unread journal rows)."""
+        if not self.cores:
             return dict(self._pending_state or {})
-        return self.engine.state_dict()
+        return {"version": 1, "optimizers": [core.state_dict() for core in self.cores]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the engine state (applied at fit start when the engine does not exist yet)."""
+        """Restore the cores (applied at fit start when they do not exist yet)."""
         if not state_dict:
             return
-        if self.engine is None:
-            self._pending_state = state_dict
+        if not self.cores:
+            self._pending_state = dict(state_dict)
         else:
-            self.engine.load_state_dict(state_dict)
+            self._load(state_dict)
+
+    def _load(self, state: Mapping[str, Any]) -> None:
+        states = state.get("optimizers")
+        if states is None:  # saved by an earlier release: one engine state
+            states = [{"engine": dict(state)}]
+        if len(states) != len(self.cores):
+            raise ValueError(
+                f"StabilityCallback state holds {len(states)} optimizer(s), this run has {len(self.cores)}"
+            )
+        for core, core_state in zip(self.cores, states, strict=True):
+            core.load_state_dict(core_state)

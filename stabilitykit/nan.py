@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from stabilitykit.engine.layers import clean_name, unwrap_model
 from stabilitykit.events import BadBatchError
 
 __all__ = ["NaNTracer", "NonFiniteRecord", "batch_is_bad", "check_batch", "replay_nonfinite"]
@@ -59,6 +60,30 @@ def _tensors(value: Any) -> Iterator[Tensor]:
             yield from _tensors(item)
 
 
+def is_compiled(model: nn.Module) -> bool:
+    """True when ``model`` or a submodule runs under ``torch.compile``."""
+    return any(
+        isinstance(getattr(m, "_orig_mod", None), nn.Module) or getattr(m, "_compiled_call_impl", None) is not None
+        for m in model.modules()
+    )
+
+
+_COMPILE_WARNED = False
+
+
+def _warn_compiled_once() -> None:
+    global _COMPILE_WARNED
+    if not _COMPILE_WARNED:
+        _COMPILE_WARNED = True
+        warnings.warn(
+            "stabilitykit: NaN tracing a torch.compile'd model runs its hooks eagerly: one graph break per "
+            "module on traced steps (no recompiles); backward is traced on module outputs. Trace on few steps "
+            "(nan_trace.mode='on_nonfinite' or 'every_n') to keep compiled speed.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 class NaNTracer:
     """Context manager that names the first module whose forward output or input grad is non-finite.
 
@@ -70,7 +95,11 @@ class NaNTracer:
         self.model = model
         self.trace_forward = forward
         self.trace_backward = backward
+        #: Under ``torch.compile`` the hooks run eagerly (``torch._dynamo.disable``): one graph break
+        #: per hooked module while tracing, no recompiles; backward is traced on module outputs.
+        self.compiled = is_compiled(model)
         self.step: int | None = None
+        self._hook_fns: dict[tuple[str, str], Any] = {}
         self._handles: list[RemovableHandle] = []
         self._calls: list[tuple[str, str, str | None, int | None]] = []
         self._first: Tensor | None = None
@@ -82,12 +111,29 @@ class NaNTracer:
         """Register hooks on every submodule (idempotent)."""
         if self._handles:
             return self
-        for name, module in self.model.named_modules():
-            if self.trace_forward:
-                self._handles.append(module.register_forward_hook(self._forward_hook(name)))
-            if self.trace_backward:
-                self._handles.append(module.register_full_backward_hook(self._backward_hook(name)))
+        if self.compiled:
+            _warn_compiled_once()
+        for raw_name, module in unwrap_model(self.model).named_modules():
+            name = clean_name(raw_name)
+            if self.trace_forward or (self.compiled and self.trace_backward):
+                self._handles.append(module.register_forward_hook(self._hook_fn(name, "forward")))
+            if self.trace_backward and not self.compiled:
+                self._handles.append(module.register_full_backward_hook(self._hook_fn(name, "backward")))
         return self
+
+    def _hook_fn(self, name: str, phase: str) -> Any:
+        """One hook function per module and phase, kept for the tracer's life (so re-attaching changes
+        nothing a compiler guards on)."""
+        key = (name, phase)
+        if key not in self._hook_fns:
+            fn = self._forward_hook(name) if phase == "forward" else self._backward_hook(name)
+            self._hook_fns[key] = torch._dynamo.disable(fn) if self.compiled else fn
+        return self._hook_fns[key]
+
+    @property
+    def attached(self) -> bool:
+        """The hooks are in place."""
+        return bool(self._handles)
 
     def detach(self) -> None:
         """Remove every hook this tracer added."""
@@ -148,8 +194,21 @@ class NaNTracer:
 
     def _forward_hook(self, name: str) -> Any:
         def hook(module: nn.Module, inputs: Any, outputs: Any) -> None:
-            if self._found is None:
+            if self._found is not None:
+                return
+            if self.trace_forward:
                 self._record(name, "forward", inputs, outputs)
+            if self.compiled and self.trace_backward:  # module backward hooks need compiled autograd
+                for out in _tensors(outputs):
+                    if out.requires_grad:
+                        out.register_hook(self._output_grad_hook(name))
+
+        return hook
+
+    def _output_grad_hook(self, name: str) -> Any:
+        def hook(grad: Tensor) -> None:
+            if self._found is None:
+                self._record(name, "backward", (), grad)
 
         return hook
 

@@ -14,9 +14,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["RobustDetector", "SpikeScore"]
+from stabilitykit.events import Event
+
+if TYPE_CHECKING:
+    from stabilitykit.config import SpikeConfig
+
+__all__ = ["RobustDetector", "SpikeMonitor", "SpikeScore"]
 
 #: |residual| EMA * 1.2533 estimates the standard deviation of a normal residual.
 _ABS_TO_STD = 1.2533
@@ -124,3 +129,84 @@ class SpikeScore:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
         self.values = deque((float(v) for v in state["values"]), maxlen=self.window)
+
+
+class SpikeMonitor:
+    """Early warning over journal rows: scores each step on the host and returns its events.
+
+    The engine's ledger calls ``update`` exactly once per optimizer step (in step order, skipped
+    steps included) with host floats, and ``metrics()`` on logging steps. Everything it keeps
+    round-trips through ``state_dict``.
+    """
+
+    def __init__(self, config: SpikeConfig, layer_names: Sequence[str]) -> None:
+        self.config = config
+        self.layer_names = list(layer_names)
+        self.detector = RobustDetector(config.alpha, config.warmup_steps, size=2)  # [grad norm, loss]
+        per_layer = config.per_layer and bool(self.layer_names)
+        self.layer_detector = (
+            RobustDetector(config.alpha, config.warmup_steps, size=len(self.layer_names)) if per_layer else None
+        )
+        self.spike_score = SpikeScore(config.score_window, config.score_sigma)
+        self.last_z: tuple[float, float] = (0.0, 0.0)
+        self.max_z_grad_recent = 0.0
+        self.max_z_loss_recent = 0.0
+
+    def update(
+        self, step: int, grad_norm: float, loss: float | None, layer_norms: Sequence[float] | None, skipped: bool
+    ) -> list[Event]:
+        """Score one step; the events it raises (``spike_warning``, ``loss_spike``)."""
+        cfg = self.config
+        z_grad, z_loss = self.detector.update([grad_norm, math.nan if loss is None else loss])
+        self.last_z = (z_grad, z_loss)
+        self.max_z_grad_recent = max(self.max_z_grad_recent, z_grad)
+        self.max_z_loss_recent = max(self.max_z_loss_recent, z_loss)
+        self.spike_score.update(grad_norm)
+        leading: str | None = None
+        if self.layer_detector is not None and layer_norms is not None:
+            layer_z = self.layer_detector.update(layer_norms)
+            if layer_z and max(layer_z) >= cfg.z_warning:
+                leading = self.layer_names[max(range(len(layer_z)), key=layer_z.__getitem__)]
+        events: list[Event] = []
+        if z_grad >= cfg.z_warning:
+            where = f"; largest layer z-score: {leading}" if leading else ""
+            message = f"grad-norm z-score {z_grad:.1f} at step {step} (warning at {cfg.z_warning}){where}"
+            events.append(
+                Event("spike_warning", step, message, {"z": z_grad, "grad_norm": grad_norm, "layer": leading})
+            )
+        if z_loss >= cfg.z_spike:
+            message = f"loss z-score {z_loss:.1f} at step {step} (spike at {cfg.z_spike})"
+            events.append(Event("loss_spike", step, message, {"z": z_loss, "loss": loss}))
+        return events
+
+    def metrics(self) -> dict[str, float]:
+        """The logging step's spike metrics (names without the metric prefix); starts a new interval."""
+        out = {
+            "spikes/z_grad_norm": self.last_z[0],
+            "spikes/z_loss": self.last_z[1],
+            "spikes/max_z_grad_norm": self.max_z_grad_recent,
+            "spikes/score": self.spike_score.score(),
+        }
+        self.max_z_grad_recent = self.max_z_loss_recent = 0.0
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Detector baselines, the score window and the interval maxima (plain values)."""
+        return {
+            "detector": self.detector.state_dict(),
+            "layer_detector": self.layer_detector.state_dict() if self.layer_detector is not None else None,
+            "spike_score": self.spike_score.state_dict(),
+            "last_z": list(self.last_z),
+            "recent": [self.max_z_grad_recent, self.max_z_loss_recent],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.detector.load_state_dict(state["detector"])
+        if self.layer_detector is not None and state.get("layer_detector") is not None:
+            self.layer_detector.load_state_dict(state["layer_detector"])
+        self.spike_score.load_state_dict(state["spike_score"])
+        z = state.get("last_z", (0.0, 0.0))
+        self.last_z = (float(z[0]), float(z[1]))
+        recent = state.get("recent", (0.0, 0.0))
+        self.max_z_grad_recent, self.max_z_loss_recent = float(recent[0]), float(recent[1])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import stabilitykit as sk
-from stabilitykit.grads import layer_names_for
+from stabilitykit.engine.layers import layer_names_for
 from tests.conftest import batches
 
 

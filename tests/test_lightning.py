@@ -140,15 +140,16 @@ def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     straight = fit(16, None, tmp_path / "a")
     fit(8, None, tmp_path / "b")
     resumed = fit(16, str(tmp_path / "b" / "mid.ckpt"), tmp_path / "c")
-    a, b = straight.state_dict(), resumed.state_dict()
+    a, b = (cb.state_dict()["optimizers"][0]["engine"] for cb in (straight, resumed))
     assert a["step"] == b["step"] == 16
-    assert a["counters"] == b["counters"]
-    for name, value in a["adaptive"].items():
-        torch.testing.assert_close(value, b["adaptive"][name], rtol=1e-6, atol=1e-7, msg=f"adaptive.{name}")
-    for name, value in a["detector"].items():
-        torch.testing.assert_close(value, b["detector"][name], rtol=1e-6, atol=1e-7, msg=f"detector.{name}")
-    assert a["journal_info"] == b["journal_info"]
-    assert a["counters"]["skipped_total"] == 2
+    assert a["ledger"]["counters"] == b["ledger"]["counters"]
+    for name, value in a["clip"].items():
+        torch.testing.assert_close(value, b["clip"][name], rtol=1e-6, atol=1e-7, msg=f"clip.{name}")
+    detector_a, detector_b = a["ledger"]["spikes"]["detector"], b["ledger"]["spikes"]["detector"]
+    for name, value in detector_a.items():
+        torch.testing.assert_close(value, detector_b[name], rtol=1e-6, atol=1e-7, msg=f"detector.{name}")
+    assert a["journal"]["infos"] == b["journal"]["infos"]
+    assert a["ledger"]["counters"]["skipped_total"] == 2
     ckpt = torch.load(tmp_path / "b" / "mid.ckpt", weights_only=False)
     assert StabilityCallback(cfg).state_key in ckpt["callbacks"]
 

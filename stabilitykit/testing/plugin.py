@@ -70,7 +70,7 @@ def device_key(device: torch.device | str | None = None, mapping: dict[str, str]
 
 def select_block0(module: nn.Module) -> list[tuple[str, Tensor]]:
     """Parameters of the first repeated block (``blocks.0``), or all parameters without blocks."""
-    from stabilitykit.grads import layer_names_for
+    from stabilitykit.engine.layers import layer_names_for
 
     named: list[tuple[str, Tensor]] = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     layers = layer_names_for(named, module, "auto")

@@ -1,0 +1,328 @@
+"""The driver core: everything a driver needs around the engine, written once.
+
+``StabilityGuard`` (plain loops, Accelerate, Fabric), ``StabilityCallback`` (Lightning) and the
+Hugging Face integration each map their framework's hooks onto one ``DriverCore`` per guarded
+optimizer. The core owns config coercion, precision setup, the GradScaler adapter (stage-aware
+unscale), the data guard across micro-batches, the NaN tracing policy and replay, the optimizer
+step wrapper (the skip, OR-ed into a fused optimizer's ``found_inf``), the scheduler hold, and
+state. A driver only says when: a micro-batch's loss, grads are final, the optimizer steps, the
+step is over.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from stabilitykit.config import StabilityConfig
+from stabilitykit.engine import StabilityEngine, StepDecision, is_fused
+from stabilitykit.hooks import HookManager
+from stabilitykit.nan import NaNTracer, NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
+from stabilitykit.precision import PrecisionChoice, apply_precision_config
+from stabilitykit.report import StepReport
+from stabilitykit.scaler import ScalerAdapter
+from stabilitykit.schedule import hold_scheduler, release_scheduler
+
+__all__ = ["STATE_VERSION", "DriverCore", "coerce_config", "optimizer_params", "unwrap_optimizer"]
+
+#: Version of the state a core saves; ``load_state_dict`` accepts this and older versions it knows.
+STATE_VERSION = 1
+#: Steps traced after a non-finite step in mode "on_nonfinite".
+TRACE_AFTER_NONFINITE = 10
+
+
+def coerce_config(config: Any) -> StabilityConfig:
+    """A ``StabilityConfig`` from a config, a mapping, a YAML/JSON path, or None (defaults).
+
+    Anything else is a ``TypeError`` that names what was passed, so a wrong argument fails here
+    and not deep inside the first step.
+    """
+    if config is None:
+        return StabilityConfig()
+    if isinstance(config, StabilityConfig):
+        return config
+    if isinstance(config, Mapping):
+        return StabilityConfig.from_mapping(config)
+    if isinstance(config, (str, Path)):
+        return StabilityConfig.from_file(config)
+    raise TypeError(
+        f"config must be a stabilitykit.StabilityConfig, a mapping, or a path to a YAML/JSON file; got "
+        f"{type(config).__name__}. Sections such as ClipConfig go inside one: "
+        "StabilityConfig(clip=ClipConfig(...))"
+    )
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside framework wrappers (Lightning, Accelerate, Fabric, HF)."""
+    seen: set[int] = set()
+    while id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or not hasattr(inner, "param_groups"):
+            inner = getattr(optimizer, "_optimizer", None)
+        if inner is None or not hasattr(inner, "param_groups") or inner is optimizer:
+            return optimizer
+        optimizer = inner
+    return optimizer
+
+
+def optimizer_params(optimizer: Any) -> list[Tensor]:
+    """Every parameter the optimizer updates, in param-group order, without duplicates."""
+    seen: set[int] = set()
+    params: list[Tensor] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    return params
+
+
+class DriverCore:
+    """One guarded optimizer: the engine plus what every driver needs around it."""
+
+    def __init__(
+        self,
+        model: nn.Module | None,
+        optimizer: Any,
+        config: Any = None,
+        hooks: HookManager | None = None,
+        scaler: Any | None = None,
+        tracing: bool = True,
+        apply_precision: bool = True,
+    ) -> None:
+        self.config = coerce_config(config)
+        self.model = model
+        self.optimizer = unwrap_optimizer(optimizer)
+        self.hooks = hooks or HookManager()
+        self.scaler = ScalerAdapter(scaler)
+        self.engine = StabilityEngine(
+            optimizer_params(self.optimizer), self.config, model=model, hooks=self.hooks, fused=is_fused(self.optimizer)
+        )
+        self.precision_choice: PrecisionChoice | None = None
+        if apply_precision:
+            self.precision_choice = apply_precision_config(self.config.precision, self.engine.device, self.hooks)
+        self.decision: StepDecision | None = None
+        self.last_report: StepReport | None = None
+        self.last_nonfinite: NonFiniteRecord | None = None
+        self._bad_batch: Tensor | None = None
+        self._hold: bool | None = None
+        self._log_step: int | None = None
+        self._tracing = tracing and model is not None and self.config.nan_trace.mode != "off"
+        self.tracer: NaNTracer | None = None
+        self._trace_left = 0
+        self._undo: list[Callable[[], None]] = []
+        self._trace_for(self.engine.step)
+
+    # ------------------------------------------------------------------ micro-batches
+    def check_batch(self, batch: Any) -> None:
+        """The data guard (``config.data``) on one micro-batch.
+
+        ``"raise"``: ``BadBatchError`` naming the path (one sync). ``"skip"``: a device flag, OR-ed
+        over every micro-batch of the step, skips the step when any was bad (no sync).
+        """
+        dcfg = self.config.data
+        if dcfg.mode == "skip":
+            bad = batch_is_bad(batch, dcfg.num_classes, dcfg.label_keys)
+            if bad is not None:
+                self._bad_batch = bad if self._bad_batch is None else self._bad_batch | bad
+        elif dcfg.mode == "raise":
+            check_batch(batch, dcfg.num_classes, step=self.engine.step, label_keys=dcfg.label_keys)
+
+    def record_loss(self, loss: Tensor) -> None:
+        """Remember one micro-batch's loss (stays on the device)."""
+        self.engine.record_loss(loss)
+
+    def backward(self, loss: Tensor, **kwargs: Any) -> None:
+        """Record ``loss`` and backpropagate it, scaled when a GradScaler is enabled."""
+        self.record_loss(loss)
+        self.scaler.scale(loss).backward(**kwargs)
+
+    # ------------------------------------------------------------------ the step
+    def evaluate(self, replay: Callable[[], Tensor] | None = None, log_step: int | None = None) -> StepDecision:
+        """Grads are final: measure, clip and decide this step (a step still in flight is finished first).
+
+        ``replay`` recomputes this batch's loss (forward only); with ``nan_trace.mode="on_nonfinite"``
+        a skipped step is replayed once to name where it went non-finite (one sync per step).
+        ``log_step``: the step number sinks see for this step (a framework's global step).
+        """
+        if self.decision is not None:
+            self.finish()
+        grad_scale = self.scaler.grads_scale(self.optimizer, self.engine.fused)
+        decision = self.engine.evaluate(
+            grad_scale=grad_scale,
+            scaler_active=self.scaler.enabled,
+            loss_scale=self.scaler.loss_scale(),
+            force_skip=self._bad_batch,
+        )
+        self._bad_batch = None
+        self._hold = None
+        self._log_step = log_step
+        self.decision = decision
+        trace = self.config.nan_trace
+        replaying = trace.mode == "on_nonfinite" and trace.replay and replay is not None
+        if replaying and self.engine.resolve(decision) and decision.report.reason != "bad_batch":
+            assert replay is not None
+            self._replay(replay, decision.report.step)
+        self._trace_source(decision)
+        return decision
+
+    def run_optimizer_step(self, step_fn: Callable[[], Any]) -> Any:
+        """Run the optimizer step for the step in flight, or skip it (no step in flight: just run it)."""
+        if self.decision is None:
+            return step_fn()
+        return self.engine.apply(self.decision, step_fn, self.optimizer)
+
+    def should_hold_scheduler(self) -> bool:
+        """True when LR schedulers must not advance this step; decided once per step, whoever asks."""
+        if self.decision is None:
+            return False
+        if self._hold is None:
+            self._hold = self.engine.hold_scheduler(self.decision)
+        return self._hold
+
+    def finish(self) -> StepReport | None:
+        """The step is over: events, sinks, the divergence check, tracing for the next step."""
+        decision, self.decision = self.decision, None
+        if decision is None:
+            return None
+        try:
+            self.last_report = self.engine.finish(decision, log_step=self._log_step)
+        finally:
+            self._after_step(decision)
+        return self.last_report
+
+    # ------------------------------------------------------------------ wrapping framework objects
+    def wrap_optimizer_step(self, optimizer: Any) -> Callable[[], None]:
+        """Route ``optimizer.step`` through this core until the returned function is called.
+
+        The wrapper lives on the instance (never in ``optimizer.state_dict()``); undoing restores
+        exactly what was there before (an instance attribute such as an LR scheduler's patch, or none).
+        A ``closure`` runs first (it computes the grads and the decision), as Lightning expects.
+        """
+        target = unwrap_optimizer(optimizer)
+        had_own = "step" in vars(target)
+        previous = vars(target).get("step")
+        original = target.step
+        core = self
+
+        @functools.wraps(original)
+        def step(*args: Any, closure: Any = None, **kwargs: Any) -> Any:
+            if closure is None:
+                return core.run_optimizer_step(lambda: original(*args, **kwargs))
+            result = closure()
+            out = core.run_optimizer_step(lambda: original(*args, closure=lambda: result, **kwargs))
+            return result if out is None else out
+
+        target.step = step
+
+        def undo() -> None:
+            if vars(target).get("step") is not step:
+                return  # someone wrapped it again on top: leave theirs alone
+            if had_own:
+                target.step = previous
+            else:
+                del target.step
+
+        self._undo.append(undo)
+        return undo
+
+    def hold_scheduler(self, scheduler: Any) -> None:
+        """Hold ``scheduler`` on skipped steps (its saved state is never touched) until ``release``."""
+        hold_scheduler(scheduler, self.should_hold_scheduler)
+        self._undo.append(lambda: release_scheduler(scheduler))
+
+    def release(self) -> None:
+        """Undo every wrapper and hold this core installed (idempotent; safe after an exception)."""
+        while self._undo:
+            self._undo.pop()()
+
+    # ------------------------------------------------------------------ tracing
+    def _trace_for(self, step: int) -> None:
+        """Attach or detach the tracer's hooks for the coming step (the tracing policy)."""
+        if not self._tracing:
+            return
+        trace = self.config.nan_trace
+        if trace.mode == "always":
+            wanted = True
+        elif trace.mode == "every_n":
+            wanted = step % trace.every_n_steps == 0
+        else:  # on_nonfinite
+            wanted = self._trace_left > 0
+        if wanted:
+            if self.tracer is None:
+                assert self.model is not None
+                self.tracer = NaNTracer(self.model)
+            self.tracer.clear()
+            self.tracer.attach()
+            self.tracer.step = step
+        elif self.tracer is not None:
+            self.tracer.clear()
+            self.tracer.detach()
+
+    def _after_step(self, decision: StepDecision) -> None:
+        if self.config.nan_trace.mode == "on_nonfinite":
+            if decision.skip_known:
+                self._trace_left = TRACE_AFTER_NONFINITE
+            else:
+                self._trace_left = max(0, self._trace_left - 1)
+        self._trace_for(self.engine.step)
+
+    def _trace_source(self, decision: StepDecision) -> None:
+        """On a skip the host saw, hand the tracer's first non-finite module to this step's events."""
+        if self.tracer is not None and self.tracer.attached and decision.skip_known:
+            found = self.tracer.first
+            if found is not None:
+                self.last_nonfinite = found
+                self.engine.source_hint = found
+
+    def _replay(self, replay: Callable[[], Tensor], step: int) -> None:
+        """Re-run the bad batch with hooks and anomaly mode; a failing replay only warns.
+
+        Diagnostics never stop training: the step is skipped either way.
+        """
+        assert self.model is not None
+        try:
+            record = replay_nonfinite(self.model, replay, self.engine.params, step=step)
+        except Exception as exc:
+            warnings.warn(
+                f"stabilitykit: replaying the non-finite batch of step {step} failed: {exc!r}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        if record is not None:
+            self.last_nonfinite = record
+            self.engine.source_hint = record
+
+    # ------------------------------------------------------------------ state
+    def flush(self) -> None:
+        """Fold the steps since the last logging step now (one sync)."""
+        self.engine.flush()
+
+    def close(self) -> None:
+        """Fold what is left, remove tracing hooks and every wrapper."""
+        if self.decision is not None:
+            self.finish()
+        self.engine.flush()
+        if self.tracer is not None:
+            self.tracer.detach()
+        self.release()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything that must survive a resume (plain values and small device tensors)."""
+        return {"version": STATE_VERSION, "engine": self.engine.state_dict(), "trace_left": self._trace_left}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        version = int(state.get("version", STATE_VERSION))
+        if version > STATE_VERSION:
+            raise ValueError(f"stabilitykit state version {version} is newer than this release reads ({STATE_VERSION})")
+        self.engine.load_state_dict(dict(state["engine"]))
+        self._trace_left = int(state.get("trace_left", 0))
+        self._trace_for(self.engine.step)

@@ -1,0 +1,144 @@
+"""The device journal: one row of named columns per optimizer step, read to the host in one copy.
+
+A row holds ``total`` (pre-clip norm), ``loss``, ``skip`` (1 skipped, +2 when the data guard
+forced it), ``coef`` (clip coefficient), ``threshold`` and then one norm per layer. Rows stay on
+the device until a logging step (or a step whose decision the host must know now) reads them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from stabilitykit.report import pack_code
+
+__all__ = ["COLUMNS", "MAX_JOURNAL_ROWS", "Journal", "Row", "RowInfo"]
+
+#: The scalar columns of a row, in order; the per-layer norms follow.
+COLUMNS = ("total", "loss", "skip", "coef", "threshold")
+TOTAL, LOSS, SKIP, COEF, THRESHOLD = range(len(COLUMNS))
+#: Rows kept on the device between reads. A log cadence above this reads the journal early (one sync).
+MAX_JOURNAL_ROWS = 1024
+
+
+@dataclass
+class RowInfo:
+    """What the host knows about a row without reading the device."""
+
+    step: int
+    has_loss: bool
+    scaler_active: bool
+    folded: bool = False  # the ledger has taken this row already (read at its own step)
+
+
+@dataclass
+class Row:
+    """One journal row on the host."""
+
+    step: int
+    total: float
+    loss: float | None
+    coef: float
+    threshold: float
+    code: int  # packed reason code (0: not skipped), see stabilitykit.report
+    layers: list[float] = field(default_factory=list)
+    on_time: bool = False  # read before its own optimizer and scheduler step (so the skip was applied there)
+    folded: bool = False
+
+    @property
+    def skipped(self) -> bool:
+        """The step was skipped."""
+        return bool(self.code & 1)
+
+
+class Journal:
+    """Fixed-size device buffer of step rows plus the host's notes about each."""
+
+    def __init__(self, capacity: int, n_layers: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.width = len(COLUMNS) + n_layers
+        self.buffer = torch.zeros(capacity, self.width, dtype=torch.float32, device=device)
+        self.infos: list[RowInfo] = []
+
+    def __len__(self) -> int:
+        return len(self.infos)
+
+    @property
+    def full(self) -> bool:
+        """No room for another row: the next step must read the journal."""
+        return len(self.infos) >= self.capacity
+
+    def write(self, info: RowInfo, scalars: list[Tensor], layer_norms: Tensor | None) -> None:
+        """Append one row from 0-d device tensors (no sync)."""
+        row = self.buffer[len(self.infos)]
+        torch.stack(scalars, out=row[: len(COLUMNS)])
+        if layer_norms is not None:
+            row[len(COLUMNS) :].copy_(layer_norms)
+        self.infos.append(info)
+
+    def _decode(self, values: list[float], info: RowInfo) -> Row:
+        total, loss, skip = values[TOTAL], values[LOSS], values[SKIP]
+        code = pack_code(
+            skipped=skip > 0.5,
+            grad_finite=math.isfinite(total),
+            loss_finite=not info.has_loss or math.isfinite(loss),
+            scaler_active=info.scaler_active,
+            bad_batch=skip > 1.5,
+        )
+        return Row(
+            info.step,
+            total,
+            loss if info.has_loss else None,
+            values[COEF],
+            values[THRESHOLD],
+            code,
+            values[len(COLUMNS) :],
+            folded=info.folded,
+        )
+
+    def read_last(self) -> Row:
+        """The newest row, now (one sync); it stays in the journal, marked as taken by the ledger."""
+        info = self.infos[-1]
+        row = self._decode(self.buffer[len(self.infos) - 1].tolist(), info)
+        info.folded = True
+        row.on_time = True
+        return row
+
+    def read(
+        self, extras: list[Tensor] | None = None, current_step: int | None = None
+    ) -> tuple[list[Row], list[float]]:
+        """Every row since the last read plus ``extras`` (0-d tensors) in ONE copy; the journal empties.
+
+        ``current_step``: the step being decided now, whose row is therefore read on time.
+        """
+        n = len(self.infos)
+        flat_rows = self.buffer[:n].flatten()
+        if extras:
+            tail = torch.stack([t.detach().reshape(()).to(flat_rows) for t in extras])
+            flat = torch.cat([flat_rows, tail]).tolist()
+        else:
+            flat = flat_rows.tolist()
+        width = self.width
+        rows = [self._decode(flat[i * width : (i + 1) * width], info) for i, info in enumerate(self.infos)]
+        for row in rows:
+            row.on_time = row.folded or row.step == current_step
+        self.infos = []
+        return rows, flat[n * width :]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The unread rows (a device tensor) and their notes: a resume loses nothing."""
+        return {"rows": self.buffer[: len(self.infos)].clone(), "infos": [vars(i).copy() for i in self.infos]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore unread rows saved by ``state_dict`` (the shape must match)."""
+        infos = [RowInfo(**info) for info in state.get("infos", [])]
+        rows = state.get("rows")
+        if infos:
+            if rows is None or len(infos) > self.capacity or rows.shape[1] != self.width:
+                raise ValueError("engine state holds a journal of another shape (log cadence or layers changed)")
+            self.buffer[: len(infos)].copy_(rows.to(self.buffer))
+        self.infos = infos

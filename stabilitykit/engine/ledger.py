@@ -1,0 +1,189 @@
+"""The ledger: journal rows in, counters, events and the divergence verdict out. Pure Python.
+
+Every row is folded exactly once, whether the host learned of it at its own step (a non-fused
+optimizer's skip, a logging step) or at a later logging step (a fused optimizer skipped on the
+device). That single path is what keeps counters, events and ``TrainingDivergedError`` consistent:
+a run of skips is reported once, and a healthy step after a caught divergence starts afresh.
+
+A skip the host learned of late was not seen by the LR scheduler, which stepped past it; the
+ledger counts that as scheduler debt, paid by holding the scheduler on the coming steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from stabilitykit.config import StabilityConfig
+from stabilitykit.engine.fp16 import Fp16Monitor
+from stabilitykit.engine.journal import Row
+from stabilitykit.events import Event, TrainingDivergedError
+from stabilitykit.report import OVERFLOW, SKIP, reason_from_code
+from stabilitykit.spikes import SpikeMonitor
+
+__all__ = ["Counters", "Divergence", "Ledger"]
+
+
+@dataclass
+class Counters:
+    """Totals over the run, and over the current logging interval (``*_recent``)."""
+
+    skipped_total: int = 0
+    clipped_total: int = 0
+    nonfinite_total: int = 0
+    overflow_total: int = 0
+    consecutive: int = 0
+    max_norm: float = 0.0
+    last_bad_step: int = -1
+    last_bad_reason: str | None = None
+    last_bad_layer: str | None = None
+    skipped_recent: int = 0
+    clipped_recent: int = 0
+    max_norm_recent: float = 0.0
+
+    def reset_recent(self) -> None:
+        """Start a new logging interval."""
+        self.skipped_recent = self.clipped_recent = 0
+        self.max_norm_recent = 0.0
+
+    def state(self) -> dict[str, Any]:
+        """Every field, as plain values."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class Divergence:
+    """Where a run of skips reached ``max_consecutive``."""
+
+    step: int
+    consecutive: int
+    layer: str | None
+    reason: str | None
+
+    def error(self) -> TrainingDivergedError:
+        """The exception the driver raises."""
+        return TrainingDivergedError(self.step, self.consecutive, self.layer, self.reason)
+
+
+class Ledger:
+    """Folds host rows into counters, spike and fp16 monitors, and events."""
+
+    def __init__(self, config: StabilityConfig, layer_names: list[str], fused: bool, rank: int | None = None) -> None:
+        self.config = config
+        self.layer_names = layer_names
+        self.fused = fused
+        self.rank = rank
+        self.counters = Counters()
+        self.scheduler_debt = 0
+        self.spikes = SpikeMonitor(config.spikes, layer_names) if config.spikes.enabled else None
+        self.fp16 = Fp16Monitor(config.fp16)
+
+    def fold(self, row: Row, source: Any | None = None) -> tuple[list[Event], Divergence | None]:
+        """Take one row into the counters and monitors: its events, and a divergence if this row completes one.
+
+        ``source``: where a tracer saw the first non-finite value of this step (named in its events).
+        """
+        c = self.counters
+        events: list[Event] = []
+        divergence = None
+        loss_bad = row.loss is not None and not math.isfinite(row.loss)
+        if not math.isfinite(row.total) or loss_bad:
+            c.nonfinite_total += 1
+        if row.skipped:
+            layer = self.bad_layer(row.layers)
+            c.skipped_total += 1
+            c.skipped_recent += 1
+            if row.code & OVERFLOW:
+                c.overflow_total += 1
+                self.fp16.overflow(row.step)
+            else:
+                c.consecutive += 1
+            c.last_bad_step, c.last_bad_reason, c.last_bad_layer = row.step, reason_from_code(row.code), layer
+            if not row.on_time and self.fused:
+                self.scheduler_debt += 1  # the scheduler already stepped past this skip
+            events.extend(self._skip_events(row.step, row.code, layer, source))
+            limit = self.config.skip.max_consecutive
+            if limit is not None and c.consecutive >= limit and not row.code & OVERFLOW:
+                divergence = Divergence(row.step, c.consecutive, layer, reason_from_code(row.code))
+        else:
+            c.consecutive = 0
+            if row.coef < 1.0:
+                c.clipped_total += 1
+                c.clipped_recent += 1
+        if math.isfinite(row.total):
+            c.max_norm = max(c.max_norm, row.total)
+            c.max_norm_recent = max(c.max_norm_recent, row.total)
+        if self.spikes is not None:
+            layers = row.layers if self.layer_names and len(row.layers) == len(self.layer_names) else None
+            events.extend(self.spikes.update(row.step, row.total, row.loss, layers, row.skipped))
+        row.folded = True
+        return events, divergence
+
+    def hold_scheduler(self, skip_known: bool | None) -> bool:
+        """True when the LR scheduler must not advance this step (skipped now, or skips learned late)."""
+        if skip_known:
+            return True
+        if self.scheduler_debt > 0:
+            self.scheduler_debt -= 1
+            return True
+        return False
+
+    def bad_layer(self, layers: list[float]) -> str | None:
+        """The non-finite layer reached first in backward (the last one in model order)."""
+        for i in range(len(layers) - 1, -1, -1):
+            if not math.isfinite(layers[i]):
+                return self.layer_names[i] if i < len(self.layer_names) else None
+        return None
+
+    def _skip_events(self, step: int, code: int, layer: str | None, source: Any | None) -> list[Event]:
+        reason = reason_from_code(code | SKIP) or "nonfinite_grad"
+        where = f" (first non-finite layer in backward order: {layer})" if layer else ""
+        details: dict[str, Any] = {"reason": reason, "layer": layer}
+        if self.rank is not None:
+            details["rank"] = self.rank
+            where += f" on rank {self.rank}"
+        if source is not None:
+            where = f" (first non-finite value: {source})"
+            details.update(module=source.module, phase=source.phase, dtype=source.dtype, **source.stats)
+        if reason == "fp16_overflow":
+            first = Event("fp16_overflow", step, f"fp16 overflow, GradScaler skipped the step{where}", details)
+        elif reason == "bad_batch":
+            first = Event(
+                "bad_batch", step, "the data guard found non-finite values or bad labels in the batch", details
+            )
+        elif reason == "nonfinite_on_other_rank":
+            first = Event("nonfinite", step, "another rank saw a non-finite value; every rank skips", details)
+        else:
+            first = Event("nonfinite", step, f"non-finite {reason.split('_', 1)[1]}{where}", details)
+        return [first, Event("skipped", step, f"step {step} skipped: {reason}", details)]
+
+    def fp16_events(self, step: int, scale: float, source: Any | None = None) -> list[Event]:
+        """The fp16 monitor's verdict at a logging step (names where the first overflow came from)."""
+        layer = self.counters.last_bad_layer
+        where = ""
+        if source is not None:
+            where = f"; first overflow in {source}"
+        elif layer:
+            where = f"; the first layer to overflow in backward order: {layer}"
+        events = self.fp16.check(step, scale, where)
+        for event in events:
+            event.details["layer"] = layer
+        return events
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, scheduler debt and monitor state (plain values)."""
+        return {
+            "counters": self.counters.state(),
+            "scheduler_debt": self.scheduler_debt,
+            "spikes": self.spikes.state_dict() if self.spikes is not None else None,
+            "fp16": self.fp16.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.counters = Counters(**state["counters"])
+        self.scheduler_debt = int(state.get("scheduler_debt", 0))
+        if self.spikes is not None and state.get("spikes") is not None:
+            self.spikes.load_state_dict(state["spikes"])
+        self.fp16.load_state_dict(state.get("fp16", {}))
