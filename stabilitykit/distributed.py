@@ -1,23 +1,33 @@
-"""Explicit reductions for torch.distributed: sharded grad norms and rank-consistent skip flags.
+"""Explicit reductions for torch.distributed, derived from where each grad actually lives.
 
-Plain functions, each saying what it reduces and over which group:
+For every parameter we work out the process groups that hold *distinct shards* of its grad
+(those must be summed over; MAX for the inf-norm) and ignore the ones that hold *replicas*
+(identical copies, counted once by not reducing over them):
 
-* DDP grads are already identical on every rank after backward, so their norms need no reduction.
-* FSDP2 (``fully_shard``) grads are DTensors sharded over a mesh; FSDP1 (``FullyShardedDataParallel``)
-  grads are shards of flat parameters (``FULL_SHARD``, ``SHARD_GRAD_OP``) or full copies
-  (``NO_SHARD``). Each rank sums the p-th powers of its local shards per layer and ONE all-reduce
-  of that packed vector (SUM, or MAX for inf) gives the global per-layer sums. Replicated grads
-  in the same model (NO_SHARD submodules, parameters left out of ``fully_shard``) enter that sum
-  divided by the world size, so the one all-reduce counts them once. ``.item()`` of a partial
-  DTensor is never used.
-* A rank with no grads still joins the all-reduce with zeros, so nothing hangs.
-* The skip flag is MAX-all-reduced so every rank takes the same decision.
+* a plain tensor (DDP, a module left out of sharding): whole on every rank, nothing to reduce;
+* FSDP1 (``FullyShardedDataParallel``): a sharded handle (``FULL_SHARD``, ``SHARD_GRAD_OP``,
+  ``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``) holds shards over its handle's process group, which
+  for the hybrid strategies is the intra-node *shard* group (the replicas across nodes are
+  already all-reduced); ``NO_SHARD`` holds whole copies;
+* a DTensor (FSDP2 ``fully_shard``, HSDP meshes, tensor parallel, 2-D): each mesh dimension
+  whose placement is ``Shard``/``_StridedShard`` adds that dimension's group; ``Replicate`` adds
+  nothing; a ``Partial`` grad is first redistributed to the parameter's placements.
+
+Parameters with the same tuple of groups share one row of a packed matrix (per-layer sums of
+p-th powers and per-layer non-finite counts). Each distinct group is all-reduced ONCE per step
+with the rows that need it (a row over two mesh dimensions is reduced over one, then the other:
+the grid's sum). Finiteness never rides on the values: counts of non-finite per-tensor norms
+travel in the same tensors, and a world-wide count (folded into a world-sized reduction when
+there is one, else one more all-reduce of a single number) makes the flag identical on every
+rank, whatever a backend's MAX does with NaN. Pipeline stages cannot be seen from the model: pass ``extra_group`` (the
+pipeline group) and the stage totals are summed over it, as torchtitan does.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,8 +35,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
+    "LayoutReducer",
     "all_ranks_agree",
     "is_distributed",
+    "reduce_groups_for",
     "reducer_for",
     "to_local",
     "world_size",
@@ -51,98 +63,240 @@ def _dtensor_type() -> type | None:
     return DTensor
 
 
+def is_dtensor(tensor: Any) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor``."""
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
 def to_local(tensor: Tensor) -> Tensor:
     """The local shard of a DTensor (a view sharing storage), or the tensor itself."""
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(tensor, dtensor):
+    if is_dtensor(tensor):
         return tensor.to_local()  # type: ignore[attr-defined,no-any-return]
     return tensor
 
 
-def _dtensor_sharded(p: Tensor) -> bool | None:
-    """True/False for a DTensor with/without a Shard placement; None for a plain tensor."""
-    dtensor = _dtensor_type()
-    if dtensor is None or not isinstance(p, dtensor):
-        return None
-    from torch.distributed.tensor import Shard
+def local_for_norm(grad: Tensor, param: Tensor) -> Tensor:
+    """The local tensor whose norm counts for ``param``'s grad.
 
-    return any(isinstance(pl, Shard) for pl in p.placements)  # type: ignore[attr-defined]
+    A DTensor grad whose placements differ from its parameter's (a ``Partial`` grad, say) is
+    redistributed to the parameter's placements first: the norm of a partial sum is not the
+    sum of the partial norms. This costs a collective for that grad only, and is rare.
+    """
+    if not is_dtensor(grad):
+        return grad
+    if is_dtensor(param) and tuple(grad.placements) != tuple(param.placements):  # type: ignore[attr-defined]
+        grad = grad.redistribute(grad.device_mesh, param.placements)  # type: ignore[attr-defined]
+    return grad.to_local()  # type: ignore[attr-defined,no-any-return]
 
 
-def fsdp1_sharded_ids(model: Any | None) -> tuple[set[int], set[int]]:
-    """ids of parameters FSDP1 shards, and of those it keeps whole (NO_SHARD), under ``model``.
+# --------------------------------------------------------------------------- layout discovery
+
+
+def _fsdp1_groups(model: Any | None) -> dict[int, tuple[Any, ...]]:
+    """id of every FSDP1-managed parameter under ``model`` -> the groups that hold its shards.
 
     Flat parameters and, with ``use_orig_params=True``, the original parameters they hold.
     """
-    sharded: set[int] = set()
-    whole: set[int] = set()
+    out: dict[int, tuple[Any, ...]] = {}
     if model is None:
-        return sharded, whole
+        return out
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - torch without distributed
-        return sharded, whole
+        return out
     for module in model.modules():
         if not isinstance(module, FullyShardedDataParallel):
             continue
-        handle = getattr(module, "_handle", None)
+        handle = getattr(module, "_handle", None)  # torch exposes no public handle accessor
         if handle is None:
             continue
-        target = sharded if handle.uses_sharded_strategy else whole
+        groups = (handle.process_group,) if handle.uses_sharded_strategy else ()
         flat = handle.flat_param
-        target.add(id(flat))
-        for p in getattr(flat, "_params", None) or []:
-            target.add(id(p))
-    return sharded, whole
+        out[id(flat)] = groups
+        for p in list(getattr(flat, "_params", None) or []) + list(getattr(flat, "_shared_params", None) or []):
+            out[id(p)] = groups
+    return out
 
 
-def shard_flags(params: Sequence[Tensor], model: Any | None = None) -> list[bool]:
-    """Per parameter: True when each rank holds only a shard of its grad (so norms need a sum)."""
-    sharded_ids, _ = fsdp1_sharded_ids(model)
-    flags = []
-    for p in params:
-        kind = _dtensor_sharded(p)
-        flags.append(bool(kind) if kind is not None else id(p) in sharded_ids)
-    return flags
+def _dtensor_groups(p: Tensor) -> tuple[Any, ...]:
+    """The mesh groups over which a DTensor holds distinct shards (Replicate/Partial dims add none)."""
+    mesh = p.device_mesh  # type: ignore[attr-defined]
+    groups = []
+    for dim, placement in enumerate(p.placements):  # type: ignore[attr-defined]
+        if placement.is_replicate() or placement.is_partial():
+            continue
+        groups.append(mesh.get_group(dim))  # Shard, _StridedShard and any other sharded placement
+    return tuple(groups)
 
 
-def _group_of(params: Sequence[Tensor]) -> Any | None:
-    """The process group of the DTensor mesh (its first dimension), or the default group."""
-    dtensor = _dtensor_type()
-    for p in params:
-        if dtensor is not None and isinstance(p, dtensor):
-            mesh = p.device_mesh  # type: ignore[attr-defined]
-            return mesh.get_group() if mesh.ndim == 1 else mesh.get_group(0)
-    return None
+def _is_fsdp1_flattened(p: Tensor) -> bool:
+    return bool(getattr(p, "_fsdp_flattened", False))
 
 
-def reducer_for(params: Sequence[Tensor], model: Any | None = None) -> Any | None:
-    """A function that all-reduces per-layer p-th-power sums in place, when any grad is sharded.
+def reduce_groups_for(params: Sequence[Tensor], model: Any | None = None) -> list[tuple[Any, ...]]:
+    """Per parameter: the process groups holding distinct shards of its grad (empty: whole here).
 
-    None on one process, under DDP, and wherever every grad is whole on every rank.
+    Raises ``ValueError`` for an FSDP1-managed parameter when ``model`` does not contain its
+    FSDP module: its shards cannot be told from the tensor alone, and a local norm would be wrong.
+    """
+    fsdp1 = _fsdp1_groups(model)
+    out: list[tuple[Any, ...]] = []
+    for i, p in enumerate(params):
+        if is_dtensor(p):
+            out.append(_dtensor_groups(p))
+        elif id(p) in fsdp1:
+            out.append(fsdp1[id(p)])
+        elif _is_fsdp1_flattened(p):
+            raise ValueError(
+                f"parameter {i} (shape {tuple(p.shape)}) is managed by FSDP1 (FullyShardedDataParallel) but "
+                "its FSDP module was not given, so its shards cannot be reduced correctly; pass the wrapped "
+                "module: sk.clip_grad_norm_(fsdp_model, ...) or sk.clip_grad_norm_(params, ..., model=fsdp_model)"
+            )
+        else:
+            out.append(())
+    return out
+
+
+# --------------------------------------------------------------------------- the reducer
+
+
+def _ranks(group: Any) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group))
+
+
+@dataclass
+class LayoutReducer:
+    """Reduces a plan's packed matrix across the groups its parameters' layout names.
+
+    ``row_of[i]``: the row of parameter ``i`` (one row per distinct tuple of groups);
+    ``groups``: the distinct groups, in first-seen order (the same on every rank);
+    ``rows_of_group[g]``: the rows reduced over ``groups[g]``; the last row (index ``n_rows``)
+    is the world-wide non-finite count row. ``extra_group``: summed over last (pipeline stages).
+    """
+
+    row_of: list[int]
+    n_rows: int
+    groups: list[Any]
+    rows_of_group: list[list[int]]
+    extra_group: Any | None = None
+    #: the world count row rides in a world-sized reduction of the rows (per-layer flags global)
+    world_row_folded: bool = False
+    #: NormResult.finite is identical on every rank of the default group (always true here).
+    finite_is_global: bool = True
+    _index: dict[tuple[int, str], Tensor] = field(default_factory=dict)
+
+    @property
+    def separate_world_count(self) -> bool:
+        """The non-finite count needs its own world all-reduce (one int, layer lists may differ by rank)."""
+        return not self.world_row_folded and self.extra_group is not dist.group.WORLD
+
+    @property
+    def collectives_per_step(self) -> int:
+        """All-reduces one ``compute()`` makes (without any Partial-grad redistribution)."""
+        return len(self.groups) + (self.extra_group is not None) + self.separate_world_count
+
+    def _rows_index(self, g: int, device: torch.device) -> Tensor:
+        key = (g, str(device))
+        index = self._index.get(key)
+        if index is None:
+            index = torch.tensor(self.rows_of_group[g], dtype=torch.long, device=device)
+            self._index[key] = index
+        return index
+
+    def reduce_rows(self, packed: Tensor, norm_type: float) -> None:
+        """All-reduce ``packed`` (rows x ...) in place: each group once, with the rows that need it."""
+        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+        total_rows = self.n_rows + 1
+        for g, group in enumerate(self.groups):
+            rows = self.rows_of_group[g]
+            if len(rows) == total_rows:
+                dist.all_reduce(packed, op=op, group=group)
+                continue
+            index = self._rows_index(g, packed.device)
+            part = packed.index_select(0, index)
+            dist.all_reduce(part, op=op, group=group)
+            packed.index_copy_(0, index, part)
+
+    def reduce_total(self, pair: Tensor, norm_type: float) -> None:
+        """Make ``[stage total, non-finite count]`` global in place: the count over the world (unless
+        already), then both over ``extra_group`` (pipeline stages). A count stays > 0 under SUM or MAX."""
+        if self.separate_world_count:
+            count = pair[1:].clone()
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            pair[1:] = count
+        if self.extra_group is not None:
+            op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+            dist.all_reduce(pair, op=op, group=self.extra_group)
+
+
+def reducer_for(
+    params: Sequence[Tensor],
+    model: Any | None = None,
+    extra_group: Any | None = None,
+) -> LayoutReducer | None:
+    """The reductions a plan over ``params`` needs, or None when every grad is whole everywhere.
+
+    None on one process and under plain DDP (grads identical on every rank; the engine's
+    ``all_ranks_agree`` makes the skip decision global there). ``extra_group``: a group to sum
+    the totals over as well (pipeline stages: each stage holds different layers).
     """
     if not is_distributed():
         return None
-    flags = shard_flags(params, model)
-    if not any(flags):
+    keys = reduce_groups_for(params, model)
+    if extra_group is None and not any(keys):
         return None
-    group = _group_of([p for p, f in zip(params, flags, strict=True) if f])
+    world = dist.get_world_size()
+    canonical: dict[tuple[int, ...], Any] = {}
 
-    def reduce_layer_sums(sums: Tensor, norm_type: float) -> None:
-        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-        dist.all_reduce(sums, op=op, group=group)
+    def canon(group: Any) -> Any | None:
+        ranks = _ranks(group)
+        if len(ranks) <= 1:
+            return None
+        if len(ranks) == world:
+            ranks = tuple(range(world))
+            return canonical.setdefault(ranks, dist.group.WORLD)
+        return canonical.setdefault(ranks, group)
 
-    reduce_layer_sums.shard_flags = flags  # type: ignore[attr-defined]
-    reduce_layer_sums.world = dist.get_world_size(group)  # type: ignore[attr-defined]
-    return reduce_layer_sums
+    row_keys: dict[tuple[int, ...], int] = {}
+    groups: list[Any] = []
+    group_index: dict[int, int] = {}
+    row_of: list[int] = []
+    row_groups: list[list[int]] = []
+    for key in keys:
+        idx: list[int] = []
+        for group in key:
+            c = canon(group)
+            if c is None:
+                continue
+            if id(c) not in group_index:
+                group_index[id(c)] = len(groups)
+                groups.append(c)
+            if group_index[id(c)] not in idx:
+                idx.append(group_index[id(c)])
+        ident = tuple(idx)
+        if ident not in row_keys:
+            row_keys[ident] = len(row_groups)
+            row_groups.append(idx)
+        row_of.append(row_keys[ident])
+    n_rows = len(row_groups)
+    rows_of_group = [[r for r, gs in enumerate(row_groups) if g in gs] for g in range(len(groups))]
+    extra = canon(extra_group) if extra_group is not None else None
+    # the world-wide non-finite count row joins a world-sized reduction of the rows when there is
+    # one (every rank then has the same layers); otherwise it is one separate int (reduce_total)
+    world_group = canonical.get(tuple(range(world)))
+    folded = world_group is not None and world_group in groups
+    if folded:
+        rows_of_group[groups.index(world_group)].append(n_rows)
+    return LayoutReducer(row_of, n_rows, groups, rows_of_group, extra, world_row_folded=folded)
 
 
-def all_ranks_agree(flag: Tensor) -> Tensor:
-    """MAX-all-reduce a 0-d bool flag so every rank sees True if any rank does (no host sync)."""
+def all_ranks_agree(flag: Tensor, group: Any | None = None) -> Tensor:
+    """MAX-all-reduce a 0-d bool flag (as an int) so every rank sees True if any rank does (no host sync)."""
     if not is_distributed():
         return flag
     as_int = flag.to(torch.int32).reshape(1)
-    if dist.get_backend() == "nccl" and as_int.device.type != "cuda":  # pragma: no cover - GPU only
+    if dist.get_backend(group) == "nccl" and as_int.device.type != "cuda":  # pragma: no cover - GPU only
         as_int = as_int.cuda()
-    dist.all_reduce(as_int, op=dist.ReduceOp.MAX)
+    dist.all_reduce(as_int, op=dist.ReduceOp.MAX, group=group)
     return as_int.to(flag.device).reshape(()).bool()

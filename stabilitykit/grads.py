@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from stabilitykit.distributed import reducer_for, to_local
+from stabilitykit.distributed import LayoutReducer, is_distributed, is_dtensor, local_for_norm, reducer_for, to_local
 
 __all__ = [
     "GradNormPlan",
@@ -29,9 +30,6 @@ __all__ = [
 
 #: Added to the total norm before dividing, exactly as ``torch.nn.utils.clip_grad_norm_`` does.
 CLIP_EPS = 1e-6
-
-#: Reduces per-layer sums of p-th powers across processes in place (see ``distributed.py``).
-LayerSumReducer = Callable[[Tensor, float], None]
 
 
 @dataclass
@@ -67,7 +65,8 @@ class _Layout:
     groups: list[_Group]
     segments: Tensor | None  # layer index of each present grad, in group order, on the main device
     device: torch.device
-    weights: Tensor | None = None  # 1/world for replicated grads when others are sharded (one SUM counts them once)
+    #: distributed only: where each present grad's [value, count, world count] lands in the packed matrix
+    scatter: Tensor | None = None
 
 
 def _pow(values: Tensor, p: float) -> Tensor:
@@ -90,7 +89,9 @@ class GradNormPlan:
     """Precomputed grouping of a fixed parameter list into (device, dtype) groups and layers.
 
     ``compute()`` makes one ``_foreach_norm`` call per group and a handful of small ops;
-    the layout is cached per set of parameters that have grads.
+    the layout is cached per set of parameters that have grads. With a ``reducer``
+    (``stabilitykit.distributed.reducer_for``) the per-layer sums and non-finite counts are
+    packed into one matrix and reduced across processes as the parameters' layout requires.
     """
 
     def __init__(
@@ -99,7 +100,7 @@ class GradNormPlan:
         layer_of: Sequence[int] | None = None,
         layer_names: Sequence[str] | None = None,
         norm_type: float = 2.0,
-        reducer: LayerSumReducer | None = None,
+        reducer: LayoutReducer | None = None,
     ) -> None:
         if norm_type != math.inf and not (norm_type > 0 and math.isfinite(norm_type)):
             raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
@@ -108,10 +109,12 @@ class GradNormPlan:
         self.layer_names = list(layer_names) if layer_names is not None else ["all"]
         if len(self.layer_of) != len(self.params):
             raise ValueError("layer_of must give one layer index per parameter")
+        if reducer is not None and len(reducer.row_of) != len(self.params):
+            raise ValueError("the reducer was built for a different parameter list")
         self.per_layer = layer_names is not None
         self.norm_type = float(norm_type)
         self.reducer = reducer
-        self._local = any(to_local(q) is not q for q in self.params) or reducer is not None
+        self._local = any(is_dtensor(q) for q in self.params)
         self._layouts: dict[tuple[bool, ...], _Layout] = {}
         self._warned_empty = False
 
@@ -125,27 +128,50 @@ class GradNormPlan:
                 p = self.params[i]
                 by_key.setdefault((p.device, p.dtype), []).append(i)
         groups = [_Group(indices) for indices in by_key.values()]
-        device = self.params[groups[0].indices[0]].device if groups else torch.device("cpu")
+        device = self.params[groups[0].indices[0]].device if groups else self._device()
+        order = [i for g in groups for i in g.indices]
         segments = None
         if self.per_layer and groups:
-            order = [self.layer_of[i] for g in groups for i in g.indices]
-            segments = torch.tensor(order, dtype=torch.long, device=device)
-        weights = None
-        flags = getattr(self.reducer, "shard_flags", None)
-        if flags is not None and not all(flags) and groups:
-            world = float(getattr(self.reducer, "world", 1))
-            values = [1.0 if flags[i] else 1.0 / world for g in groups for i in g.indices]
-            weights = torch.tensor(values, dtype=torch.float32, device=device)
-        layout = _Layout(groups, segments, device, weights)
+            segments = torch.tensor([self.layer_of[i] for i in order], dtype=torch.long, device=device)
+        scatter = None
+        if self.reducer is not None:
+            n_layers = len(self.layer_names) if self.per_layer else 1
+            world_row = self.reducer.n_rows
+            layers = [self.layer_of[i] if self.per_layer else 0 for i in order]
+            rows = [self.reducer.row_of[i] for i in order]
+            value = [2 * r * n_layers + layer for r, layer in zip(rows, layers, strict=True)]
+            count = [(2 * r + 1) * n_layers + layer for r, layer in zip(rows, layers, strict=True)]
+            world = [(2 * world_row + 1) * n_layers + layer for layer in layers]
+            scatter = torch.tensor(value + count + world, dtype=torch.long, device=device)
+        layout = _Layout(groups, segments, device, scatter)
         self._layouts[present] = layout
         return layout
 
-    def _grouped(self, layout: _Layout) -> list[list[Tensor]]:
-        """The current grads, one list per (device, dtype) group; DTensor grads as their local shards."""
+    def _device(self) -> torch.device:
+        return to_local(self.params[0]).device if self.params else torch.device("cpu")
+
+    def _grouped(self, layout: _Layout) -> tuple[list[list[Tensor]], list[list[Tensor]]]:
+        """The current grads per (device, dtype) group: (to measure, to clip). DTensor grads as local shards."""
         grouped = [[self.params[i].grad for i in g.indices] for g in layout.groups]
-        if self._local:
-            return [[to_local(g) for g in grads] for grads in grouped]  # type: ignore[arg-type]
-        return grouped  # type: ignore[return-value]
+        if not self._local:
+            return grouped, grouped  # type: ignore[return-value]
+        clip = [[to_local(g) for g in grads] for grads in grouped]  # type: ignore[arg-type]
+        measure = [
+            [local_for_norm(self.params[i].grad, self.params[i]) for i in g.indices]  # type: ignore[arg-type]
+            for g in layout.groups
+        ]
+        return measure, clip
+
+    def _warn_empty(self) -> None:
+        if self._warned_empty:
+            return
+        self._warned_empty = True
+        rank = torch.distributed.get_rank() if is_distributed() else 0
+        warnings.warn(
+            f"stabilitykit: no parameter has a gradient on rank {rank}; its grad norm is 0",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def compute(self, grad_scale: Tensor | None = None) -> tuple[NormResult, list[list[Tensor]]]:
         """Norms of the current grads and the grads themselves grouped for ``_foreach`` ops.
@@ -154,55 +180,88 @@ class GradNormPlan:
         """
         present = tuple(p.grad is not None for p in self.params)
         layout = self._layout(present)
-        grouped = self._grouped(layout)
-        p = self.norm_type
+        measure, grouped = self._grouped(layout)
         if not grouped:
-            if not self._warned_empty:
-                self._warned_empty = True
-                rank = torch.distributed.get_rank() if self.reducer is not None else 0
-                warnings.warn(
-                    f"stabilitykit: no parameter has a gradient on rank {rank}; its grad norm is 0",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-            device = self.params[0].device if self.params else torch.device("cpu")
-            sums = torch.zeros(len(self.layer_names) if self.per_layer else 1, dtype=torch.float32, device=device)
-            if self.reducer is not None:  # still join the all-reduce: the other ranks wait for it
-                self.reducer(sums, p)
-            total = sums.max() if p == math.inf else _root(sums.sum(), p)
-            layers = (sums if p == math.inf else _root(sums, p)) if self.per_layer else None
-            return NormResult(total, layers, self.layer_names), []
+            self._warn_empty()
+        p = self.norm_type
         pieces = [
             torch.stack(torch._foreach_norm(grads, p, dtype=torch.float32)).to(layout.device)  # type: ignore[arg-type]
-            for grads in grouped
+            for grads in measure
         ]
-        per_tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        if self.per_layer:
-            assert layout.segments is not None
-            sums = torch.zeros(len(self.layer_names), dtype=torch.float32, device=layout.device)
+        if not pieces:
+            per_tensor = torch.zeros(0, dtype=torch.float32, device=layout.device)
+        else:
+            per_tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if self.reducer is not None:
+            result = self._reduced(per_tensor, layout, self.reducer)
+        else:
+            result = self._local_result(per_tensor, layout)
+        if grad_scale is not None:
+            inv = grad_scale.to(device=layout.device, dtype=torch.float32).reciprocal()
+            result.total = result.total * inv
+            result.layer_norms = result.layer_norms * inv if result.layer_norms is not None else None
+        return result, grouped
+
+    def _local_result(self, per_tensor: Tensor, layout: _Layout) -> NormResult:
+        """One process (or grads whole on every rank): sums and maxima propagate NaN by themselves."""
+        p = self.norm_type
+        n = len(self.layer_names) if self.per_layer else 1
+        if self.per_layer and layout.segments is not None:
+            sums = torch.zeros(n, dtype=torch.float32, device=layout.device)
             if p == math.inf:
                 sums.scatter_reduce_(0, layout.segments, per_tensor, reduce="amax", include_self=True)
             else:
-                powered = _pow(per_tensor, p)
-                sums.index_add_(0, layout.segments, powered * layout.weights if layout.weights is not None else powered)
+                sums.index_add_(0, layout.segments, _pow(per_tensor, p))
+        elif per_tensor.numel() == 0:
+            sums = torch.zeros(n, dtype=torch.float32, device=layout.device)
         elif p == math.inf:
             sums = per_tensor.max().reshape(1)
         else:
-            powered = _pow(per_tensor, p)
-            sums = (powered * layout.weights if layout.weights is not None else powered).sum().reshape(1)
-        if self.reducer is not None:
-            self.reducer(sums, p)
+            sums = _pow(per_tensor, p).sum().reshape(1)
         if p == math.inf:
             total = sums.max()
             layers = sums if self.per_layer else None
         else:
             total = _root(sums.sum(), p)
             layers = _root(sums, p) if self.per_layer else None
-        if grad_scale is not None:
-            inv = grad_scale.to(device=layout.device, dtype=torch.float32).reciprocal()
-            total = total * inv
-            layers = layers * inv if layers is not None else None
-        return NormResult(total, layers, self.layer_names), grouped
+        return NormResult(total, layers, self.layer_names)
+
+    def _reduced(self, per_tensor: Tensor, layout: _Layout, reducer: LayoutReducer) -> NormResult:
+        """Distributed: pack [per-layer sums, per-layer non-finite counts] per row, reduce, combine.
+
+        Finiteness comes from the counts, never from the reduced values (a MAX may drop a NaN).
+        A non-finite total is NaN on every rank.
+        """
+        p = self.norm_type
+        n = len(self.layer_names) if self.per_layer else 1
+        rows = reducer.n_rows
+        packed = torch.zeros((rows + 1) * 2 * n, dtype=torch.float32, device=layout.device)
+        if layout.scatter is not None and per_tensor.numel():
+            bad = (~torch.isfinite(per_tensor)).to(torch.float32)
+            if p == math.inf:
+                source = torch.cat([per_tensor, bad, bad])
+                packed.scatter_reduce_(0, layout.scatter, source, reduce="amax", include_self=True)
+            else:
+                packed.index_add_(0, layout.scatter, torch.cat([_pow(per_tensor, p), bad, bad]))
+        packed = packed.view(rows + 1, 2, n)
+        reducer.reduce_rows(packed, p)
+        values, counts = packed[:rows, 0], packed[:rows, 1]
+        layer_values = values.amax(0) if p == math.inf else values.sum(0)
+        layer_bad = counts.sum(0)
+        if reducer.world_row_folded:
+            layer_bad = layer_bad + packed[rows, 1]  # world-wide per layer (same layers on every rank)
+        stage = layer_values.max() if p == math.inf else layer_values.sum()
+        pair = torch.stack([stage, packed[rows, 1].sum()])
+        reducer.reduce_total(pair, p)
+        total = pair[0] if p == math.inf else _root(pair[0], p)
+        any_bad = pair[1] > 0
+        finite = ~any_bad & torch.isfinite(total)
+        total = torch.where(any_bad, torch.full_like(total, math.nan), total)
+        layers = None
+        if self.per_layer:
+            layers = layer_values if p == math.inf else _root(layer_values, p)
+            layers = torch.where(layer_bad > 0, torch.full_like(layers, math.nan), layers)
+        return NormResult(total, layers, self.layer_names, finite)
 
 
 def clip_coefficient(total: Tensor, max_norm: float | Tensor, finite: Tensor | None = None) -> Tensor:
@@ -230,14 +289,19 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     model: nn.Module | None = None,
+    extra_group: Any | None = None,
 ) -> Tensor:
     """Clip grads to a global norm in place and return the pre-clip total norm (fp32, on device).
 
     Same result as ``torch.nn.utils.clip_grad_norm_`` on finite grads, but a NaN/Inf total
     leaves the grads untouched instead of spreading NaN into every grad. The norm is the true
-    global one under DDP, FSDP2 (DTensor grads) and FSDP1; for FSDP1 pass the wrapped module as
-    ``parameters`` or ``model`` so its sharded flat parameters are known (see ``stabilitykit.distributed``).
-    Every rank must call it (it may all-reduce), including a rank without grads.
+    global one under DDP, FSDP1 (every sharding strategy, hybrid included), FSDP2/HSDP and tensor
+    parallel (DTensor grads on any mesh); under torch.distributed a non-finite grad on any rank
+    makes the total NaN on every rank. For FSDP1 pass the wrapped module as ``parameters`` or
+    ``model`` (its parameters alone raise ``ValueError``: their shards cannot be told apart).
+    ``extra_group``: a process group to sum over as well, e.g. the pipeline-parallel group.
+    The result is fp32 even for fp16/bf16 grads (torch returns the grads' dtype). Every rank
+    must call it (it may all-reduce), including a rank without grads.
     """
     if max_norm <= 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
@@ -245,11 +309,11 @@ def clip_grad_norm_(
         model = model or parameters
         parameters = parameters.parameters()
     params = [p for p in _as_param_list(parameters) if p.requires_grad or p.grad is not None]
-    plan = GradNormPlan(params, norm_type=float(norm_type), reducer=reducer_for(params, model))
+    plan = GradNormPlan(params, norm_type=float(norm_type), reducer=reducer_for(params, model, extra_group))
     result, grouped = plan.compute()
-    if error_if_nonfinite and not bool(torch.isfinite(result.total)):
+    if error_if_nonfinite and not bool(result.finite):
         raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped.")
-    apply_clip_coefficient(grouped, clip_coefficient(result.total, max_norm))
+    apply_clip_coefficient(grouped, clip_coefficient(result.total, max_norm, result.finite))
     return result.total
 
 
@@ -257,14 +321,23 @@ def grad_norms(
     model: nn.Module,
     norm_type: float = 2.0,
     grouping: str | Sequence[str] = "auto",
+    extra_group: Any | None = None,
 ) -> dict[str, Tensor]:
-    """Per-layer grad norms and the total: ``{"blocks.0": t, ..., "total": t}`` (0-d fp32 tensors)."""
+    """Per-layer grad norms and the total: ``{"blocks.0": t, ..., "total": t}`` (0-d fp32 tensors).
+
+    Global under torch.distributed like ``clip_grad_norm_``; with ``extra_group`` (pipeline
+    stages) the total spans the stages and each layer's norm is its own stage's.
+    """
     from stabilitykit.engine.layers import build_layer_map  # the engine imports this module
 
     params = [p for p in model.parameters() if p.requires_grad]
     layers = build_layer_map(params, model, grouping)
     plan = GradNormPlan(
-        params, layers.layer_of, layers.layer_names, norm_type=float(norm_type), reducer=reducer_for(params, model)
+        params,
+        layers.layer_of,
+        layers.layer_names,
+        norm_type=float(norm_type),
+        reducer=reducer_for(params, model, extra_group),
     )
     result, _ = plan.compute()
     return result.as_dict()

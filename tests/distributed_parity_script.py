@@ -1,18 +1,17 @@
 """Run by tests/test_distributed.py in real processes (gloo, CPU): DDP vs FSDP1 vs FSDP2 parity.
 
-    python tests/distributed_parity_script.py WORLD_SIZE OUT_DIR
+    python tests/distributed_parity_script.py WORLD_SIZE OUT_DIR PORT
 
 For each sharding x norm type x max_norm (and use_orig_params for FSDP1): 4 iterations of
-forward, backward, clip, AdamW step; records the total norms and a checksum of the full
+forward, backward, clip, AdamW step (FSDP1 strategies, FSDP2 and the
+HSDP meshes W x 1 and 1 x W); records the total norms and a checksum of the full
 parameters, next to a DDP + torch.nn.utils.clip_grad_norm_ reference. Then a NaN injected into
 one rank's grads under the guard, and a rank with no grads.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -20,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 ITERS = 4
@@ -83,6 +81,16 @@ def wrap(kind: str, orig: bool) -> tuple[nn.Module, Any]:
         return FSDP(net, sharding_strategy=strategy, use_orig_params=orig, device_id=cpu), None
     from torch.distributed.fsdp import fully_shard
 
+    if kind.startswith("fsdp2-hsdp"):  # HSDP: a (replicate, shard) mesh of W x 1 or 1 x W
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = dist.get_world_size()
+        shape = (world, 1) if kind.endswith("Wx1") else (1, world)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        for block in net.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        return net, None
     for block in net.blocks:
         fully_shard(block)
     if kind == "fsdp2":
@@ -131,30 +139,43 @@ def train(kind: str, orig: bool, norm_type: float, max_norm: float, rank: int) -
     return {"norms": norms, "checksum": full_checksum(model, kind)}
 
 
-def guard_nan_case(kind: str, rank: int) -> dict[str, Any]:
-    """A NaN in rank 1's grads (after reduction): every rank skips; parameters stay equal."""
+def guard_nan_case(kind: str, rank: int, norm_type: float = 2.0, value: float = math.nan) -> dict[str, Any]:
+    """A NaN/Inf in rank 1's grads (after reduction): every rank skips; state bitwise kept, equal on all ranks."""
+    from distributed_layouts_script import state_digest
+
     import stabilitykit as sk
 
     model, after_backward = wrap(kind, True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    cfg = sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0), log_every_n_steps=3)
+    mixed = kind == "fsdp2-mixed"  # DTensor and plain params: neither fused nor foreach
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=not mixed, foreach=False if mixed else None)
+    cfg = sk.StabilityConfig(
+        grad_norm=sk.GradNormConfig(norm_type=norm_type),
+        clip=sk.ClipConfig(mode="fixed", max_norm=1.0),
+        log_every_n_steps=3,
+    )
     guard = sk.StabilityGuard(model, opt, cfg)
     events: list[dict[str, Any]] = []
     guard.hooks.on("nonfinite", lambda e: events.append({"step": e.step, **e.details}))
-    for it in range(6):
+    unchanged = None
+    for it in range(4):
         guard.backward(loss_of(model, rank, it))
         if after_backward is not None:
             after_backward()
-        if it == 2 and rank == 1:
-            p = next(q for q in model.parameters() if q.grad is not None)
-            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            grad.view(-1)[0] = float("nan")
+        if it == 2:
+            if rank == 1:
+                p = next(q for q in model.parameters() if q.grad is not None)
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                grad.view(-1)[0] = value
+            before = state_digest(model, opt)
         guard.step()
+        if it == 2:
+            unchanged = state_digest(model, opt) == before
         guard.zero_grad()
     guard.close()
     return {
         "checksum": full_checksum(model, kind),
-        "skipped": guard.engine.counters.skipped_total,
+        "skipped": guard.skipped_total,
+        "unchanged": unchanged,
         "events": events,
     }
 
@@ -173,29 +194,30 @@ def no_grad_rank_case(rank: int) -> dict[str, Any]:
     return {"total": float(total), "warned": any("no parameter has a gradient" in str(w.message) for w in caught)}
 
 
-def worker(rank: int, world: int, out: str, port: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
+def worker(rank: int, world: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     kinds = [
         ("fsdp1-full", True), ("fsdp1-full", False), ("fsdp1-grad-op", True), ("fsdp1-grad-op", False),
         ("fsdp1-no-shard", True), ("fsdp1-no-shard", False), ("fsdp1-mixed", True), ("fsdp1-mixed", False),
-        ("fsdp2", True), ("fsdp2-mixed", True),
+        ("fsdp2", True), ("fsdp2-mixed", True), ("fsdp2-hsdp-Wx1", True), ("fsdp2-hsdp-1xW", True),
     ]  # fmt: skip
     for norm_type in NORMS:
         for max_norm in MAX_NORMS:
             results[f"ddp|{norm_type}|{max_norm}"] = train("ddp", True, norm_type, max_norm, rank)
             for kind, orig in kinds:
                 results[f"{kind}|orig={orig}|{norm_type}|{max_norm}"] = train(kind, orig, norm_type, max_norm, rank)
-    for kind in ("ddp", "fsdp2", "fsdp1-full"):
-        results[f"nan|{kind}"] = guard_nan_case(kind, rank)
+    for kind, orig in kinds:
+        if not orig:
+            continue  # the guard cases build with use_orig_params=True
+        for norm_type, value in ((1.0, math.nan), (2.0, math.inf), (math.inf, math.nan)):
+            results[f"nan|{kind}|{norm_type}|{value}"] = guard_nan_case(kind, rank, norm_type, value)
+    results["nan|ddp|2.0|nan"] = guard_nan_case("ddp", rank)
     results["no_grad_rank"] = no_grad_rank_case(rank)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    return results
 
 
 if __name__ == "__main__":
-    world_size, out_dir = int(sys.argv[1]), sys.argv[2]
-    mp.spawn(worker, args=(world_size, out_dir, sys.argv[3] if len(sys.argv) > 3 else "29571"), nprocs=world_size)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from distributed_script_runner import launch
+
+    launch(worker, sys.argv[1:])
