@@ -139,7 +139,10 @@ class DriverCore:
         scaler: Any | None = None,
         tracing: bool = True,
         apply_precision: bool = True,
+        extra_group: Any | None = None,
     ) -> None:
+        """``extra_group``: a process group the norms also sum over, one torch.distributed cannot infer
+        from the model (pipeline stages, each holding different layers)."""
         self.config = coerce_config(config)
         _warn_contradictions(self.config)
         self.model = model
@@ -149,7 +152,7 @@ class DriverCore:
         self.hooks = hooks or HookManager()
         self.scaler = ScalerAdapter(scaler)
         self.engine = StabilityEngine(
-            params, self.config, model=model, hooks=self.hooks, fused=is_fused(self.optimizer)
+            params, self.config, model=model, hooks=self.hooks, fused=is_fused(self.optimizer), extra_group=extra_group
         )
         self.buffers = BufferGuard(running_stat_buffers(model, self.config.skip.restore_buffers))
         self.precision_choice: PrecisionChoice | None = None

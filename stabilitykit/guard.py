@@ -43,11 +43,13 @@ class StabilityGuard:
         scheduler: Any | None = None,
         sinks: Iterable[Sink] | None = None,
         hooks: HookManager | None = None,
+        extra_group: Any | None = None,
     ) -> None:
+        """``extra_group``: a process group the norms also sum over (pipeline stages; see the distributed guide)."""
         self.hooks = hooks or HookManager()
         for sink in sinks or []:
             self.hooks.add_sink(sink)
-        self.core = DriverCore(model, optimizer, config, hooks=self.hooks, scaler=scaler)
+        self.core = DriverCore(model, optimizer, config, hooks=self.hooks, scaler=scaler, extra_group=extra_group)
         self.config = self.core.config
         self.model = model
         self.optimizer = optimizer

@@ -313,7 +313,7 @@ def skip_case(layout: str, norm_type: float, value: str) -> dict[str, Any]:
         clip=sk.ClipConfig(mode="fixed", max_norm=1.0),
         log_every_n_steps=1,
     )
-    guard = sk.StabilityGuard(s.model, opt, cfg)
+    guard = sk.StabilityGuard(s.model, opt, cfg, extra_group=s.extra_group)
     out: dict[str, Any] = {}
     for it in range(3):
         s.backward(it)  # grads final (a pipeline's backward runs across stages); no loss for the guard

@@ -90,6 +90,7 @@ class StabilityEngine:
         hooks: HookManager | None = None,
         fused: bool = False,
         names: Sequence[str] | None = None,
+        extra_group: Any | None = None,
     ) -> None:
         self.config = config or StabilityConfig()
         self.hooks = hooks or HookManager()
@@ -107,7 +108,7 @@ class StabilityEngine:
             layers.layer_of if self.per_layer else None,
             self.layer_names if self.per_layer else None,
             norm_type=gcfg.norm_type,
-            reducer=reducer_for(self.params, model),
+            reducer=reducer_for(self.params, model, extra_group),
         )
         self.logged_layers = [i for i, n in enumerate(self.layer_names) if self._layer_logged(n)]
         self.device = self.params[0].device
