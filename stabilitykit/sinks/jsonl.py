@@ -19,7 +19,7 @@ from typing import IO, Any
 
 from stabilitykit.events import Event
 
-__all__ = ["JsonlError", "JsonlSink", "iter_jsonl", "read_jsonl"]
+__all__ = ["JsonlError", "JsonlSink", "iter_jsonl", "iter_jsonl_numbered", "read_jsonl"]
 
 _SPECIALS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
@@ -187,9 +187,10 @@ class JsonlSink:
             )
 
 
-def iter_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """Records of a JSONL log one at a time (bounded memory), NaN/Inf strings turned back to floats.
+def iter_jsonl_numbered(path: str | os.PathLike[str], specials: bool = True) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, record)`` of a JSONL log one at a time (bounded memory), NaN/Inf strings turned back to floats.
 
+    ``specials=False`` leaves "nan"/"inf" strings as they are (faster, for readers that skip them).
     A truncated last line (no newline, not JSON: a process killed mid-write) is skipped with a
     warning. Any other unreadable line raises ``JsonlError`` naming the file and line number.
     """
@@ -201,7 +202,8 @@ def iter_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
             try:
                 record = json.loads(raw.decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                if not raw.endswith(b"\n"):  # only the last line can lack its newline
+                if not raw.endswith(b"\n") and raw.lstrip().startswith(b"{") and isinstance(exc, json.JSONDecodeError):
+                    # only the last line can lack its newline; a record cut short still starts like one
                     warnings.warn(
                         f"stabilitykit: {path}:{number}: skipped a truncated last line ({len(raw)} bytes; "
                         "the process was killed mid-write)",
@@ -215,7 +217,17 @@ def iter_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
                 raise JsonlError(f"{path}:{number}: not a JSON line ({exc.msg}): {excerpt!r}") from None
             if not isinstance(record, dict):
                 raise JsonlError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-            yield {k: _SPECIALS.get(v, v) if isinstance(v, str) and k != "event" else v for k, v in record.items()}
+            if specials:
+                record = {
+                    k: _SPECIALS.get(v, v) if isinstance(v, str) and k != "event" else v for k, v in record.items()
+                }
+            yield number, record
+
+
+def iter_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """The records of a JSONL log one at a time; see ``iter_jsonl_numbered``."""
+    for _number, record in iter_jsonl_numbered(path):
+        yield record
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
