@@ -48,9 +48,22 @@ def _precision(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    """Draw the picture; a log or output it cannot use is one line on stderr and exit status 2."""
+    import warnings
+
     from stabilitykit.report_plot import draw_report
 
-    path = draw_report(args.log, args.output, title=args.title)
+    def one_line(message: Warning | str, category: type[Warning], *_: object, **__: object) -> None:
+        text = str(message).removeprefix("stabilitykit: ")
+        print(f"stabilitykit report: warning: {text}", file=sys.stderr)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = one_line  # a skipped truncated line is worth a line, not a traceback-like block
+            path = draw_report(args.log, args.output, title=args.title, prefix=args.prefix)
+    except (ValueError, OSError) as exc:  # ReportError, JsonlError, unreadable files: the message names the file
+        print(f"stabilitykit report: error: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote {path}")
     return 0
 
@@ -73,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rep.add_argument("log", help="the guard's JSONL log or a Lightning CSVLogger metrics.csv")
     rep.add_argument("-o", "--output", default="report.png")
     rep.add_argument("--title", default=None)
+    rep.add_argument("--prefix", default=None, help="the run's metric_prefix (found in the log when not given)")
     rep.set_defaults(func=_report)
 
     args = parser.parse_args(argv)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from stabilitykit.batch_walk import walk_batch
 from stabilitykit.engine.layers import clean_name, unwrap_model
 from stabilitykit.events import BadBatchError
 
@@ -246,39 +247,30 @@ def check_batch(
     step: int | None = None,
     label_keys: Sequence[str | int] = ("labels", "label", "targets", "target", "y"),
 ) -> None:
-    """Raise ``BadBatchError`` naming the path (``batch['input_ids'][3]``) of the first bad value.
+    """Raise ``BadBatchError`` naming the path (``batch['labels'][3][17]``, ``batch.labels[3]``) of the first bad value.
 
-    Checks: non-finite floats anywhere; integer tensors under a label key (a mapping key, or a
-    position in a tuple batch such as ``1`` for ``(x, y)``) outside ``[0, num_classes)``
-    (ignoring -100); empty tensors or sequences. One host sync for the whole batch.
+    Walks mappings (``BatchEncoding`` and other ``UserDict`` mappings too), dataclasses, namedtuples,
+    lists and tuples. Checks: non-finite floats anywhere; integer tensors under a label key (a
+    mapping key, a field name, or a position such as ``1`` for ``(x, y)`` batches) outside
+    ``[0, num_classes)`` (ignoring -100); empty tensors or containers. One host sync for the whole batch.
     """
     floats: list[tuple[str, Tensor]] = []
     labels: list[tuple[str, Tensor]] = []
-
-    def walk(value: Any, path: str, is_label: bool) -> None:
+    for leaf in walk_batch(batch, label_keys):
+        value, path = leaf.value, leaf.path
+        if leaf.empty is not None:
+            raise BadBatchError(path, f"is an empty {leaf.empty}", step)
         if isinstance(value, Tensor):
             if value.numel() == 0:
                 raise BadBatchError(path, "is empty", step)
             if value.is_floating_point():
                 floats.append((path, value))
-            elif is_label and num_classes is not None and value.dtype != torch.bool:
+            elif leaf.is_label and num_classes is not None and value.dtype != torch.bool:
                 labels.append((path, value))
-        elif isinstance(value, dict):
-            if not value:
-                raise BadBatchError(path, "is an empty mapping", step)
-            for key, item in value.items():
-                walk(item, f"{path}[{key!r}]", is_label or (isinstance(key, str) and key in label_keys))
-        elif isinstance(value, (list, tuple)):
-            if not value:
-                raise BadBatchError(path, "is an empty sequence", step)
-            for i, item in enumerate(value):
-                walk(item, f"{path}[{i}]", is_label or i in label_keys)
         elif isinstance(value, float) and not math.isfinite(value):
             raise BadBatchError(path, f"is {value}", step)
 
-    walk(batch, "batch", False)
     checks = [~torch.isfinite(t).all() for _, t in floats]
-    assert num_classes is not None or not labels
     checks += [((t < 0) & (t != -100)).any() | (t >= (num_classes or 0)).any() for _, t in labels]
     if not checks:
         return
@@ -398,26 +390,20 @@ def batch_is_bad(
 ) -> Tensor | None:
     """A 0-d device bool: the batch holds a non-finite float or an out-of-range label (no host sync).
 
-    None when the batch holds no tensor to check. Empty tensors count as bad.
+    Walks the same containers as ``check_batch``. None when the batch holds no tensor to check.
+    Empty tensors count as bad.
     """
     flags: list[Tensor] = []
-
-    def walk(value: Any, is_label: bool) -> None:
-        if isinstance(value, Tensor):
-            if value.numel() == 0:
-                flags.append(torch.ones((), dtype=torch.bool, device=value.device))
-            elif value.is_floating_point():
-                flags.append(~torch.isfinite(value).all())
-            elif is_label and num_classes is not None and value.dtype != torch.bool:
-                flags.append((((value < 0) & (value != -100)) | (value >= num_classes)).any())
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, is_label or (isinstance(key, str) and key in label_keys))
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                walk(item, is_label or i in label_keys)
-
-    walk(batch, False)
+    for leaf in walk_batch(batch, label_keys):
+        value = leaf.value
+        if not isinstance(value, Tensor):
+            continue
+        if value.numel() == 0:
+            flags.append(torch.ones((), dtype=torch.bool, device=value.device))
+        elif value.is_floating_point():
+            flags.append(~torch.isfinite(value).all())
+        elif leaf.is_label and num_classes is not None and value.dtype != torch.bool:
+            flags.append((((value < 0) & (value != -100)) | (value >= num_classes)).any())
     if not flags:
         return None
     device = flags[0].device

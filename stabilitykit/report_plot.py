@@ -1,19 +1,25 @@
 """``stabilitykit report``: one picture of a run from its JSONL log or a Lightning CSV log.
 
 Panels: loss; total grad norm (log scale) with the clip threshold; the grad-norm z-score with
-the warning line; a per-layer grad-norm heatmap (layers x logging steps). Skipped steps, spike
-warnings, loss spikes and alerts are marked on every line panel. Needs matplotlib (``plots`` extra).
+the warning line; a per-layer grad-norm heatmap (layers x steps). Skipped steps, spike warnings,
+loss spikes and alerts are marked on every line panel. Needs matplotlib (``plots`` extra).
+
+The log is read one line at a time into a bounded number of step bins per series (min, max and
+last value per bin), so a log of millions of lines is drawn in bounded memory; logs shorter than
+the bin count are drawn exactly. A log resumed from a checkpoint repeats steps: the later row wins.
 """
 
 from __future__ import annotations
 
 import csv
 import math
+import os
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunLog", "draw_report", "load_run_log"]
+__all__ = ["ReportError", "RunLog", "draw_report", "load_run_log", "report_figure"]
 
 _MARKERS = {
     "skipped": ("x", "tab:red", "skipped"),
@@ -22,174 +28,484 @@ _MARKERS = {
     "diverged": ("X", "black", "diverged"),
     "fp16_warning": ("s", "tab:brown", "fp16 warning"),
 }
+#: Series the report draws, by name under the metric prefix.
+_LINES = (
+    "loss",
+    "grad_norm/total",
+    "grad_norm/max",
+    "clip/threshold",
+    "spikes/z_grad_norm",
+    "spikes/max_z_grad_norm",
+    "skipped/total",
+)
+_ANCHOR = "grad_norm/total"  # every metric row of the guard holds it: it tells the prefix
+_LINE_BINS = 4096  # per line series; per-layer series get a quarter of it
+_MAX_MARKS = 2000
+_FULL_LINES = 200  # up to this many marks of a kind get a full-height line on every panel
+_CHUNK = 65536  # values buffered per series before they are folded into its bins
+_UNSEEN = object()
+
+
+class ReportError(ValueError):
+    """A log or an output path the report cannot use; the message names it and says why (one line)."""
+
+
+class _Bins:
+    """min, max and last finite value of a series in at most ``capacity`` step bins (bin width doubles as needed).
+
+    Values are appended to a small buffer and folded into the bins with numpy every ``_CHUNK``
+    values, so adding one costs two appends. Within a one-step bin the later row wins (a resumed
+    run repeats steps); wider bins keep the min and max of all their rows, and the last step's value.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        import numpy as np
+
+        self.capacity = capacity + capacity % 2
+        self.origin: int | None = None
+        self.width = 1
+        self.lo = np.full(self.capacity, np.nan)
+        self.hi = np.full(self.capacity, np.nan)
+        self.last = np.full(self.capacity, np.nan)
+        self.last_step = np.full(self.capacity, -1, dtype=np.int64)
+        self.total = np.zeros(self.capacity)
+        self.count = np.zeros(self.capacity)
+        self.used = 0  # bins up to the highest one written
+        self.step_buffer = array("q")  # appended to by the loader, folded every _CHUNK values
+        self.value_buffer = array("d")
+
+    def add(self, step: int, value: float) -> None:
+        self.step_buffer.append(step)
+        self.value_buffer.append(value)
+        if len(self.step_buffer) >= _CHUNK:
+            self.fold()
+
+    def fold(self) -> None:
+        """Fold the buffered values into the bins."""
+        import numpy as np
+
+        if not self.step_buffer:
+            return
+        steps = np.array(self.step_buffer, dtype=np.int64)
+        values = np.array(self.value_buffer, dtype=np.float64)
+        del self.step_buffer[:], self.value_buffer[:]
+        keep = np.isfinite(values)  # a skipped step's NaN/Inf is marked by its event, not drawn as a value
+        steps, values = steps[keep], values[keep]
+        if not len(steps):
+            return
+        if self.origin is None:
+            self.origin = int(steps[0])
+        offset = np.maximum(steps - self.origin, 0)
+        while int(offset.max()) // self.width >= self.capacity:
+            self._halve()
+        cols = offset // self.width
+        self.used = max(self.used, int(cols.max()) + 1)
+        order = np.lexsort((np.arange(len(steps)), steps))  # by step, then by when the row was written
+        cols_sorted, steps_sorted, values_sorted = cols[order], steps[order], values[order]
+        tail = np.r_[cols_sorted[1:] != cols_sorted[:-1], True]  # the last entry of each bin: its latest row
+        at, step_at, value_at = cols_sorted[tail], steps_sorted[tail], values_sorted[tail]
+        if self.width == 1:
+            self.lo[at] = self.hi[at] = self.last[at] = self.total[at] = value_at
+            self.last_step[at] = step_at
+            self.count[at] = 1
+            return
+        np.fmin.at(self.lo, cols, values)
+        np.fmax.at(self.hi, cols, values)
+        np.add.at(self.total, cols, values)
+        np.add.at(self.count, cols, 1)
+        newer = step_at >= self.last_step[at]
+        self.last[at[newer]] = value_at[newer]
+        self.last_step[at[newer]] = step_at[newer]
+
+    def _halve(self) -> None:
+        """Merge neighbouring bins pairwise: half the bins, twice the width."""
+        import numpy as np
+
+        half = self.capacity // 2
+
+        def pad(values: Any, fill: Any) -> Any:
+            return np.concatenate([values, np.full(half, fill, dtype=values.dtype)])
+
+        self.lo = pad(np.fmin(self.lo[0::2], self.lo[1::2]), np.nan)
+        self.hi = pad(np.fmax(self.hi[0::2], self.hi[1::2]), np.nan)
+        right = self.last_step[1::2] >= self.last_step[0::2]
+        self.last = pad(np.where(right, self.last[1::2], self.last[0::2]), np.nan)
+        self.last_step = pad(np.where(right, self.last_step[1::2], self.last_step[0::2]), -1)
+        self.total = pad(self.total[0::2] + self.total[1::2], 0.0)
+        self.count = pad(self.count[0::2] + self.count[1::2], 0.0)
+        self.width *= 2
+        self.used = (self.used + 1) // 2
+
+    def steps(self) -> list[int]:
+        """The first step of each bin that holds a value."""
+        self.fold()
+        origin = self.origin or 0
+        return [origin + i * self.width for i in range(self.used) if self.last_step[i] >= 0]
+
+    def column(self, which: str) -> list[float]:
+        """``lo``, ``hi``, ``last`` or ``mean`` of each bin that holds a value."""
+        self.fold()
+        if which == "mean":
+            values = self.total[: self.used] / self.count[: self.used].clip(min=1)
+        else:
+            values = getattr(self, which)[: self.used]
+        return [float(v) for v in values[self.last_step[: self.used] >= 0]]
 
 
 @dataclass
 class RunLog:
-    """Metric rows (one per logging step) and events, whatever file they came from."""
+    """A run's metric series (binned by step) and its events, whatever file they came from."""
 
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
     prefix: str = "stability"
+    lines: dict[str, _Bins] = field(default_factory=dict)
+    layers: dict[str, _Bins] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    n_rows: int = 0
+    first_step: int | None = None
+    last_step: int | None = None
 
     def series(self, name: str) -> tuple[list[int], list[float]]:
-        """Steps and values of ``<prefix>/<name>`` where present."""
-        key = f"{self.prefix}/{name}" if self.prefix else name
-        pairs = [(int(r["step"]), float(r[key])) for r in self.rows if r.get(key) not in (None, "")]
-        return [s for s, _ in pairs], [v for _, v in pairs]
+        """Steps and values (the last value of each bin) of ``<prefix>/<name>`` where present."""
+        bins = self.lines.get(name)
+        return ([], []) if bins is None else (bins.steps(), bins.column("last"))
 
     def layer_names(self) -> list[str]:
         """Per-layer grad-norm names, in first-seen order."""
-        head = f"{self.prefix}/grad_norm/"
-        names: dict[str, None] = {}
-        for row in self.rows:
-            for key in row:
-                if key.startswith(head) and key[len(head) :] not in ("total", "max"):
-                    names.setdefault(key[len(head) :], None)
-        return list(names)
+        return list(self.layers)
+
+    @property
+    def binned(self) -> bool:
+        """True when some series has more steps than bins (then each point stands for several steps)."""
+        return any(b.width > 1 for b in (*self.lines.values(), *self.layers.values()))
 
 
-def _float(value: str) -> float | str:
+class _Builder:
+    """Feeds metric rows and events into a ``RunLog``; finds the metric prefix when not given."""
+
+    def __init__(self, source: Path, prefix: str | None, bins: int = _LINE_BINS) -> None:
+        self.source = source
+        self.bins = bins
+        self.log = RunLog(prefix=prefix or "")
+        self.prefix = prefix
+        self.seen_events: set[tuple[str, int]] = set()
+        self.targets: dict[str, Any] = {}
+        self.rows_without_metrics = 0
+
+    def _find_prefix(self, row: dict[str, Any]) -> str | None:
+        for key in row:
+            if key == _ANCHOR or key.endswith("/" + _ANCHOR):
+                return key[: -len(_ANCHOR)].rstrip("/")
+        return None
+
+    def _target(self, key: str) -> _Bins | None:
+        """The bins a key's values go to (created on first sight), or None for keys the report does not draw."""
+        head = f"{self.prefix}/" if self.prefix else ""
+        if not key.startswith(head):
+            return None
+        name = key[len(head) :]
+        if name in _LINES:
+            return self.log.lines.setdefault(name, _Bins(self.bins))
+        if name.startswith("grad_norm/"):
+            return self.log.layers.setdefault(name[len("grad_norm/") :], _Bins(max(2, self.bins // 4)))
+        return None
+
+    def add_row(self, row: dict[str, Any], step: int) -> None:
+        if self.prefix is None:
+            self.prefix = self._find_prefix(row)
+            if self.prefix is None:
+                self.rows_without_metrics += 1
+                return
+            self.log.prefix = self.prefix
+        targets = self.targets
+        found = False
+        for key, value in row.items():
+            target = targets.get(key, _UNSEEN)
+            if target is _UNSEEN:
+                bins = self._target(key)
+                target = targets[key] = (bins.step_buffer.append, bins.value_buffer.append) if bins else None
+            kind = type(value)
+            if target is not None and (kind is float or kind is int):  # not bool, not "nan" strings
+                target[0](step)
+                target[1](value)
+                found = True
+        if not found:
+            self.rows_without_metrics += 1
+            return
+        log = self.log
+        if log.n_rows % _CHUNK == _CHUNK - 1:
+            for bins in (*log.lines.values(), *log.layers.values()):
+                bins.fold()
+        log.n_rows += 1
+        if log.first_step is None or step < log.first_step:
+            log.first_step = step
+        if log.last_step is None or step > log.last_step:
+            log.last_step = step
+
+    def add_event(self, kind: str, step: int, extra: dict[str, Any] | None = None) -> None:
+        if (kind, step) in self.seen_events:  # a resumed run repeats its events
+            return
+        self.seen_events.add((kind, step))
+        self.log.events.append({"kind": kind, "step": step, **(extra or {})})
+
+    def finish(self, what: str) -> RunLog:
+        log = self.log
+        for bins in (*log.lines.values(), *log.layers.values()):
+            bins.fold()
+        if log.n_rows:
+            return log
+        if self.rows_without_metrics:
+            raise ReportError(
+                f"{self.source}: {self.rows_without_metrics} {what} but none holds a stabilitykit metric "
+                f"(<prefix>/{_ANCHOR}); is this a stabilitykit log?"
+            )
+        if log.events:
+            raise ReportError(
+                f"{self.source}: no metric rows to draw, only {len(log.events)} event(s) "
+                "(the run stopped before its first logging step?)"
+            )
+        raise ReportError(f"{self.source}: empty log, no metric rows to draw")
+
+
+def _step_of(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ReportError(f'{where}: "step" is {value!r}, expected an integer')
+    return int(value)
+
+
+def _load_jsonl(path: Path, prefix: str | None, bins: int) -> RunLog:
+    from stabilitykit.sinks.jsonl import iter_jsonl_numbered
+
+    build = _Builder(path, prefix, bins)
+    for number, record in iter_jsonl_numbered(path, specials=False):
+        where = f"{path}:{number}"
+        if "step" not in record:
+            raise ReportError(f'{where}: a record without "step"; is this a stabilitykit log?')
+        step = _step_of(record["step"], where)
+        if "event" in record:
+            build.add_event(str(record["event"]), step)
+        else:
+            build.add_row(record, step)
+    return build.finish("rows")
+
+
+def _load_csv(path: Path, prefix: str | None, bins: int) -> RunLog:
+    """A Lightning ``CSVLogger`` file: rows merged by step; skips read off the ``skipped/total`` counter."""
+    build = _Builder(path, prefix, bins)
+    skipped_before = 0.0
     try:
-        return float(value)
-    except ValueError:
-        return value
+        with path.open(newline="", encoding="utf-8") as handle:
+            for number, record in enumerate(csv.DictReader(handle), start=2):
+                raw_step = record.get("step")
+                if raw_step in (None, ""):
+                    continue
+                try:
+                    step = _step_of(float(raw_step), f"{path}:{number}")
+                except ValueError as exc:
+                    raise ReportError(f'{path}:{number}: "step" is {raw_step!r}, expected an integer') from exc
+                row: dict[str, Any] = {}
+                for key, text in record.items():
+                    if key is None or text in (None, "") or key == "step":
+                        continue
+                    try:
+                        row[key] = float(text)
+                    except (TypeError, ValueError):
+                        continue
+                build.add_row(row, step)
+                total = row.get(f"{build.prefix}/skipped/total" if build.prefix else "skipped/total")
+                if total is not None and math.isfinite(total) and total > skipped_before:
+                    build.add_event("skipped", step, {"count": int(total - skipped_before)})
+                    skipped_before = total
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise ReportError(f"{path}: not a readable CSV log ({exc})") from None
+    return build.finish("CSV rows")
 
 
-def load_run_log(path: str | Path, prefix: str = "stability") -> RunLog:
-    """Read the guard's JSONL log, or a Lightning ``CSVLogger`` ``metrics.csv`` (rows merged by step)."""
+def load_run_log(path: str | os.PathLike[str], prefix: str | None = None, bins: int = _LINE_BINS) -> RunLog:
+    """Read the guard's JSONL log, or a Lightning ``CSVLogger`` ``metrics.csv`` (rows merged by step).
+
+    ``prefix`` is the ``metric_prefix`` the run logged with; by default it is found in the log.
+    ``bins``: step bins per series (memory stays bounded by it whatever the log's length).
+    Raises ``ReportError`` (or ``JsonlError``), one line naming the file, for anything it cannot draw.
+    """
     path = Path(path)
     if path.is_dir():
         found = sorted(path.rglob("metrics.csv")) or sorted(path.rglob("*.jsonl"))
         if not found:
-            raise FileNotFoundError(f"no metrics.csv or *.jsonl under {path}")
+            raise ReportError(f"{path}: a folder with no metrics.csv or *.jsonl log in it")
         path = found[-1]
+    if not path.exists():
+        raise ReportError(f"{path}: no such file")
     if path.suffix == ".csv":
-        by_step: dict[int, dict[str, Any]] = {}
-        with path.open(newline="") as handle:
-            for record in csv.DictReader(handle):
-                if not record.get("step"):
-                    continue
-                step = int(float(record["step"]))
-                merged = by_step.setdefault(step, {"step": step})
-                merged.update({k: _float(v) for k, v in record.items() if v not in ("", None) and k != "step"})
-        rows = [by_step[s] for s in sorted(by_step)]
-        events = _events_from_counters(rows, prefix)
-        return RunLog(rows, events, prefix)
-    from stabilitykit.sinks.jsonl import read_jsonl
-
-    rows, events = read_jsonl(path)
-    return RunLog(rows, [{"kind": e["event"], **e} for e in events], prefix)
+        return _load_csv(path, prefix, bins)
+    return _load_jsonl(path, prefix, bins)
 
 
-def _events_from_counters(rows: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]:
-    """Without an event log (CSV), skips are read off the skipped/total counter."""
-    events = []
-    last = 0.0
-    for row in rows:
-        total = row.get(f"{prefix}/skipped/total")
-        if isinstance(total, float) and total > last:
-            events.append({"kind": "skipped", "step": row["step"], "count": int(total - last)})
-            last = total
-    return events
+def _check_output(output: Path) -> None:
+    """Fail before reading the log when the picture could not be saved there."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    kind = output.suffix.lower().lstrip(".")
+    if not kind:
+        raise ReportError(f"{output}: no file extension; name the picture .png, .svg or .pdf")
+    if kind not in formats:
+        raise ReportError(f"{output}: .{kind} is not an image format matplotlib writes ({', '.join(sorted(formats))})")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ReportError(f"{output}: cannot create its folder (part of that path is a file)") from None
+    except OSError as exc:
+        raise ReportError(f"{output}: cannot create its folder ({exc.strerror or exc})") from None
+    if output.is_dir():
+        raise ReportError(f"{output}: is a folder; give a file name such as {output / 'report.png'}")
+    if not os.access(output.parent, os.W_OK):
+        raise ReportError(f"{output}: its folder is not writable")
 
 
-def draw_report(log: str | Path | RunLog, output: str | Path = "report.png", title: str | None = None) -> Path:
-    """Draw the one-page report of a run and save it as a PNG; returns the path."""
-    import matplotlib
+def _marks(steps: list[int]) -> list[int]:
+    """At most ``_MAX_MARKS`` marker positions: beyond that, one per step bucket (a panel is ~1000 px wide)."""
+    if len(steps) <= _MAX_MARKS:
+        return steps
+    lo, hi = min(steps), max(steps)
+    size = max(1, math.ceil((hi - lo + 1) / _MAX_MARKS))
+    return sorted({lo + (s - lo) // size * size for s in steps})
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def _plot_series(ax: Any, bins: _Bins | None, positive: bool = False, **style: Any) -> None:
+    """The value per step as a line; when bins hold several steps, their mean, in the band of their min..max."""
+    if bins is None:
+        return
+    steps, lo, hi = bins.steps(), bins.column("lo"), bins.column("hi")
+    last = bins.column("last" if bins.width == 1 else "mean")
+    if positive:
+        keep = [i for i, v in enumerate(lo) if v > 0]
+        steps = [steps[i] for i in keep]
+        last, lo, hi = ([seq[i] for i in keep] for seq in (last, lo, hi))
+    ax.plot(steps, last, **style)
+    if bins.width > 1 and steps:
+        ax.fill_between(steps, lo, hi, color=style.get("color"), alpha=0.2, lw=0, step="post")
+
+
+def draw_report(
+    log: str | os.PathLike[str] | RunLog,
+    output: str | os.PathLike[str] = "report.png",
+    title: str | None = None,
+    prefix: str | None = None,
+) -> Path:
+    """Draw the one-page report of a run and save it; returns the path.
+
+    ``prefix``: the run's ``metric_prefix`` (found in the log when None). Raises ``ReportError``
+    (a ``ValueError``), one line naming the file, for a log it cannot draw or an output it
+    cannot write (checked before the log is read).
+    """
+    output = Path(output)
+    _check_output(output)
+    fig = report_figure(log, title=title, prefix=prefix)
+    try:
+        fig.savefig(output, dpi=100)
+    except OSError as exc:
+        raise ReportError(f"{output}: cannot write the picture ({exc.strerror or exc})") from None
+    return output
+
+
+def report_figure(log: str | os.PathLike[str] | RunLog, title: str | None = None, prefix: str | None = None) -> Any:
+    """The report as a matplotlib ``Figure`` (not registered with pyplot, so no backend is touched)."""
     import numpy as np
+    from matplotlib.figure import Figure
 
-    run = log if isinstance(log, RunLog) else load_run_log(log)
-    if not run.rows:
-        raise ValueError(f"{log}: no metric rows to draw")
+    run = log if isinstance(log, RunLog) else load_run_log(log, prefix)
     layers = run.layer_names()
-    fig, axes = plt.subplots(4 if layers else 3, 1, figsize=(12, 13 if layers else 9), sharex=False)
+    fig = Figure(figsize=(12, 13 if layers else 9))
+    axes = fig.subplots(4 if layers else 3, 1, sharex=False)
     ax_loss, ax_norm, ax_z = axes[0], axes[1], axes[2]
 
-    steps, loss = run.series("loss")
-    ax_loss.plot(steps, loss, color="tab:blue", lw=1.2)
+    loss = run.lines.get("loss")
+    _plot_series(ax_loss, loss, color="tab:blue", lw=1.2)
     ax_loss.set_ylabel("loss")
-    positive = [v for v in loss if math.isfinite(v) and v > 0]
-    if positive and max(positive) / min(positive) > 50:
-        ax_loss.set_yscale("log")  # a spike would flatten everything else
-
-    steps, norm = run.series("grad_norm/total")
-    finite = [(s, v) for s, v in zip(steps, norm, strict=True) if math.isfinite(v) and v > 0]
-    ax_norm.plot([s for s, _ in finite], [v for _, v in finite], color="tab:green", lw=1.2, label="total grad norm")
-    m_steps, m_norm = run.series("grad_norm/max")
-    if m_steps:
-        ax_norm.plot(m_steps, m_norm, color="tab:green", lw=0.8, ls=":", label="max since last log")
-    t_steps, threshold = run.series("clip/threshold")
-    t_pairs = [(s, v) for s, v in zip(t_steps, threshold, strict=True) if math.isfinite(v)]
-    if t_pairs:
-        ax_norm.plot(
-            [s for s, _ in t_pairs], [v for _, v in t_pairs], color="gray", ls="--", lw=1, label="clip threshold"
+    width = max((b.width for b in run.lines.values()), default=1)
+    if width > 1:
+        ax_loss.set_title(
+            f"{run.n_rows} logging steps: lines are means per {width} steps, bands their min..max", fontsize=8
         )
+    if loss is not None:
+        positive = [v for v in loss.column("lo") + loss.column("hi") if v > 0]
+        if positive and max(positive) / min(positive) > 50:
+            ax_loss.set_yscale("log")  # a spike would flatten everything else
+
+    _plot_series(ax_norm, run.lines.get("grad_norm/total"), True, color="tab:green", lw=1.2, label="total grad norm")
+    _plot_series(ax_norm, run.lines.get("grad_norm/max"), True, color="tab:green", lw=0.8, ls=":",
+                 label="max since last log")  # fmt: skip
+    _plot_series(ax_norm, run.lines.get("clip/threshold"), True, color="gray", ls="--", lw=1, label="clip threshold")
     ax_norm.set_yscale("log")
     ax_norm.set_ylabel("grad norm")
     ax_norm.legend(loc="upper right", fontsize=8)
 
-    z_steps, z = run.series("spikes/z_grad_norm")
-    ax_z.plot(z_steps, z, color="tab:orange", lw=1.2, label="z-score (logging step)")
-    mz_steps, mz = run.series("spikes/max_z_grad_norm")
-    if mz_steps:
-        ax_z.plot(mz_steps, mz, color="tab:red", lw=0.8, ls=":", label="max z since last log")
+    _plot_series(ax_z, run.lines.get("spikes/z_grad_norm"), color="tab:orange", lw=1.2, label="z-score (logging step)")
+    _plot_series(ax_z, run.lines.get("spikes/max_z_grad_norm"), color="tab:red", lw=0.8, ls=":",
+                 label="max z since last log")  # fmt: skip
     ax_z.axhline(4.0, color="tab:red", lw=0.8, ls="--", label="warning (z = 4)")
     ax_z.set_ylabel("grad-norm z-score")
     ax_z.legend(loc="upper right", fontsize=8)
 
-    seen: set[str] = set()
+    # Event marks sit in axes coordinates (y from 0 to 1): they never move the data limits.
+    by_kind: dict[str, list[int]] = {}
     for event in run.events:
-        style = _MARKERS.get(event.get("kind", ""))
-        if style is None:
-            continue
-        marker, color, label = style
+        if event["kind"] in _MARKERS:
+            by_kind.setdefault(event["kind"], []).append(int(event["step"]))
+    for kind, steps in by_kind.items():
+        marker, color, label = _MARKERS[kind]
+        steps = _marks(steps)
+        bottom = 0.0 if len(steps) <= _FULL_LINES else 0.96  # many marks: ticks at the top, not a red wall
         for ax in (ax_loss, ax_norm, ax_z):
-            ax.axvline(event["step"], color=color, lw=0.6, alpha=0.5)
+            ax.vlines(steps, bottom, 1, transform=ax.get_xaxis_transform(), color=color, lw=0.6, alpha=0.5)
         ax_loss.scatter(
-            [event["step"]],
-            [ax_loss.get_ylim()[1]],
+            steps,
+            [1.0] * len(steps),
+            transform=ax_loss.get_xaxis_transform(),
             marker=marker,
             color=color,
             zorder=5,
-            label=label if label not in seen else None,
+            label=f"{label} ({len(by_kind[kind])})",
             clip_on=False,
         )
-        seen.add(label)
-    if seen:
+    if by_kind:
         ax_loss.legend(loc="upper right", fontsize=8)
     for ax in (ax_loss, ax_norm, ax_z):
         ax.grid(True, alpha=0.3)
         ax.set_xlabel("step")
+        if run.first_step is not None and run.last_step is not None and run.last_step > run.first_step:
+            pad = (run.last_step - run.first_step) * 0.02
+            ax.set_xlim(run.first_step - pad, run.last_step + pad)
 
     if layers:
         ax_h = axes[3]
-        row_steps = [int(r["step"]) for r in run.rows if f"{run.prefix}/grad_norm/{layers[0]}" in r]
-        grid = np.full((len(layers), len(row_steps)), np.nan)
-        rows_with = [r for r in run.rows if f"{run.prefix}/grad_norm/{layers[0]}" in r]
-        for j, row in enumerate(rows_with):
-            for i, name in enumerate(layers):
-                value = row.get(f"{run.prefix}/grad_norm/{name}")
-                if isinstance(value, float) and math.isfinite(value) and value > 0:
-                    grid[i, j] = math.log10(value)
+        width = max(b.width for b in run.layers.values())
+        origin = min(b.origin for b in run.layers.values() if b.origin is not None)
+        end = max((b.origin or 0) + b.used * b.width for b in run.layers.values())
+        ncols = max(1, math.ceil((end - origin) / width))
+        grid = np.full((len(layers), ncols), np.nan)
+        for i, name in enumerate(layers):
+            bins = run.layers[name]
+            for step, value in zip(bins.steps(), bins.column("hi"), strict=True):
+                if value > 0:
+                    j = min(ncols - 1, (step - origin) // width)
+                    grid[i, j] = np.fmax(grid[i, j], math.log10(value))
         image = ax_h.imshow(
             grid,
             aspect="auto",
             interpolation="nearest",
             cmap="viridis",
-            extent=(row_steps[0] - 0.5, row_steps[-1] + 0.5, len(layers) - 0.5, -0.5),
+            extent=(origin - 0.5, origin + ncols * width - 0.5, len(layers) - 0.5, -0.5),
         )
         ax_h.set_yticks(range(len(layers)), layers, fontsize=7)
         ax_h.set_xlabel("step")
-        ax_h.set_title("per-layer grad norm (log10)")
+        binned = f", max per {width} steps" if width > 1 else ""
+        ax_h.set_title(f"per-layer grad norm (log10{binned})")
         fig.colorbar(image, ax=ax_h, fraction=0.025)
-    fig.suptitle(title or f"stabilitykit report: {Path(str(log)).name if not isinstance(log, RunLog) else 'run'}")
-    fig.tight_layout()
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=100)
-    plt.close(fig)
-    return output
+    name = Path(os.fspath(log)).name if not isinstance(log, RunLog) else "run"
+    fig.suptitle(title or f"stabilitykit report: {name}")
+    # A fixed layout (tight_layout measured every label: 3/4 of the drawing time); the left margin
+    # fits the longest layer name of the heatmap (7 pt text is about 0.0045 of the 12-inch width per character).
+    longest = max((len(name) for name in layers), default=0)
+    fig.subplots_adjust(left=max(0.085, 0.02 + 0.0045 * longest), right=0.97, top=0.94, bottom=0.05, hspace=0.4)
+    return fig

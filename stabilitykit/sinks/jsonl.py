@@ -1,17 +1,31 @@
-"""JsonlSink: one JSON object per logging step, appended and flushed so a crash loses nothing."""
+"""JsonlSink: one JSON object per logging step, appended and flushed so a crash loses nothing.
+
+The sink survives what happens to log files on real machines: a file moved or deleted mid-run
+(logrotate) is reopened at the next write, as ``logging.handlers.WatchedFileHandler`` does; a
+partial last line left by a process killed mid-write is cut off before appending, so the file
+stays valid JSONL; a failing write (disk full) warns once, says what it dropped, and retries.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 from stabilitykit.events import Event
 
-__all__ = ["JsonlSink", "read_jsonl"]
+__all__ = ["JsonlError", "JsonlSink", "iter_jsonl", "iter_jsonl_numbered", "read_jsonl"]
+
+_SPECIALS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+class JsonlError(ValueError):
+    """A JSONL log that cannot be read; the message names the file and the line."""
 
 
 def _clean(value: Any) -> Any:
@@ -21,10 +35,47 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _default(value: Any) -> Any:
+    """Values json cannot write (tensors, numpy scalars, paths): numbers when they are numbers, else text."""
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        out = tolist()
+        return _clean(out) if isinstance(out, float) else out
+    return str(value)
+
+
+def _cut_partial_line(path: Path) -> int:
+    """Truncate ``path`` after its last newline; returns the bytes cut (0 when it ends cleanly)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return 0
+    if size == 0:
+        return 0
+    with path.open("rb+") as handle:
+        handle.seek(size - 1)
+        if handle.read(1) == b"\n":
+            return 0
+        end = size
+        while end > 0:
+            start = max(0, end - 65536)
+            handle.seek(start)
+            newline = handle.read(end - start).rfind(b"\n")
+            if newline >= 0:
+                keep = start + newline + 1
+                break
+            end = start
+        else:
+            keep = 0
+        handle.truncate(keep)
+    return size - keep
+
+
 class JsonlSink:
     """Appends ``{"step": s, "metric": v, ...}`` per logging step and ``{"event": kind, ...}`` per event.
 
-    Each line is flushed (and fsynced when ``fsync=True``) as it is written.
+    Each line is flushed (and fsynced when ``fsync=True``) as it is written. The file is checked
+    (one ``stat``) before each write and reopened when it was moved or deleted.
     """
 
     def __init__(self, path: str | os.PathLike[str], fsync: bool = False) -> None:
@@ -32,15 +83,88 @@ class JsonlSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
         self._file: IO[str] | None = None
+        self._identity: tuple[int, int] | None = None
+        self.written = 0
+        self.dropped = 0
+        self._dropped_steps: list[int] = []
+        self._failing = False
+
+    # ------------------------------------------------------------------ file handling
+    def _open(self) -> IO[str]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        cut = _cut_partial_line(self.path)
+        if cut:
+            warnings.warn(
+                f"stabilitykit JsonlSink: {self.path} ended in a partial line ({cut} bytes, left by a process "
+                "killed mid-write); cut it off so the log stays valid JSONL",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        handle = self.path.open("a", encoding="utf-8")
+        stat = os.fstat(handle.fileno())
+        self._identity = (stat.st_dev, stat.st_ino)
+        return handle
+
+    def _moved(self) -> bool:
+        """True when ``path`` no longer names the open file (rotated, moved or deleted)."""
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            return True
+        return (stat.st_dev, stat.st_ino) != self._identity
+
+    def _handle(self) -> IO[str]:
+        if self._file is not None and not self._file.closed and self._moved():
+            self._file.close()
+        if self._file is None or self._file.closed:
+            self._file = self._open()
+        return self._file
 
     def _write(self, record: Mapping[str, Any]) -> None:
-        if self._file is None or self._file.closed:
-            self._file = self.path.open("a", encoding="utf-8")
-        self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
-        self._file.flush()
-        if self.fsync:
-            os.fsync(self._file.fileno())
+        line = json.dumps({k: _clean(v) for k, v in record.items()}, default=_default) + "\n"
+        try:
+            handle = self._handle()
+            handle.write(line)
+            handle.flush()
+            if self.fsync:
+                os.fsync(handle.fileno())
+        except OSError as exc:
+            self._drop(record, exc)
+            return
+        self.written += 1
+        if self._failing:
+            self._failing = False
+            warnings.warn(
+                f"stabilitykit JsonlSink: writing {self.path} again; {self._dropped_summary()} while it failed",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
+    def _drop(self, record: Mapping[str, Any], exc: OSError) -> None:
+        """Count a record that could not be written; warn when the failing starts (not once per row)."""
+        self.dropped += 1
+        step = record.get("step")
+        if isinstance(step, int):
+            self._dropped_steps = [self._dropped_steps[0] if self._dropped_steps else step, step]
+        if self._file is not None:
+            with contextlib.suppress(OSError):  # every line was flushed: nothing is lost here
+                self._file.close()
+            self._file = None
+        if not self._failing:
+            self._failing = True
+            warnings.warn(
+                f"stabilitykit JsonlSink: cannot write {self.path} ({exc}); dropping records until it can, "
+                "training goes on",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def _dropped_summary(self) -> str:
+        steps = self._dropped_steps
+        where = f" (steps {steps[0]}..{steps[-1]})" if steps else ""
+        return f"dropped {self.dropped} record(s) so far{where}"
+
+    # ------------------------------------------------------------------ the sink protocol
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Write one line holding the step and every metric."""
         self._write({"step": step, **metrics})
@@ -50,20 +174,66 @@ class JsonlSink:
         self._write({"event": event.kind, "step": event.step, "message": event.message, **event.details})
 
     def close(self) -> None:
-        """Close the file (a later write reopens it in append mode)."""
+        """Close the file (a later write reopens it in append mode); warn if records were dropped."""
         if self._file is not None:
-            self._file.close()
+            with contextlib.suppress(OSError):  # every line was flushed: nothing is lost here
+                self._file.close()
+            self._file = None
+        if self.dropped and self._failing:
+            warnings.warn(
+                f"stabilitykit JsonlSink: {self.path}: {self._dropped_summary()}; they are lost",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+
+def iter_jsonl_numbered(path: str | os.PathLike[str], specials: bool = True) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, record)`` of a JSONL log one at a time (bounded memory), NaN/Inf strings turned back to floats.
+
+    ``specials=False`` leaves "nan"/"inf" strings as they are (faster, for readers that skip them).
+    A truncated last line (no newline, not JSON: a process killed mid-write) is skipped with a
+    warning. Any other unreadable line raises ``JsonlError`` naming the file and line number.
+    """
+    path = Path(path)
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                if not raw.endswith(b"\n") and raw.lstrip().startswith(b"{") and isinstance(exc, json.JSONDecodeError):
+                    # only the last line can lack its newline; a record cut short still starts like one
+                    warnings.warn(
+                        f"stabilitykit: {path}:{number}: skipped a truncated last line ({len(raw)} bytes; "
+                        "the process was killed mid-write)",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                    return
+                if isinstance(exc, UnicodeDecodeError):
+                    raise JsonlError(f"{path}:{number}: not UTF-8 text; is this a JSONL log?") from None
+                excerpt = raw.decode("utf-8").strip()[:60]
+                raise JsonlError(f"{path}:{number}: not a JSON line ({exc.msg}): {excerpt!r}") from None
+            if not isinstance(record, dict):
+                raise JsonlError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+            if specials:
+                record = {
+                    k: _SPECIALS.get(v, v) if isinstance(v, str) and k != "event" else v for k, v in record.items()
+                }
+            yield number, record
+
+
+def iter_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """The records of a JSONL log one at a time; see ``iter_jsonl_numbered``."""
+    for _number, record in iter_jsonl_numbered(path):
+        yield record
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Read a JsonlSink file back: ``(metric rows, event rows)``, NaN/Inf strings turned back to floats."""
     rows: list[dict[str, Any]] = []
     events: list[dict[str, Any]] = []
-    specials = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        record = {k: specials.get(v, v) if isinstance(v, str) and k != "event" else v for k, v in record.items()}
+    for record in iter_jsonl(path):
         (events if "event" in record else rows).append(record)
     return rows, events
