@@ -68,5 +68,5 @@ def test_precision_report_example(tmp_path) -> None:
 def test_wandb_offline_example(tmp_path) -> None:
     result = _load("wandb_offline").main(["--steps", "90", "--out", str(tmp_path)])
     titles = [a["title"] for a in result["logged"].alerts]
-    assert "stabilitykit: nonfinite at step 40" in titles and "stabilitykit: spike_warning at step 80" in titles
+    assert "stabilitykit: nonfinite at step 40" in titles and "stabilitykit: spike_alert at step 80" in titles
     assert result["report"].exists()
