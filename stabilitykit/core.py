@@ -95,13 +95,16 @@ class DriverCore:
         scaler: Any | None = None,
         tracing: bool = True,
         apply_precision: bool = True,
+        engine_cls: type[StabilityEngine] = StabilityEngine,
     ) -> None:
+        """``engine_cls``: a ``StabilityEngine`` subclass, for a driver whose framework logs on another
+        cadence (the Hugging Face Trainer logs after global steps ``n, 2n, ...``)."""
         self.config = coerce_config(config)
         self.model = model
         self.optimizer = unwrap_optimizer(optimizer)
         self.hooks = hooks or HookManager()
         self.scaler = ScalerAdapter(scaler)
-        self.engine = StabilityEngine(
+        self.engine = engine_cls(
             optimizer_params(self.optimizer), self.config, model=model, hooks=self.hooks, fused=is_fused(self.optimizer)
         )
         self.precision_choice: PrecisionChoice | None = None
