@@ -119,7 +119,7 @@ def test_true_pre_clip_norm_with_the_trainers_max_grad_norm(tmp_path: Path) -> N
         trainer.train()
         report = callback.last_report
         assert report is not None and report.step == 0
-        logged = [row for row in trainer.state.log_history if "loss" in row][0]
+        logged = next(row for row in trainer.state.log_history if "loss" in row)
         norms[max_grad_norm] = (float(report.grad_norm), probe.norms[0], logged)
     true_norm, seen_unclipped, _ = norms[0.0]
     assert true_norm == pytest.approx(seen_unclipped, rel=1e-5), "nothing clipped: the optimizer saw the true norm"

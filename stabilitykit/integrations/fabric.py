@@ -55,7 +55,7 @@ class FabricGuard(StabilityGuard):
         log_to_loggers: bool = True,
     ) -> None:
         scaler = getattr(fabric.strategy.precision, "scaler", None)
-        inner = model.module if is_wrapped(model) else model  # names follow the user's module tree
+        inner: nn.Module = model.module if is_wrapped(model) else model  # type: ignore[assignment]  # user's tree
         super().__init__(inner, optimizer, config, scaler=scaler, scheduler=scheduler, sinks=sinks, hooks=hooks)
         self.fabric = fabric
         self.fabric_model = model

@@ -61,8 +61,11 @@ def to_json(value: Any) -> Any:
     """The core's state as JSON values (tensors become tagged lists; every float32 survives exactly)."""
     if isinstance(value, Tensor):
         t = value.detach().cpu()
-        return {"__tensor__": t.float().reshape(-1).tolist() if t.is_floating_point() else t.reshape(-1).tolist(),
-                "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+        return {
+            "__tensor__": t.float().reshape(-1).tolist() if t.is_floating_point() else t.reshape(-1).tolist(),
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+        }
     if isinstance(value, Mapping):
         return {str(k): to_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -224,11 +227,12 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             core.hold_scheduler(trainer.lr_scheduler)
             self._undo.append(core.release)
         self._undo.append(self._wrap(accelerator, "backward", self._backward_route(accelerator)))
-        self._undo.append(self._wrap(accelerator, "clip_grad_norm_", self._clip_route(accelerator, args)))
+        self._undo.append(self._wrap(accelerator, "clip_grad_norm_", self._clip_route(accelerator)))
         self._undo.append(self._wrap(trainer, "log", self._log_route(trainer)))
 
     def _saved_in(self, state: TrainerState) -> dict[str, Any] | None:
-        entry = state.stateful_callbacks.get(type(self).__name__)
+        stored: Any = state.stateful_callbacks or {}
+        entry = stored.get(type(self).__name__) if isinstance(stored, Mapping) else None
         if isinstance(entry, list):
             entry = entry[0] if entry else None
         if not isinstance(entry, Mapping):
@@ -236,7 +240,9 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         saved = entry.get("attributes", {}).get("saved_state")
         return dict(saved) if isinstance(saved, Mapping) else None
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """Fold the last steps (events), then undo every route."""
         if self.core is not None:
             self.core.finish()
@@ -278,7 +284,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
 
         return route
 
-    def _clip_route(self, accelerator: Any, args: TrainingArguments) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def _clip_route(self, accelerator: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def route(original: Callable[..., Any]) -> Callable[..., Any]:
             def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
                 core = self.core
@@ -392,7 +398,8 @@ def _wandb_alert(event: Event) -> None:
         run = wandb.run
         if run is None:
             return
-        level = wandb.AlertLevel.ERROR if event.kind == "diverged" else wandb.AlertLevel.WARN
+        levels: Any = wandb.AlertLevel  # type: ignore[attr-defined]
+        level = levels.ERROR if event.kind == "diverged" else levels.WARN
         run.alert(title=f"stabilitykit: {event.kind} at step {event.step}"[:63], text=event.message, level=level)
     except Exception as exc:  # a failing alert never stops training
         warnings.warn(f"stabilitykit: W&B alert failed: {exc!r}", RuntimeWarning, stacklevel=2)
