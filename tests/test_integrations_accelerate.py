@@ -181,3 +181,23 @@ def test_save_state_and_load_state_resume_exactly(fresh_accelerate: None, tmp_pa
     assert_bitwise_equal(first[0], snapshot(model, optimizer))
     assert (guard.step_count, guard.skipped_total, scheduler.scheduler.last_epoch) == first[1:]
     assert first[1:3] == (8, 1)
+
+
+def test_fused_adamw_behind_accelerated_optimizer_costs_no_sync_off_logging_steps(fresh_accelerate: None) -> None:
+    from stabilitykit.testing.syncs import count_host_syncs
+
+    accelerator, model, optimizer, scheduler = _setup(fused=True, mixed_precision="no")
+    config = sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0), log_every_n_steps=4)
+    guard = AccelerateGuard(accelerator, model, optimizer, config, scheduler=scheduler)
+    batches = _micro_batches(4)
+    counts = []
+    for step in range(4):
+        losses = [model(**b).loss for b in batches[step * ACCUM : (step + 1) * ACCUM]]
+        with count_host_syncs() as counter:
+            for loss in losses:
+                with accelerator.accumulate(model):
+                    guard.backward(loss)
+                    guard.step()
+                    guard.zero_grad()
+        counts.append(counter.count)
+    assert counts[1:] == [0, 0, 0], counter.sites
