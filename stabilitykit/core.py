@@ -140,9 +140,12 @@ class DriverCore:
         tracing: bool = True,
         apply_precision: bool = True,
         extra_group: Any | None = None,
+        engine_cls: type[StabilityEngine] = StabilityEngine,
     ) -> None:
         """``extra_group``: a process group the norms also sum over, one torch.distributed cannot infer
-        from the model (pipeline stages, each holding different layers)."""
+        from the model (pipeline stages, each holding different layers). ``engine_cls``: a
+        ``StabilityEngine`` subclass, for a driver whose framework logs on another cadence (the
+        Hugging Face Trainer logs after global steps ``n, 2n, ...``)."""
         self.config = coerce_config(config)
         _warn_contradictions(self.config)
         self.model = model
@@ -151,7 +154,7 @@ class DriverCore:
         check_supported(model, self.optimizer, params)
         self.hooks = hooks or HookManager()
         self.scaler = ScalerAdapter(scaler)
-        self.engine = StabilityEngine(
+        self.engine = engine_cls(
             params, self.config, model=model, hooks=self.hooks, fused=is_fused(self.optimizer), extra_group=extra_group
         )
         self.buffers = BufferGuard(running_stat_buffers(model, self.config.skip.restore_buffers))

@@ -1,20 +1,26 @@
-"""StabilityGuard: the driver for plain PyTorch loops (and Accelerate, Fabric) over the driver core.
+"""StabilityGuard: the driver for plain PyTorch loops over the driver core, one core per optimizer.
 
 guard.backward(loss)   # scaled when a GradScaler is given; call it once per micro-batch
 report = guard.step()  # unscale once, norms, clip, skip or step, scheduler, scaler.update()
 guard.zero_grad()
+
+With several optimizers (GANs, alternating updates) each one is guarded on its own: its own skip
+decision, its own step count and logging cadence, metrics under ``<prefix>/opt<i>/``; name the
+optimizer in ``step(optimizer)``. The Accelerate and Fabric drivers
+(``stabilitykit.integrations``) are subclasses that only change how the loss is backpropagated
+and how the framework's optimizer steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.core import DriverCore, optimizer_params
+from stabilitykit.core import DriverCore, coerce_config, optimizer_params, unwrap_optimizer
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NaNTracer, NonFiniteRecord
@@ -25,6 +31,23 @@ from stabilitykit.sinks.base import Sink
 __all__ = ["StabilityGuard", "optimizer_params"]
 
 
+def _as_list(value: Any) -> list[Any]:
+    """``None`` -> [], a list or tuple -> a list, anything else -> [value]."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def scheduler_target(scheduler: Any) -> Any:
+    """The torch optimizer an LR scheduler drives (through framework wrappers), or None."""
+    inner = getattr(scheduler, "scheduler", None)  # accelerate's AcceleratedScheduler
+    base = inner if inner is not None and hasattr(inner, "step") else scheduler
+    optimizer = getattr(base, "optimizer", None)
+    return unwrap_optimizer(optimizer) if optimizer is not None else None
+
+
 class StabilityGuard:
     """Keeps a plain training loop finite: clipping, skip-the-batch, metrics and events.
 
@@ -32,12 +55,16 @@ class StabilityGuard:
     unscale exactly once, clip, and skip). A skipped step leaves parameters, optimizer state and the
     LR scheduler bitwise unchanged. Calling ``scaler.unscale_(optimizer)`` yourself before ``step``
     (the PyTorch AMP recipe) is fine: the guard sees it and never unscales twice.
+
+    ``optimizer`` may be a list: each optimizer gets its own core (skip decision, step count,
+    cadence) and metrics under ``<metric_prefix>/opt<i>``; ``scheduler`` may be a list too, each
+    scheduler held with the optimizer it drives.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         config: StabilityConfig | Mapping[str, Any] | str | None = None,
         scaler: Any | None = None,
         scheduler: Any | None = None,
@@ -49,16 +76,42 @@ class StabilityGuard:
         self.hooks = hooks or HookManager()
         for sink in sinks or []:
             self.hooks.add_sink(sink)
-        self.core = DriverCore(model, optimizer, config, hooks=self.hooks, scaler=scaler, extra_group=extra_group)
+        optimizers = _as_list(optimizer)
+        if not optimizers:
+            raise ValueError("StabilityGuard needs an optimizer; got an empty list")
+        base = coerce_config(config)
+        many = len(optimizers) > 1
+        self.cores: list[DriverCore] = []
+        for i, opt in enumerate(optimizers):
+            cfg = base
+            if many:
+                cfg = base.model_copy(update={"metric_prefix": f"{base.metric_prefix}/opt{i}".strip("/")})
+            first = i == 0
+            self.cores.append(
+                DriverCore(
+                    model,
+                    opt,
+                    cfg,
+                    hooks=self.hooks,
+                    scaler=scaler,
+                    tracing=first,
+                    apply_precision=first,
+                    extra_group=extra_group,
+                )
+            )
+        self.core = self.cores[0]
         self.config = self.core.config
         self.model = model
-        self.optimizer = optimizer
+        self.optimizers = optimizers
+        self.optimizer = optimizers[0]
         self.scaler = scaler
+        self.schedulers = _as_list(scheduler)
         self.scheduler = scheduler
+        self._pending_losses: list[Tensor] = []  # several optimizers: losses not yet claimed by a step
 
     @property
     def engine(self) -> StabilityEngine:
-        """The engine behind this guard (counters, layer names, journal)."""
+        """The (first optimizer's) engine behind this guard (counters, layer names, journal)."""
         return self.core.engine
 
     @property
@@ -76,6 +129,31 @@ class StabilityGuard:
         """Where the latest traced or replayed non-finite value came from."""
         return self.core.last_nonfinite
 
+    # ------------------------------------------------------------------ optimizers
+    def core_for(self, optimizer: Any | None = None) -> DriverCore:
+        """The core guarding ``optimizer`` (a wrapper is looked through); None: the only one."""
+        if optimizer is None:
+            if len(self.cores) > 1:
+                raise ValueError(
+                    f"this guard has {len(self.cores)} optimizers: name the one that steps, "
+                    "e.g. guard.step(opt_d) / guard.backward(loss, optimizer=opt_d)"
+                )
+            return self.core
+        target = unwrap_optimizer(optimizer)
+        for core in self.cores:
+            if core.optimizer is target:
+                return core
+        raise ValueError(f"{type(optimizer).__name__} is not one of the optimizers this guard was built with")
+
+    def _outer(self, core: DriverCore) -> Any:
+        """The object the user gave for ``core``'s optimizer (a framework wrapper, maybe)."""
+        return self.optimizers[self.cores.index(core)]
+
+    def _schedulers_of(self, core: DriverCore) -> list[Any]:
+        if len(self.cores) == 1:
+            return self.schedulers
+        return [s for s in self.schedulers if scheduler_target(s) is core.optimizer]
+
     # ------------------------------------------------------------------ the loop API
     def check_batch(self, batch: Any) -> None:
         """The data guard (``config.data``) on one micro-batch; call it for each before its forward.
@@ -84,42 +162,79 @@ class StabilityGuard:
         ``mode="skip"``: the coming step is skipped on the device when any of its micro-batches was
         bad (no sync); a ``bad_batch`` event reports it.
         """
-        self.core.check_batch(batch)
+        for core in self.cores:
+            core.check_batch(batch)
 
-    def backward(self, loss: Tensor, **kwargs: Any) -> None:
-        """Backpropagate ``loss`` (scaled when a GradScaler is enabled) and remember its value."""
-        self.core.backward(loss, **kwargs)
+    def record_loss(self, loss: Tensor, optimizer: Any | None = None) -> None:
+        """Remember a backpropagated micro-batch loss (device tensor, no sync) for the step it feeds."""
+        if optimizer is not None or len(self.cores) == 1:
+            self.core_for(optimizer).record_loss(loss)
+        else:
+            self._pending_losses.append(loss.detach())
 
-    def step(self, replay: Callable[[], Tensor] | None = None) -> StepReport:
+    def backward(self, loss: Tensor, *, optimizer: Any | None = None, **kwargs: Any) -> None:
+        """Backpropagate ``loss`` (scaled when a GradScaler is enabled) and remember its value.
+
+        With several optimizers, ``optimizer`` names the one whose step this loss feeds; without it
+        the loss goes to the next ``step``.
+        """
+        self.record_loss(loss, optimizer)
+        self.core.scaler.scale(loss).backward(**kwargs)
+
+    def step(
+        self,
+        replay: Callable[[], Tensor] | None = None,
+        *,
+        optimizer: Any | None = None,
+        update_scaler: bool = True,
+    ) -> StepReport:
         """Measure, clip, and step the optimizer, or skip the step; returns this step's report.
 
-        ``replay``: recomputes this batch's loss (forward only). With ``nan_trace.mode="on_nonfinite"``
-        a skipped step is replayed once with hooks and anomaly mode to name where it went non-finite.
+        ``optimizer``: which one steps (required with several). ``replay``: recomputes this batch's
+        loss (forward only); with ``nan_trace.mode="on_nonfinite"`` a skipped step is replayed once
+        with hooks and anomaly mode to name where it went non-finite. ``update_scaler``: call
+        ``scaler.update()`` after the step (several optimizers under one GradScaler: pass False for
+        all but the last one that steps this iteration).
         """
-        core = self.core
+        core = self.core_for(optimizer)
+        for loss in self._pending_losses:
+            core.record_loss(loss)
+        self._pending_losses = []
         core.evaluate(replay=replay)
-        undo = core.wrap_optimizer_step(self.optimizer)
+        undo = self._route_step(core)
         try:
-            if core.scaler.enabled:
-                self.scaler.step(self.optimizer)  # type: ignore[union-attr]  # skips an fp16 overflow itself
-                self.scaler.update()  # type: ignore[union-attr]  # the scale backs off after an overflow
-            else:
-                self.optimizer.step()
+            self._optimizer_step(core, update_scaler)
         finally:
             undo()
-        if self.scheduler is not None and not core.should_hold_scheduler():
-            self.scheduler.step()
+        if not core.should_hold_scheduler():
+            for scheduler in self._schedulers_of(core):
+                scheduler.step()
         report = core.finish()
         assert report is not None
         return report
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """``optimizer.zero_grad``: grads of a skipped step are dropped like any other."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+    def _route_step(self, core: DriverCore) -> Callable[[], None]:
+        """Route the optimizer's step through ``core`` for one call; returns the undo."""
+        return core.wrap_optimizer_step(core.optimizer)
+
+    def _optimizer_step(self, core: DriverCore, update_scaler: bool) -> None:
+        """Step the optimizer (its routed step applies the skip); GradScaler-aware."""
+        if core.scaler.enabled:
+            self.scaler.step(core.optimizer)  # type: ignore[union-attr]  # skips an fp16 overflow itself
+            if update_scaler:
+                self.scaler.update()  # type: ignore[union-attr]  # the scale backs off after an overflow
+        else:
+            core.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True, *, optimizer: Any | None = None) -> None:
+        """``optimizer.zero_grad`` (every optimizer when none is named): grads of a skipped step are dropped."""
+        targets = self.optimizers if optimizer is None else [optimizer]
+        for opt in targets:
+            opt.zero_grad(set_to_none=set_to_none)
 
     @property
     def step_count(self) -> int:
-        """Optimizer steps attempted so far, skipped ones included."""
+        """Optimizer steps attempted so far, skipped ones included (the first optimizer's)."""
         return self.core.engine.step
 
     @property
@@ -128,28 +243,48 @@ class StabilityGuard:
         return self.core.engine.skipped_total
 
     def summary(self) -> dict[str, Any]:
-        """Totals for a run summary (reads the steps since the last logging step first: one sync)."""
-        self.core.flush()
-        c = self.core.engine.counters
-        return {
-            "steps": self.core.engine.step,
-            "skipped": c.skipped_total,
-            "clipped": c.clipped_total,
-            "max_grad_norm": c.max_norm,
-            "nonfinite_steps": c.nonfinite_total,
-            "nonfinite_source": str(self.last_nonfinite) if self.last_nonfinite is not None else None,
-        }
+        """Totals for a run summary (reads the steps since the last logging step first: one sync).
+
+        With several optimizers the first optimizer's totals, plus ``"optimizers"``: one entry each.
+        """
+        rows = []
+        for core in self.cores:
+            core.flush()
+            c = core.engine.counters
+            rows.append(
+                {
+                    "steps": core.engine.step,
+                    "skipped": c.skipped_total,
+                    "clipped": c.clipped_total,
+                    "max_grad_norm": c.max_norm,
+                    "nonfinite_steps": c.nonfinite_total,
+                }
+            )
+        out: dict[str, Any] = dict(rows[0])
+        out["nonfinite_source"] = str(self.last_nonfinite) if self.last_nonfinite is not None else None
+        if len(rows) > 1:
+            out["optimizers"] = rows
+        return out
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Counters, EMAs, detector state and unread journal rows (optimizer, scaler, scheduler save their own)."""
-        return self.core.state_dict()
+        if len(self.cores) == 1:
+            return self.core.state_dict()
+        return {"optimizers": [core.state_dict() for core in self.cores]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
-        self.core.load_state_dict(state)
+        states = state.get("optimizers")
+        if states is None:
+            states = [state]
+        if len(states) != len(self.cores):
+            raise ValueError(f"guard state holds {len(states)} optimizer(s), this guard has {len(self.cores)}")
+        for core, core_state in zip(self.cores, states, strict=True):
+            core.load_state_dict(core_state)
 
     def close(self) -> None:
         """Process the steps since the last logging step, remove tracing hooks and close the sinks."""
-        self.core.close()
+        for core in self.cores:
+            core.close()
         self.hooks.close()

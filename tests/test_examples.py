@@ -70,3 +70,34 @@ def test_wandb_offline_example(tmp_path) -> None:
     titles = [a["title"] for a in result["logged"].alerts]
     assert "stabilitykit: nonfinite at step 40" in titles and "stabilitykit: spike_alert at step 80" in titles
     assert result["report"].exists()
+
+
+def test_hf_trainer_example(tmp_path) -> None:
+    result = _load("hf_trainer").main(["--steps", "8", "--out", str(tmp_path)])
+    skips = [r for r in result["log_history"] if "stability/events/skipped" in r]
+    assert [r["stability/events/skipped_step"] for r in skips] == [5]
+    assert result["skipped"] == 1 and result["resumed_skipped"] == 1 and result["resumed_steps"] == 12
+
+
+def test_accelerate_loop_example(tmp_path) -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)  # Accelerate's process-wide singletons
+    GradientState._reset_state()
+    try:
+        result = _load("accelerate_loop").main(["--steps", "8", "--out", str(tmp_path)])
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    assert result["summary"]["steps"] == 8 and result["summary"]["skipped"] == 1
+    assert [bool(r.skipped) for r in result["reports"]].index(True) == 4
+    assert result["restored_step"] == 4
+
+
+def test_fabric_loop_example(tmp_path) -> None:
+    result = _load("fabric_loop").main(["--steps", "8", "--out", str(tmp_path)])
+    assert [(r["steps"], r["skipped"]) for r in result["summary"]["optimizers"]] == [(8, 0), (8, 1)]
+    assert result["restored_step"] == 4
+    rows, events = sk.sinks.read_jsonl(tmp_path / "stability.jsonl")
+    assert any(e["event"] == "skipped" and e["step"] == 5 for e in events)
+    assert any("stability/opt1/grad_norm/total" in r for r in rows)

@@ -1,0 +1,38 @@
+"""Drivers for training frameworks, each a thin adapter over ``stabilitykit.core.DriverCore``.
+
+* ``stabilitykit.integrations.transformers``: ``StabilityTrainerCallback`` / ``stabilize(trainer)``
+  for the Hugging Face ``Trainer`` (``pip install 'stabilitykit[transformers]'``).
+* ``stabilitykit.integrations.accelerate``: ``AccelerateGuard`` for hand-written Accelerate loops
+  (``pip install 'stabilitykit[accelerate]'``).
+* ``stabilitykit.integrations.fabric``: ``FabricGuard`` for Lightning Fabric
+  (``pip install 'stabilitykit[lightning]'``).
+
+Nothing here is imported until used: ``import stabilitykit`` never needs these frameworks, and
+``from stabilitykit.integrations import AccelerateGuard`` imports only Accelerate.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["AccelerateGuard", "FabricGuard", "StabilityTrainerCallback", "stabilize"]
+
+_WHERE = {
+    "AccelerateGuard": "accelerate",
+    "FabricGuard": "fabric",
+    "StabilityTrainerCallback": "transformers",
+    "stabilize": "transformers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the integration that defines ``name`` on first use."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stabilitykit.integrations' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"stabilitykit.integrations.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

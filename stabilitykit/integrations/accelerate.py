@@ -1,0 +1,146 @@
+"""AccelerateGuard: ``StabilityGuard`` for hand-written Accelerate loops.
+
+    guard = AccelerateGuard(accelerator, model, optimizer, scheduler=scheduler, config=cfg)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            guard.backward(model(**batch).loss)  # accelerator.backward: divided by the accumulation steps
+            guard.step()                          # only when grads are synced: measure, clip, skip or step
+            guard.zero_grad()
+
+What it adds to the plain-loop guard: ``step()`` acts only when ``accelerator.sync_gradients`` (so it
+counts optimizer steps, never reads partial micro-batch grads), ``backward`` goes through
+``accelerator.backward`` and records the loss divided by the accumulation steps (the batch mean),
+the optimizer is seen through ``AcceleratedOptimizer`` (fused detection) and Accelerate's GradScaler
+is the one unscaled, exactly once. Metrics also go to the Accelerator's trackers
+(``accelerator.log``). Save the guard with ``accelerator.register_for_checkpointing(guard)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from stabilitykit.config import StabilityConfig
+from stabilitykit.core import DriverCore
+from stabilitykit.events import Event
+from stabilitykit.guard import StabilityGuard
+from stabilitykit.hooks import HookManager
+from stabilitykit.integrations._extras import missing
+from stabilitykit.report import StepReport
+from stabilitykit.sinks.base import Sink
+
+try:
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise missing("stabilitykit.integrations.accelerate", "accelerate", "accelerate") from exc
+
+__all__ = ["AccelerateGuard", "AcceleratorTrackers", "route_accelerated_step"]
+
+
+def route_accelerated_step(core: DriverCore, optimizer: Any) -> Callable[[], None]:
+    """Route ``optimizer.step`` through ``core``, also when it is an ``AcceleratedOptimizer`` with a GradScaler.
+
+    Such an optimizer keeps the inner optimizer's ``step`` it captured when it was built and calls
+    that one inside ``scaler.step``; after the core's wrapper is installed, the optimizer re-captures
+    through its own pickling protocol (``__getstate__`` / ``__setstate__``), and again after the undo.
+    Returns the undo.
+    """
+    undo_wrap = core.wrap_optimizer_step(optimizer)
+    recapture = isinstance(optimizer, AcceleratedOptimizer) and optimizer.scaler is not None
+    if recapture:
+        optimizer.__setstate__(optimizer.__getstate__())
+
+    def undo() -> None:
+        undo_wrap()
+        if recapture:
+            optimizer.__setstate__(optimizer.__getstate__())
+
+    return undo
+
+
+class AcceleratorTrackers:
+    """A sink: metrics and event markers to every tracker of an ``Accelerator`` (``accelerator.log``)."""
+
+    def __init__(self, accelerator: Accelerator, prefix: str = "stability") -> None:
+        self.accelerator = accelerator
+        self.prefix = prefix
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """One logging step's metrics, at the optimizer step ``step``."""
+        if self.accelerator.trackers:
+            self.accelerator.log(dict(metrics), step=step)
+
+    def log_event(self, event: Event) -> None:
+        """A marker ``<prefix>/events/<kind>`` at the event's step."""
+        if self.accelerator.trackers:
+            self.accelerator.log({f"{self.prefix}/events/{event.kind}": 1.0}, step=event.step)
+
+
+class AccelerateGuard(StabilityGuard):
+    """The plain-loop guard that understands ``accelerator.accumulate`` and Accelerate's wrappers.
+
+    ``model``, ``optimizer`` and ``scheduler`` are the objects ``accelerator.prepare`` returned.
+    ``scaler``: defaults to ``accelerator.scaler`` (fp16 mixed precision on a GPU; None otherwise).
+    ``log_to_trackers``: also send metrics to ``accelerator.log`` (the trackers of ``init_trackers``).
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        model: nn.Module,
+        optimizer: Any | Sequence[Any],
+        config: StabilityConfig | Mapping[str, Any] | str | None = None,
+        scheduler: Any | None = None,
+        sinks: Iterable[Sink] | None = None,
+        hooks: HookManager | None = None,
+        scaler: Any | None = None,
+        log_to_trackers: bool = True,
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer,
+            config,
+            scaler=scaler if scaler is not None else accelerator.scaler,
+            scheduler=scheduler,
+            sinks=sinks,
+            hooks=hooks,
+        )
+        self.accelerator = accelerator
+        if log_to_trackers:
+            self.hooks.add_sink(AcceleratorTrackers(accelerator, self.config.metric_prefix))
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True on the micro-batch that completes an optimizer step (Accelerate's own flag)."""
+        return bool(self.accelerator.sync_gradients)
+
+    def backward(self, loss: Tensor, *, optimizer: Any | None = None, **kwargs: Any) -> None:
+        """``accelerator.backward(loss)``; the loss is recorded divided by the accumulation steps, as backpropagated."""
+        self.record_loss(loss.detach() / self.accelerator.gradient_accumulation_steps, optimizer)
+        self.accelerator.backward(loss, **kwargs)
+
+    def step(  # type: ignore[override]  # None on accumulation micro-batches
+        self,
+        replay: Callable[[], Tensor] | None = None,
+        *,
+        optimizer: Any | None = None,
+        update_scaler: bool = True,
+    ) -> StepReport | None:
+        """On the micro-batch that syncs grads: measure, clip, step or skip (the report); else None.
+
+        Call it on every micro-batch inside ``accelerator.accumulate``, as you would
+        ``optimizer.step()``: partial grads are never read and only optimizer steps are counted.
+        """
+        if not self.sync_gradients:
+            return None
+        return super().step(replay, optimizer=optimizer, update_scaler=update_scaler)
+
+    def _route_step(self, core: DriverCore) -> Callable[[], None]:
+        return route_accelerated_step(core, self._outer(core))
+
+    def _optimizer_step(self, core: DriverCore, update_scaler: bool) -> None:
+        """``AcceleratedOptimizer.step()``: Accelerate runs its GradScaler's step and update itself."""
+        self._outer(core).step()

@@ -1,0 +1,73 @@
+"""FabricGuard: ``StabilityGuard`` for Lightning Fabric loops.
+
+    model, optimizer = fabric.setup(model, optimizer)
+    guard = FabricGuard(fabric, model, optimizer, scheduler=scheduler, config=cfg)
+    guard.backward(loss)   # fabric.backward: the precision plugin scales the loss
+    guard.step()           # norms after Fabric's unscale, clip, skip or Fabric's optimizer step
+    guard.zero_grad()
+
+The optimizer steps through Fabric (strategy, precision plugin, GradScaler step and update), with
+the step routed through the guard's core, so a skipped step never reaches the optimizer. Fabric's
+GradScaler (``precision="16-mixed"``) is found on its precision plugin. Under DDP and FSDP every
+rank takes the same, all-reduced skip decision. Metrics also go to ``fabric.loggers``. Save the
+guard with the rest: ``fabric.save(path, {"model": model, "optimizer": optimizer, "guard": guard})``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from stabilitykit.config import StabilityConfig
+from stabilitykit.core import DriverCore
+from stabilitykit.guard import StabilityGuard
+from stabilitykit.hooks import HookManager
+from stabilitykit.integrations._extras import missing
+from stabilitykit.sinks.base import Sink
+
+try:
+    from lightning.fabric import Fabric
+    from lightning.fabric.wrappers import is_wrapped
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise missing("stabilitykit.integrations.fabric", "lightning", "lightning") from exc
+
+__all__ = ["FabricGuard"]
+
+
+class FabricGuard(StabilityGuard):
+    """The plain-loop guard over ``fabric.backward`` and Fabric's optimizer step.
+
+    ``model`` and ``optimizer`` (one or several) are what ``fabric.setup`` returned.
+    ``log_to_loggers``: also send metrics to ``fabric.loggers``.
+    """
+
+    def __init__(
+        self,
+        fabric: Fabric,
+        model: nn.Module,
+        optimizer: Any | Sequence[Any],
+        config: StabilityConfig | Mapping[str, Any] | str | None = None,
+        scheduler: Any | None = None,
+        sinks: Iterable[Sink] | None = None,
+        hooks: HookManager | None = None,
+        log_to_loggers: bool = True,
+    ) -> None:
+        scaler = getattr(fabric.strategy.precision, "scaler", None)
+        inner: nn.Module = model.module if is_wrapped(model) else model  # type: ignore[assignment]  # user's tree
+        super().__init__(inner, optimizer, config, scaler=scaler, scheduler=scheduler, sinks=sinks, hooks=hooks)
+        self.fabric = fabric
+        self.fabric_model = model
+        if log_to_loggers:
+            for logger in fabric.loggers:
+                self.hooks.add_sink(logger)  # type: ignore[arg-type]  # a Logger has the sink's shape
+
+    def backward(self, loss: Tensor, *, optimizer: Any | None = None, **kwargs: Any) -> None:
+        """``fabric.backward(loss)`` (scaled by Fabric's precision plugin); the loss is recorded as given."""
+        self.record_loss(loss, optimizer)
+        self.fabric.backward(loss, **kwargs)
+
+    def _optimizer_step(self, core: DriverCore, update_scaler: bool) -> None:
+        """Fabric's optimizer step: strategy, precision plugin, GradScaler step and update."""
+        self._outer(core).step()

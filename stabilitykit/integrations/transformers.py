@@ -1,0 +1,414 @@
+"""StabilityTrainerCallback: the Hugging Face ``Trainer``'s hooks mapped onto the driver core.
+
+One line: ``stabilize(trainer, config)`` (or ``StabilityTrainerCallback(config).attach(trainer)``).
+
+* ``accelerator.backward`` records each micro-batch's loss as backpropagated (the Trainer has
+  already divided it by the accumulation steps): no change to ``compute_loss``.
+* ``accelerator.clip_grad_norm_``, which the Trainer calls once per optimizer step on the final,
+  accumulated grads before anything clips them, is where the core measures, clips and decides.
+  The Trainer's own ``grad_norm`` log is then the true pre-clip norm, and ``max_grad_norm`` (when
+  stabilitykit does not clip) is applied from that same norm, with no second pass.
+* the optimizer's step is routed through the core (``AcceleratedOptimizer`` and its GradScaler
+  included); the LR scheduler is held on skipped steps by a class swap that leaves its saved
+  state alone, so ``save_steps`` checkpoints keep working.
+* ``on_step_end``: events and sinks; the metrics of a logging step are merged into the Trainer's
+  own log entry at its ``logging_steps`` (so ``log_history`` and every ``report_to``
+  integration get them), and each event is a log entry ``<prefix>/events/<kind>``.
+* the core's state rides in ``trainer_state.json`` through the Trainer's stateful-callback
+  mechanism and is restored by ``resume_from_checkpoint``.
+
+Requires the ``transformers`` extra: ``pip install 'stabilitykit[transformers]'``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from stabilitykit.config import StabilityConfig
+from stabilitykit.core import DriverCore, coerce_config
+from stabilitykit.engine import StabilityEngine
+from stabilitykit.events import Event
+from stabilitykit.hooks import HookManager
+from stabilitykit.integrations._extras import missing
+from stabilitykit.report import StepReport
+from stabilitykit.sinks.base import Sink
+
+try:
+    from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import ExportableState
+
+    from stabilitykit.integrations.accelerate import route_accelerated_step
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise missing("stabilitykit.integrations.transformers", "transformers", "transformers accelerate") from exc
+
+__all__ = ["StabilityTrainerCallback", "stabilize"]
+
+#: Event kinds sent as W&B alerts when ``alerts=True``.
+ALERT_KINDS = ("spike_warning", "nonfinite", "diverged", "fp16_warning")
+#: Event kinds kept out of the Trainer's logs (the device's precision advice is not a training event).
+_NOT_LOGGED = ("precision",)
+
+
+# ---------------------------------------------------------------------- state as JSON
+def to_json(value: Any) -> Any:
+    """The core's state as JSON values (tensors become tagged lists; every float32 survives exactly)."""
+    if isinstance(value, Tensor):
+        t = value.detach().cpu()
+        return {
+            "__tensor__": t.float().reshape(-1).tolist() if t.is_floating_point() else t.reshape(-1).tolist(),
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+        }
+    if isinstance(value, Mapping):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v) for v in value]
+    return value
+
+
+def from_json(value: Any, device: torch.device | None = None) -> Any:
+    """Undo ``to_json``."""
+    if isinstance(value, Mapping):
+        if "__tensor__" in value:
+            dtype = getattr(torch, value["dtype"])
+            return torch.tensor(value["__tensor__"], dtype=dtype, device=device).reshape(value["shape"])
+        return {k: from_json(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json(v, device) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------- the Trainer's cadence
+class TrainerAlignedEngine(StabilityEngine):
+    """The engine, logging at the Trainer's logging steps.
+
+    The Trainer logs after global steps ``n, 2n, ...`` (and 1 with ``logging_first_step``); the
+    engine's 0-based step ``s`` ends with global step ``s + 1``.
+    """
+
+    log_first_step = False
+
+    def is_logging_step(self, step: int | None = None) -> bool:
+        """True when the step ending with global step ``step + 1`` is one the Trainer logs."""
+        s = self.step if step is None else step
+        every = self.config.log_every_n_steps or 1
+        return (s + 1) % every == 0 or (self.log_first_step and s == 0)
+
+
+class _FirstStepEngine(TrainerAlignedEngine):
+    log_first_step = True
+
+
+class _TrainerLogs:
+    """A sink that holds one logging step's metrics until the Trainer writes its log entry."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, float] = {}
+        self.events: list[Event] = []
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self.metrics = dict(metrics)
+
+    def log_event(self, event: Event) -> None:
+        self.events.append(event)
+
+
+class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
+    """Norms, clipping, skip-the-batch, metrics and events for a Hugging Face ``Trainer``.
+
+    ``config``: a ``StabilityConfig`` (or mapping / path). Its ``log_every_n_steps`` defaults to
+    the Trainer's ``logging_steps``. ``sinks``: extra sinks besides the Trainer's logs.
+    ``alerts``: True (or event kinds) to send W&B alerts for those events when a W&B run is active
+    (``report_to="wandb"``). ``log_events``: write each event as a Trainer log entry.
+    """
+
+    def __init__(
+        self,
+        config: StabilityConfig | Mapping[str, Any] | str | None = None,
+        sinks: Iterable[Sink] | None = None,
+        alerts: bool | Iterable[str] = False,
+        log_events: bool = True,
+    ) -> None:
+        self.config = coerce_config(config)
+        self.hooks = HookManager(sinks)
+        self.logs = _TrainerLogs()
+        self.hooks.add_sink(self.logs)
+        self.alert_on: set[str] = set(ALERT_KINDS if alerts is True else [] if alerts is False else alerts)
+        self.log_events = log_events
+        self.core: DriverCore | None = None
+        self.saved_state: dict[str, Any] | None = None  # set by the Trainer's callback-state restore
+        self._trainer: weakref.ReferenceType[Trainer] | None = None
+        self._undo: list[Callable[[], None]] = []
+        self._global_step = 0
+        self._warned_fallback = False
+
+    # ------------------------------------------------------------------ attaching
+    def attach(self, trainer: Trainer) -> StabilityTrainerCallback:
+        """Bind to ``trainer`` (and add this callback to it); returns self.
+
+        Refuses settings that would make the guarantees false: ``max_grad_norm > 0`` together with
+        stabilitykit clipping (two clippers), ``restore_callback_states_from_checkpoint=True``
+        (it would replace this callback with an unbound copy; the state is restored anyway) and
+        DeepSpeed (which steps inside ``backward``).
+        """
+        args = trainer.args
+        if self.config.clip.mode != "off" and args.max_grad_norm and args.max_grad_norm > 0:
+            raise ValueError(
+                f"TrainingArguments(max_grad_norm={args.max_grad_norm}) and stabilitykit's "
+                f"ClipConfig(mode={self.config.clip.mode!r}) both clip gradients; keep one: set "
+                "max_grad_norm=0 (stabilitykit clips, GradScaler-aware) or ClipConfig(mode='off')"
+            )
+        if args.restore_callback_states_from_checkpoint:
+            raise ValueError(
+                "TrainingArguments(restore_callback_states_from_checkpoint=True) rebuilds callbacks from "
+                "their saved arguments, which would drop StabilityTrainerCallback's binding to the Trainer; "
+                "leave it False: the callback restores its own state on resume_from_checkpoint"
+            )
+        if trainer.is_deepspeed_enabled:
+            raise ValueError(
+                "StabilityTrainerCallback does not support DeepSpeed (it clips and steps inside backward); "
+                "use DDP or FSDP"
+            )
+        self._trainer = weakref.ref(trainer)
+        if not any(cb is self for cb in trainer.callback_handler.callbacks):
+            trainer.add_callback(self)
+        return self
+
+    def _bound(self) -> Trainer:
+        trainer = self._trainer() if self._trainer is not None else None
+        if trainer is None:
+            raise RuntimeError(
+                "StabilityTrainerCallback is not attached to a Trainer: use "
+                "stabilitykit.integrations.stabilize(trainer, config) or callback.attach(trainer) "
+                "instead of passing it in callbacks=[...]"
+            )
+        return trainer
+
+    @property
+    def engine(self) -> StabilityEngine | None:
+        """The engine (None before training starts)."""
+        return self.core.engine if self.core is not None else None
+
+    @property
+    def last_report(self) -> StepReport | None:
+        """The latest step's report."""
+        return self.core.last_report if self.core is not None else None
+
+    # ------------------------------------------------------------------ training starts and ends
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Build the core over the prepared optimizer; restore a resumed run's state; install the routes."""
+        trainer = self._bound()
+        self._release()
+        config = self.config
+        if "log_every_n_steps" not in config.model_fields_set and args.logging_strategy == "steps":
+            every = max(1, int(state.logging_steps or args.logging_steps or 1))
+            config = config.model_copy(update={"log_every_n_steps": every})
+        accelerator = trainer.accelerator
+        engine_cls = _FirstStepEngine if args.logging_first_step else TrainerAlignedEngine
+        self.core = core = DriverCore(
+            trainer.model, trainer.optimizer, config, self.hooks, scaler=accelerator.scaler, engine_cls=engine_cls
+        )
+        saved = self.saved_state or self._saved_in(state)
+        self.saved_state = None
+        if saved and state.global_step > 0:
+            core.load_state_dict(from_json(saved, core.engine.device))
+        self._global_step = state.global_step
+        self._undo.append(route_accelerated_step(core, trainer.optimizer))
+        if trainer.lr_scheduler is not None:
+            core.hold_scheduler(trainer.lr_scheduler)
+            self._undo.append(core.release)
+        self._undo.append(self._wrap(accelerator, "backward", self._backward_route(accelerator)))
+        self._undo.append(self._wrap(accelerator, "clip_grad_norm_", self._clip_route(accelerator)))
+        self._undo.append(self._wrap(trainer, "log", self._log_route(trainer)))
+
+    def _saved_in(self, state: TrainerState) -> dict[str, Any] | None:
+        stored: Any = state.stateful_callbacks or {}
+        entry = stored.get(type(self).__name__) if isinstance(stored, Mapping) else None
+        if isinstance(entry, list):
+            entry = entry[0] if entry else None
+        if not isinstance(entry, Mapping):
+            return None
+        saved = entry.get("attributes", {}).get("saved_state")
+        return dict(saved) if isinstance(saved, Mapping) else None
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Fold the last steps (events), then undo every route."""
+        if self.core is not None:
+            self.core.finish()
+            self.core.flush()
+            self._write_events()
+        self._release()
+
+    def _release(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    @staticmethod
+    def _wrap(owner: Any, name: str, route: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+        """Replace ``owner.<name>`` with ``route(original)`` on the instance; returns the exact undo."""
+        had_own = name in vars(owner)
+        previous = vars(owner).get(name)
+        wrapped = route(getattr(owner, name))
+        setattr(owner, name, wrapped)
+
+        def undo() -> None:
+            if vars(owner).get(name) is not wrapped:
+                return
+            if had_own:
+                setattr(owner, name, previous)
+            else:
+                delattr(owner, name)
+
+        return undo
+
+    # ------------------------------------------------------------------ the routes
+    def _backward_route(self, accelerator: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def route(original: Callable[..., Any]) -> Callable[..., Any]:
+            def backward(loss: Tensor, **kwargs: Any) -> Any:
+                if self.core is not None:  # the loss as backpropagated (Accelerate divides by its own steps)
+                    self.core.record_loss(loss.detach() / accelerator.gradient_accumulation_steps)
+                return original(loss, **kwargs)
+
+            return backward
+
+        return route
+
+    def _clip_route(self, accelerator: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def route(original: Callable[..., Any]) -> Callable[..., Any]:
+            def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+                core = self.core
+                if core is None or core.decision is not None or not accelerator.sync_gradients:
+                    return original(parameters, max_norm, norm_type)
+                decision = core.evaluate(log_step=self._global_step + 1)  # final grads, before any clipping
+                norm = decision.report.grad_norm
+                if max_norm is not None and math.isfinite(max_norm) and max_norm > 0:
+                    self._trainer_clip(core, norm, float(max_norm))
+                return norm
+
+            return clip_grad_norm_
+
+        return route
+
+    @staticmethod
+    def _trainer_clip(core: DriverCore, norm: Tensor, max_norm: float) -> None:
+        """``max_grad_norm`` applied from the norm just measured (as torch's clip_grad_norm_ does)."""
+        grads = [p.grad for p in core.engine.params if p.grad is not None]
+        if not grads:
+            return
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        coef = torch.where(torch.isfinite(coef), coef, torch.ones_like(coef))
+        for device_grads in _by_device(grads).values():
+            torch._foreach_mul_(device_grads, coef.to(device_grads[0].device))
+
+    def _log_route(self, trainer: Trainer) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def route(original: Callable[..., Any]) -> Callable[..., Any]:
+            def log(logs: dict[str, float], *args: Any, **kwargs: Any) -> Any:
+                if "loss" in logs and self.logs.metrics:  # the Trainer's training log entry
+                    logs.update(self.logs.metrics)
+                    self.logs.metrics = {}
+                return original(logs, *args, **kwargs)
+
+            return log
+
+        return route
+
+    # ------------------------------------------------------------------ the step
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Grads are final; when the Trainer did not call ``clip_grad_norm_`` (mixed meshes) decide here."""
+        core = self.core
+        if core is None or core.decision is not None:
+            return
+        if args.max_grad_norm and args.max_grad_norm > 0 and not self._warned_fallback:
+            warnings.warn(
+                "stabilitykit: the Trainer clipped without accelerator.clip_grad_norm_; "
+                "grad norms are read after its max_grad_norm clipping",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self._warned_fallback = True
+        core.evaluate(log_step=state.global_step + 1)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """After the optimizer and scheduler: events, sinks, the divergence check; events to the Trainer's logs."""
+        self._global_step = state.global_step
+        if self.core is None:
+            return
+        self.core.finish()
+        self._write_events(merge=bool(control.should_log))
+
+    def _write_events(self, merge: bool = False) -> None:
+        """Each event as ``<prefix>/events/<kind>`` (and ``..._step``, the 0-based optimizer step).
+
+        On a step the Trainer logs, they join its log entry (a log call of our own would reset
+        ``control.should_log`` and drop the Trainer's); otherwise they are a log entry of their own.
+        """
+        events, self.logs.events = self.logs.events, []
+        events = [e for e in events if e.kind not in _NOT_LOGGED]
+        if not events:
+            return
+        for event in events:
+            if event.kind in self.alert_on:
+                _wandb_alert(event)
+        trainer = self._trainer() if self._trainer is not None else None
+        if not self.log_events or trainer is None:
+            return
+        prefix = self.config.metric_prefix
+        entry: dict[str, float] = {}
+        for event in events:
+            key = f"{prefix}/events/{event.kind}".lstrip("/")
+            entry[key] = float(event.details.get("z", 1.0)) if event.kind == "spike_warning" else 1.0
+            entry[f"{key}_step"] = float(event.step)
+        if merge:
+            self.logs.metrics.update(entry)
+        else:
+            trainer.log(entry)
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict[str, Any]:
+        """What the Trainer writes into ``trainer_state.json`` at each checkpoint (JSON values only)."""
+        saved = to_json(self.core.state_dict()) if self.core is not None else None
+        return {"args": {}, "attributes": {"saved_state": saved}}
+
+
+def _by_device(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
+
+
+def _wandb_alert(event: Event) -> None:
+    """A W&B alert for ``event`` when a run is active; never stops training."""
+    try:
+        import wandb
+
+        run = wandb.run
+        if run is None:
+            return
+        levels: Any = wandb.AlertLevel  # type: ignore[attr-defined]
+        level = levels.ERROR if event.kind == "diverged" else levels.WARN
+        run.alert(title=f"stabilitykit: {event.kind} at step {event.step}"[:63], text=event.message, level=level)
+    except Exception as exc:  # a failing alert never stops training
+        warnings.warn(f"stabilitykit: W&B alert failed: {exc!r}", RuntimeWarning, stacklevel=2)
+
+
+def stabilize(
+    trainer: Trainer,
+    config: StabilityConfig | Mapping[str, Any] | str | None = None,
+    **kwargs: Any,
+) -> StabilityTrainerCallback:
+    """Guard ``trainer`` in one line; returns the callback (``kwargs`` go to ``StabilityTrainerCallback``)."""
+    return StabilityTrainerCallback(config, **kwargs).attach(trainer)

@@ -1,0 +1,86 @@
+"""Run by test_integrations_fabric.py: FabricGuard on 2 gloo processes, a NaN on rank 1 only.
+
+Each rank writes ``rank<r>.json``: a parameter checksum, the skip count, the skipped step, and
+whether parameters and optimizer state were bitwise unchanged across it; then the run is saved
+with ``fabric.save`` at step 6, trained on, reloaded with ``fabric.load`` and retrained, and the
+two endings compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from lightning.fabric import Fabric
+
+import stabilitykit as sk
+from stabilitykit.integrations import FabricGuard
+from stabilitykit.testing import char_batches, tiny_gpt
+
+POISON_STEP = 4
+STEPS = 10
+
+
+def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    state = optimizer.state_dict()["state"]
+    tensors = [p.detach().clone() for p in model.parameters()]
+    for value in state.values():
+        tensors.extend(v.clone() for v in value.values() if torch.is_tensor(v))
+    return tensors
+
+
+def main() -> None:
+    out = Path(os.environ["SK_OUT"])
+    torch.set_num_threads(1)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+    fabric.launch()
+    rank = fabric.global_rank
+    model = tiny_gpt(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, optimizer = fabric.setup(model, optimizer)
+    model.mark_forward_method("loss")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    config = sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0), log_every_n_steps=3)
+    guard = FabricGuard(fabric, model, optimizer, config, scheduler=scheduler)
+    data = char_batches(seed=rank)
+    batches = [next(data) for _ in range(STEPS)]
+    result: dict = {"layer_names": list(guard.engine.layer_names)}
+
+    def train(start: int, stop: int) -> None:
+        for step in range(start, stop):
+            x, y = batches[step]
+            before = snapshot(model, optimizer) if step == POISON_STEP else None
+            loss = model.loss(x, y)
+            if step == POISON_STEP and rank == 1:
+                loss = loss * float("nan")
+            guard.backward(loss)
+            report = guard.step()
+            guard.zero_grad()
+            if before is not None:
+                after = snapshot(model, optimizer)
+                result["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+                result["skipped_step"] = report.step if bool(report.skipped) else None
+
+    train(0, 6)
+    path = out / "ckpt.pt"
+    fabric.save(path, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "guard": guard})
+    train(6, STEPS)
+    guard.core.flush()
+    first = [p.detach().clone() for p in model.parameters()]
+    result["checksum"] = sum(float(p.double().sum()) for p in first)
+    result["skipped"] = guard.skipped_total
+    result["lr_steps"] = scheduler.last_epoch
+
+    fabric.load(path, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "guard": guard})
+    result["restored_step"] = guard.step_count
+    train(6, STEPS)
+    guard.core.flush()
+    result["resume_exact"] = all(torch.equal(a, b.detach()) for a, b in zip(first, model.parameters(), strict=True))
+    result["skipped_after_resume"] = guard.skipped_total
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""StabilityTrainerCallback in a real Hugging Face Trainer (tiny random-init Llama on the CPU):
+the true pre-clip norm, a NaN skipped bitwise, the scheduler held, metrics and events in
+log_history at logging_steps, state across save_steps + resume_from_checkpoint."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hf_models import tiny_llama, token_batches
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+import stabilitykit as sk
+from stabilitykit.integrations import StabilityTrainerCallback, stabilize
+
+NAN = float("nan")
+
+
+def _dataset(n: int = 64) -> list[dict[str, torch.Tensor]]:
+    rows = []
+    for batch in token_batches(n, batch_size=1, seed=3):
+        rows.append({k: v[0] for k, v in batch.items()})
+    return rows
+
+
+def _args(root: Path, **kwargs: Any) -> TrainingArguments:
+    defaults: dict[str, Any] = dict(
+        output_dir=str(root),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=8,
+        learning_rate=1e-2,
+        lr_scheduler_type="linear",
+        logging_steps=2,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    defaults.update(kwargs)
+    return TrainingArguments(**defaults)
+
+
+class Poison(TrainerCallback):
+    """NaN out lm_head's output during the optimizer step that starts at ``global_step == step``."""
+
+    def __init__(self, model: torch.nn.Module, step: int) -> None:
+        self.step = step
+        self.active = False
+        model.lm_head.register_forward_hook(lambda m, i, out: out * NAN if self.active else None)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.active = state.global_step == self.step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.active = False
+
+
+class StateAt(TrainerCallback):
+    """Parameters and optimizer state around the optimizer step that starts at ``global_step == step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.before: dict[str, Any] = {}
+        self.after: dict[str, Any] = {}
+
+    def _take(self, model, optimizer) -> dict[str, Any]:
+        return {
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "opt": copy.deepcopy(optimizer.state_dict()["state"]),
+        }
+
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if state.global_step == self.step and not self.before:
+            self.before = self._take(model, optimizer)
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if state.global_step == self.step + 1 and not self.after:
+            self.after = self._take(model, optimizer)
+
+    def assert_unchanged(self) -> None:
+        assert self.before and self.after
+        for name, value in self.before["params"].items():
+            assert torch.equal(value, self.after["params"][name]), f"parameter {name} changed on a skipped step"
+        assert self.before["opt"].keys() == self.after["opt"].keys()
+        for key, state in self.before["opt"].items():
+            for field, value in state.items():
+                assert torch.equal(value, self.after["opt"][key][field]), f"optimizer state {key}.{field} changed"
+
+
+class GradProbe(TrainerCallback):
+    """The global norm of the grads the optimizer is about to use, per global step."""
+
+    def __init__(self) -> None:
+        self.norms: dict[int, float] = {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        self.norms[state.global_step] = float(torch.nn.utils.get_total_norm(grads))
+
+
+def test_true_pre_clip_norm_with_the_trainers_max_grad_norm(tmp_path: Path) -> None:
+    norms = {}
+    for max_grad_norm in (0.0, 0.5):
+        model = tiny_llama()
+        probe = GradProbe()
+        trainer = Trainer(
+            model=model,
+            args=_args(tmp_path / str(max_grad_norm), max_steps=1, max_grad_norm=max_grad_norm, logging_steps=1),
+            train_dataset=_dataset(),
+            callbacks=[probe],
+        )
+        callback = stabilize(trainer, sk.StabilityConfig())
+        trainer.train()
+        report = callback.last_report
+        assert report is not None and report.step == 0
+        logged = next(row for row in trainer.state.log_history if "loss" in row)
+        norms[max_grad_norm] = (float(report.grad_norm), probe.norms[0], logged)
+    true_norm, seen_unclipped, _ = norms[0.0]
+    assert true_norm == pytest.approx(seen_unclipped, rel=1e-5), "nothing clipped: the optimizer saw the true norm"
+    ours, seen_clipped, logged = norms[0.5]
+    assert true_norm > 0.6, "the case of the issue: the true norm is above max_grad_norm"
+    assert ours == pytest.approx(true_norm, rel=1e-6), "the norm is read before the Trainer's clipping"
+    assert seen_clipped == pytest.approx(0.5, rel=1e-4), "the Trainer's max_grad_norm still clips"
+    assert logged["grad_norm"] == pytest.approx(true_norm, rel=1e-6)
+    assert logged["stability/grad_norm/total"] == pytest.approx(true_norm, rel=1e-6)
+
+
+def test_max_grad_norm_and_stabilitykit_clipping_are_refused(tmp_path: Path) -> None:
+    trainer = Trainer(model=tiny_llama(), args=_args(tmp_path, max_grad_norm=1.0), train_dataset=_dataset(8))
+    with pytest.raises(ValueError, match=r"max_grad_norm=1.0.*ClipConfig\(mode='fixed'\)"):
+        stabilize(trainer, sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed")))
+
+
+def test_unattached_callback_says_how_to_attach(tmp_path: Path) -> None:
+    trainer = Trainer(
+        model=tiny_llama(), args=_args(tmp_path), train_dataset=_dataset(8), callbacks=[StabilityTrainerCallback()]
+    )
+    with pytest.raises(RuntimeError, match="stabilize"):
+        trainer.train()
+
+
+def _run(
+    root: Path, poison: int, max_steps: int, resume: str | None = None, optim: str = "adamw_torch_fused"
+) -> tuple[Trainer, Any, StateAt]:
+    model = tiny_llama()
+    state_at = StateAt(poison)
+    trainer = Trainer(
+        model=model,
+        args=_args(root, max_steps=8, save_strategy="steps", save_steps=4, optim=optim),
+        train_dataset=_dataset(),
+        callbacks=[Poison(model, poison), state_at],
+    )
+    callback = stabilize(trainer, sk.StabilityConfig())
+    if max_steps < 8:  # an interrupted run: stop after max_steps, checkpoints as configured
+        trainer.add_callback(_StopAt(max_steps))
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, callback, state_at
+
+
+class _StopAt(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+def test_nan_skipped_bitwise_scheduler_held_logged_and_resumed_exactly(tmp_path: Path, optim: str) -> None:
+    poison = 2  # the optimizer step that starts at global_step 2 (the third)
+    trainer, callback, state_at = _run(tmp_path / "full", poison, max_steps=8, optim=optim)
+    state_at.assert_unchanged()
+    assert trainer.state.global_step == 8
+    assert trainer.lr_scheduler.last_epoch == 7, "8 optimizer steps, 1 skipped: the scheduler advanced 7 times"
+    assert type(trainer.lr_scheduler) is torch.optim.lr_scheduler.LambdaLR, "the hold is undone after training"
+    assert callback.engine.step == 8 and callback.engine.skipped_total == 1
+    history = trainer.state.log_history
+    events = [row for row in history if "stability/events/skipped" in row]
+    # a fused AdamW (the Trainer's default) skips on the device and the host learns of it at the next
+    # logging step (global step 4); a non-fused one at once (the step ends at global step 3).
+    # ``_step`` always names the skipped step.
+    fused = bool(trainer.optimizer.optimizer.defaults.get("fused"))
+    assert fused == (optim == "adamw_torch_fused") and callback.engine.fused == fused
+    reported_at = 4 if fused else poison + 1
+    assert [(row["step"], row["stability/events/skipped_step"]) for row in events] == [(reported_at, poison)]
+    train_rows = [row for row in history if "loss" in row and "train_runtime" not in row]
+    assert [row["step"] for row in train_rows] == [2, 4, 6, 8]
+    for row in train_rows:
+        assert row["stability/grad_norm/total"] == pytest.approx(row["grad_norm"], rel=1e-6)
+    assert train_rows[1]["stability/skipped/total"] == 1.0 and train_rows[0]["stability/skipped/total"] == 0.0
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+    # interrupted after the checkpoint at step 4, then resumed from it: the same run, bit for bit
+    _run(tmp_path / "part", poison, max_steps=5, optim=optim)
+    checkpoint = tmp_path / "part" / "checkpoint-4"
+    assert (checkpoint / "trainer_state.json").exists()
+    resumed, resumed_cb, _ = _run(tmp_path / "part", poison, max_steps=8, resume=str(checkpoint), optim=optim)
+    assert resumed_cb.engine.step == 8
+    assert resumed_cb.engine.skipped_total == 1, "the skip before the checkpoint survives the resume"
+    for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(p, q), f"{name} differs after resume"
+    assert resumed.lr_scheduler.last_epoch == 7
