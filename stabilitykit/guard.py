@@ -136,7 +136,7 @@ class StabilityGuard:
             if len(self.cores) > 1:
                 raise ValueError(
                     f"this guard has {len(self.cores)} optimizers: name the one that steps, "
-                    "e.g. guard.step(opt_d) / guard.backward(loss, optimizer=opt_d)"
+                    "e.g. guard.step(optimizer=opt_d) / guard.backward(loss, optimizer=opt_d)"
                 )
             return self.core
         target = unwrap_optimizer(optimizer)
