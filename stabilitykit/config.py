@@ -174,6 +174,15 @@ class SpikeConfig(_Strict):
     )
     z_loss_alert: float = Field(6.0, gt=0, description="Loss z-score that raises a spike_alert.")
     alert_cooldown: int = Field(20, ge=1, description="Steps after a spike_alert during which no other is raised.")
+    loss_drift_alert: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Opt-in sequential test (CUSUM) on the loss: a spike_alert when the running sum of (loss "
+            "z-score - 1), each term clamped to 4, reaches this; catches a loss that climbs over several "
+            "steps. None: off. More recall for more alerts: see the spike guide's operating points."
+        ),
+    )
     trend_warning: float = Field(
         0.7,
         gt=0,

@@ -29,6 +29,9 @@ _ABS_TO_STD = 1.2533
 _CLAMP_SCALES = 3.0
 #: Floor of the residual scale in log space (0.1% relative change), so a flat series cannot alarm.
 _MIN_STD = 1e-3
+#: Loss-drift CUSUM: the reference z-score subtracted per step and the clamp of each step's term.
+_DRIFT_REFERENCE = 1.0
+_DRIFT_CLAMP = 4.0
 
 
 class RobustDetector:
@@ -278,8 +281,10 @@ class SpikeMonitor:
     * ``spike_alert`` (rare): with a loss, the grad norm and the loss jump together (both z-scores
       reach ``z_joint``) or the loss alone reaches ``z_loss_alert``; a grad-norm jump the loss does
       not share is a one-batch outlier and only warns. Without a loss (``loss=None``), the grad
-      norm's z-score reaching ``z_alert`` alerts. At most one per ``alert_cooldown`` steps. Only
-      alerts are meant for ``run.alert``.
+      norm's z-score reaching ``z_alert`` alerts. Opt-in (``loss_drift_alert``): a CUSUM of the
+      loss z-score (``max(0, S + min(z, 4) - 1)``) reaching the threshold alerts on a loss that
+      climbs over several steps. At most one per ``alert_cooldown`` steps. Only alerts are meant
+      for ``run.alert``.
     * ``loss_spike``: the loss's z-score reaches ``z_spike`` (kept for existing hooks).
 
     Both z-scores come from ``PredictiveDetector`` (log space, autocorrelation-aware, robust
@@ -303,6 +308,7 @@ class SpikeMonitor:
         self.max_trend_recent = 0.0
         self.last_alert_step: int | None = None
         self.alerts = 0
+        self.loss_drift = 0.0  # CUSUM of the loss z-score (loss_drift_alert)
 
     def update(
         self,
@@ -367,22 +373,33 @@ class SpikeMonitor:
             message = f"loss z-score {z_loss:.1f} at step {step} (spike at {cfg.z_spike})"
             events.append(Event("loss_spike", step, message, {"z": z_loss, "loss": loss}))
         cooled = self.last_alert_step is None or step - self.last_alert_step >= cfg.alert_cooldown
+        if loss is not None:
+            self.loss_drift = max(0.0, self.loss_drift + min(z_loss, _DRIFT_CLAMP) - _DRIFT_REFERENCE)
         if loss is None:
             why = "grad norm" if z_grad >= cfg.z_alert else None
         elif z_loss >= cfg.z_loss_alert:
             why = "loss"
+        elif min(z_grad, z_loss) >= cfg.z_joint:
+            why = "grad norm and loss"
+        elif cfg.loss_drift_alert is not None and self.loss_drift >= cfg.loss_drift_alert:
+            why = "loss (climbing over several steps)"
         else:
-            why = "grad norm and loss" if min(z_grad, z_loss) >= cfg.z_joint else None
+            why = None
         if cooled and why is not None:
+            verb = f"climbed (cumulative excess {self.loss_drift:.1f})" if why.startswith("loss (") else "jumped"
             message = (
-                f"{why} jumped at step {step}: z-scores {z_grad:.1f} (grad norm {grad_norm:.3g}) and "
-                f"{z_loss:.1f} (loss {'n/a' if loss is None else f'{loss:.4g}'}); a loss spike or divergence may follow"
+                f"{why.split(' (')[0]} {verb} at step {step}: z-scores {z_grad:.1f} (grad norm {grad_norm:.3g}) "
+                f"and {z_loss:.1f} (loss {'n/a' if loss is None else f'{loss:.4g}'}); a loss spike or divergence "
+                "may follow"
             )
             z = z_grad if why == "grad norm" else z_loss
             details = {"z": z, "z_grad": z_grad, "z_loss": z_loss, "grad_norm": grad_norm, "loss": loss}
-            events.append(Event("spike_alert", step, message, {**details, "layer": leading}))
+            details.update(loss_drift=self.loss_drift, rule=why, layer=leading)
+            events.append(Event("spike_alert", step, message, details))
             self.last_alert_step = step
             self.alerts += 1
+        if why is not None:
+            self.loss_drift = 0.0  # this excursion is alerted (or inside the cooldown of its alert)
         return events
 
     def metrics(self) -> dict[str, float]:
@@ -397,6 +414,8 @@ class SpikeMonitor:
         }
         if self.trends:
             out["spikes/max_trend"] = self.max_trend_recent
+        if self.config.loss_drift_alert is not None:
+            out["spikes/loss_drift"] = self.loss_drift
         self.max_z_grad_recent = self.max_z_loss_recent = self.max_trend_recent = 0.0
         return out
 
@@ -413,6 +432,7 @@ class SpikeMonitor:
             "recent": [self.max_z_grad_recent, self.max_z_loss_recent, self.max_trend_recent],
             "last_alert_step": self.last_alert_step,
             "alerts": self.alerts,
+            "loss_drift": self.loss_drift,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -428,6 +448,7 @@ class SpikeMonitor:
                 self.trends[name].load_state_dict(sub)
             self.last_alert_step = state.get("last_alert_step")
             self.alerts = int(state.get("alerts", 0))
+            self.loss_drift = float(state.get("loss_drift", 0.0))
         self.spike_score.load_state_dict(state["spike_score"])
         z = state.get("last_z", (0.0, 0.0))
         self.last_z = (float(z[0]), float(z[1]))

@@ -118,6 +118,42 @@ def test_monitor_alert_cooldown_and_state_round_trip() -> None:
     assert a.metrics()["spikes/alerts"] == earlier + 2
 
 
+def test_loss_drift_alert_catches_a_loss_that_climbs_over_several_steps_and_is_off_by_default() -> None:
+    rng = random.Random(8)
+    grads = [math.exp(0.05 * rng.gauss(0, 1)) for _ in range(400)]
+    losses = [3.0 * math.exp(0.04 * rng.gauss(0, 1)) for _ in range(400)]
+    for t in range(300, 400):
+        losses[t] *= math.exp(0.05 * min(t - 299, 15))  # +5% a step for 15 steps: no step's z reaches 3
+    runs = {}
+    for drift in (None, 4.0):
+        monitor = SpikeMonitor(SpikeConfig(loss_drift_alert=drift), [])
+        alerts, top = [], 0.0
+        for t in range(400):
+            alerts += [e for e in monitor.update(t, grads[t], losses[t], None, False) if e.kind == "spike_alert"]
+            top = max(top, monitor.last_z[1]) if 300 <= t < 315 else top
+        runs[drift] = alerts
+    assert top < SpikeConfig().z_joint
+    assert runs[None] == []
+    assert [e.step for e in runs[4.0]] == [304]
+    event = runs[4.0][0]
+    assert event.details["rule"].startswith("loss (") and "climbed" in event.message
+    assert event.details["loss_drift"] >= 4.0
+
+
+def test_loss_drift_state_round_trips_and_resets_after_an_alert() -> None:
+    cfg = SpikeConfig(loss_drift_alert=5.0)
+    a, b = SpikeMonitor(cfg, []), SpikeMonitor(cfg, [])
+    rng = random.Random(3)
+    for t in range(100):
+        a.update(t, math.exp(0.05 * rng.gauss(0, 1)), 2.0 * math.exp(0.04 * rng.gauss(0, 1)), None, False)
+    a.update(100, 1.0, 2.0 * math.exp(0.1), None, False)  # one ~2.5-scale rise: some excess, no alert
+    assert 0 < a.loss_drift < 5.0 and a.metrics()["spikes/loss_drift"] == a.loss_drift
+    b.load_state_dict(a.state_dict())
+    assert b.loss_drift == a.loss_drift
+    events = [e for t in range(101, 104) for e in a.update(t, 1.0, 2.0 * math.exp(0.1 * (t - 99)), None, False)]
+    assert [e.kind for e in events].count("spike_alert") == 1 and a.loss_drift < 5.0
+
+
 def test_ground_truth_rule_finds_a_spike_and_a_divergence() -> None:
     loss = [3.0 - 0.001 * t for t in range(400)]
     loss[150] = 5.0

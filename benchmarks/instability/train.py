@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--lrs", default="0.01,0.1,0.3,1")
     parser.add_argument("--arms", default="all")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="model init and data order; runs of seed s > 0 are keyed arm@lr#s<s>")
     parser.add_argument("--out", default=str(Path(__file__).with_name("traces.npz")))
     parser.add_argument("--append", action="store_true", help="keep the runs already in --out")
     args = parser.parse_args(argv)
@@ -248,9 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         for arm in arms:
             start = time.perf_counter()
             result = run(arm, lr, args.steps, train, heldout, args.seed)
-            key = f"{arm}@{lr:g}"
+            key = f"{arm}@{lr:g}" + (f"#s{args.seed}" if args.seed else "")
             out[key] = result["trace"]
-            meta["runs"][key] = {"arm": arm, "lr": lr, "final_loss": result["final_loss"]}
+            meta["runs"][key] = {"arm": arm, "lr": lr, "final_loss": result["final_loss"], "seed": args.seed}
             meta["columns"] = result["columns"]
             print(f"{key:>20}  final loss {result['final_loss']:.4f}  ({time.perf_counter() - start:.0f}s)", flush=True)
             np.savez_compressed(args.out, meta=np.array(json.dumps(meta)), **out)  # after every run: resumable reading
