@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--lrs", default="0.01,0.1,0.3,1")
     parser.add_argument("--arms", default="all")
-    parser.add_argument("--seed", type=int, default=0, help="model init and data order; runs of seed s > 0 are keyed arm@lr#s<s>")
+    parser.add_argument("--seed", type=int, default=0, help="init and data order; seed s > 0 keys runs arm@lr#s<s>")
     parser.add_argument("--out", default=str(Path(__file__).with_name("traces.npz")))
     parser.add_argument("--append", action="store_true", help="keep the runs already in --out")
     args = parser.parse_args(argv)
