@@ -160,6 +160,15 @@ class SpikeConfig(_Strict):
     enabled: bool = Field(True, description="Run the spike detectors.")
     warmup_steps: int = Field(20, ge=1, description="Steps that only collect statistics.")
     alpha: float = Field(0.1, gt=0, lt=1, description="EMA rate of the log-space baseline.")
+    scale_alpha: float = Field(
+        0.1,
+        gt=0,
+        lt=1,
+        description=(
+            "EMA rate of the residual scale (debiased). Slower (0.03) gives less noisy z-scores on "
+            "stationary noise; 0.1 follows noise that changes during training (better on real runs)."
+        ),
+    )
     z_warning: float = Field(
         4.0, gt=0, description="Grad-norm (or layer) z-score that raises a spike_warning (dashboard only)."
     )

@@ -99,19 +99,30 @@ class PredictiveDetector:
     baseline mistakes slow wander for noise, so its residual scale widens and 3x jumps drown.
     This detector predicts ``level + phi * (last - level)``, with ``level`` an EMA of log(x) and
     ``phi`` the lag-1 autocorrelation of the deviations from it (estimated online, in [0, 0.98]).
-    The residual scale is an EMA of |residual| (x1.2533); once warm, residuals are clamped to
+    The residual scale is a debiased EMA of |residual| (x1.2533, rate ``scale_alpha``, by default
+    ``alpha``); once warm, residuals are clamped to
     ``clamp`` scales before they update anything, and a clamped value is what ``last`` keeps, so
     one spike moves neither the baseline nor the scale nor the next prediction. NaN, Inf and
     non-positive values are never ingested: the detector is never blind after one.
     """
 
     def __init__(
-        self, alpha: float = 0.1, warmup_steps: int = 20, size: int = 1, slow_alpha: float = 0.02, clamp: float = 3.0
+        self,
+        alpha: float = 0.1,
+        warmup_steps: int = 20,
+        size: int = 1,
+        slow_alpha: float = 0.02,
+        clamp: float = 3.0,
+        scale_alpha: float | None = None,
     ) -> None:
-        if not 0 < alpha < 1 or not 0 < slow_alpha < 1:
-            raise ValueError(f"alpha and slow_alpha must be in (0, 1), got {alpha!r} and {slow_alpha!r}")
+        scale_alpha = alpha if scale_alpha is None else scale_alpha
+        if not 0 < alpha < 1 or not 0 < slow_alpha < 1 or not 0 < scale_alpha < 1:
+            raise ValueError(
+                f"alpha, slow_alpha and scale_alpha must be in (0, 1), got {alpha!r}, {slow_alpha!r}, {scale_alpha!r}"
+            )
         self.alpha = alpha
         self.slow_alpha = slow_alpha
+        self.scale_alpha = scale_alpha
         self.clamp = clamp
         self.warmup_steps = warmup_steps
         self.level = [0.0] * size
@@ -131,8 +142,14 @@ class PredictiveDetector:
         return min(0.98, max(0.0, self.cov[i] / self.var[i])) if self.var[i] > 0 else 0.0
 
     def scale(self, i: int = 0) -> float:
-        """The current one-step-ahead residual scale of series ``i`` (log space, std units)."""
-        return self.abs_dev[i] * _ABS_TO_STD + _MIN_STD
+        """The current one-step-ahead residual scale of series ``i`` (log space, std units).
+
+        The EMA of |residual| starts at 0, so it is divided by ``1 - (1 - scale_alpha) ** n`` (n residuals
+        seen), as Adam debiases its moments: the scale is unbiased from the first steps on.
+        """
+        seen = self.count[i] - 1
+        debias = 1.0 - (1.0 - self.scale_alpha) ** seen if seen > 0 else 1.0
+        return self.abs_dev[i] / debias * _ABS_TO_STD + _MIN_STD
 
     def update(self, values: Sequence[float]) -> list[float]:
         """Score each value against its prediction, then fold it in; z is 0 in warmup and for bad values."""
@@ -161,7 +178,8 @@ class PredictiveDetector:
                 scores.append(0.0)
             clean = pred + resid
             a = self.alpha
-            self.abs_dev[i] = (1 - a) * self.abs_dev[i] + a * abs(resid)
+            b = self.scale_alpha
+            self.abs_dev[i] = (1 - b) * self.abs_dev[i] + b * abs(resid)
             d_prev, d_now = last - level, clean - level
             s = self.slow_alpha
             self.cov[i] = (1 - s) * self.cov[i] + s * d_now * d_prev
@@ -294,10 +312,13 @@ class SpikeMonitor:
     def __init__(self, config: SpikeConfig, layer_names: Sequence[str]) -> None:
         self.config = config
         self.layer_names = list(layer_names)
-        self.detector = PredictiveDetector(config.alpha, config.warmup_steps, size=2)  # [grad norm, loss]
+        alpha, warmup, scale_alpha = config.alpha, config.warmup_steps, config.scale_alpha
+        self.detector = PredictiveDetector(alpha, warmup, size=2, scale_alpha=scale_alpha)  # [grad norm, loss]
         per_layer = config.per_layer and bool(self.layer_names)
         self.layer_detector = (
-            PredictiveDetector(config.alpha, config.warmup_steps, size=len(self.layer_names)) if per_layer else None
+            PredictiveDetector(alpha, warmup, size=len(self.layer_names), scale_alpha=scale_alpha)
+            if per_layer
+            else None
         )
         self.trends: dict[str, TrendDetector] = {}
         self.trend_high: set[str] = set()  # signals above trend_warning (a warning fires on the crossing)
