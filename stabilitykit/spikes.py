@@ -214,33 +214,48 @@ class TrendDetector:
 
     For precursors that drift rather than jump (max attention logit, |log Z|, update size): the
     score is ``fast - slow`` (log of the ratio of the recent level to the long-run level).
-    Non-finite and non-positive values are never ingested.
+    Non-finite and non-positive values are never ingested. With ``step`` given, the rates and the
+    warmup are per optimizer step, so a signal measured on logging steps only (every n steps)
+    keeps the same time constants as one measured every step.
     """
 
     def __init__(self, fast: float = 0.1, slow: float = 0.01, warmup_steps: int = 50) -> None:
         self.fast_alpha, self.slow_alpha, self.warmup_steps = fast, slow, warmup_steps
         self.fast = self.slow = 0.0
         self.count = 0
+        self.first_step: int | None = None
+        self.last_step: int | None = None
 
-    def update(self, x: float) -> float:
+    def update(self, x: float, step: int | None = None) -> float:
         """Fold in one value; the log growth of the recent level over the long-run level (0 in warmup)."""
         if not (x > 0 and math.isfinite(x)):
             return 0.0
         y = math.log(x)
+        gap = 1 if step is None or self.last_step is None else max(1, step - self.last_step)
         if self.count == 0:
             self.fast = self.slow = y
-        self.fast += self.fast_alpha * (y - self.fast)
-        self.slow += self.slow_alpha * (y - self.slow)
+            self.first_step = step
+        self.fast += (1.0 - (1.0 - self.fast_alpha) ** gap) * (y - self.fast)
+        self.slow += (1.0 - (1.0 - self.slow_alpha) ** gap) * (y - self.slow)
         self.count += 1
-        return self.fast - self.slow if self.count >= self.warmup_steps else 0.0
+        self.last_step = step
+        age = self.count if step is None or self.first_step is None else step - self.first_step + 1
+        return self.fast - self.slow if age >= self.warmup_steps else 0.0
 
     def state_dict(self) -> dict[str, Any]:
-        """Both levels and the count."""
-        return {"fast": self.fast, "slow": self.slow, "count": self.count}
+        """Both levels, the count and the first and last steps seen."""
+        return {
+            "fast": self.fast,
+            "slow": self.slow,
+            "count": self.count,
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
         self.fast, self.slow, self.count = float(state["fast"]), float(state["slow"]), int(state["count"])
+        self.first_step, self.last_step = state.get("first_step"), state.get("last_step")
 
 
 class SpikeScore:
@@ -366,7 +381,7 @@ class SpikeMonitor:
             detector = self.trends.get(name)
             if detector is None:
                 detector = self.trends[name] = TrendDetector(warmup_steps=max(cfg.warmup_steps, 50))
-            growth = detector.update(abs(value))
+            growth = detector.update(abs(value), step)
             if growth < cfg.trend_warning:
                 self.trend_high.discard(name)
             elif name not in self.trend_high:

@@ -13,7 +13,7 @@ import torch
 from stabilitykit.config import SkipConfig, SpikeConfig
 from stabilitykit.events import EVENT_KINDS
 from stabilitykit.spike_skip import SpikeSkipRule
-from stabilitykit.spikes import PredictiveDetector, SpikeMonitor
+from stabilitykit.spikes import PredictiveDetector, SpikeMonitor, TrendDetector
 from stabilitykit.testing.syncs import count_host_syncs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -113,6 +113,23 @@ def test_monitor_warning_is_separate_from_alert_and_names_the_signal() -> None:
     assert "spike_warning" in kinds and "spike_alert" not in kinds
     assert any(e.details.get("signal") == "attention/max_logit" for e in events)
     assert "spike_alert" in EVENT_KINDS
+
+
+def test_trend_detector_keeps_its_time_constants_when_fed_on_logging_steps_only() -> None:
+    every, sparse = TrendDetector(), TrendDetector()
+    growth_every = growth_sparse = 0.0
+    for step in range(300):
+        logit = 10.0 * 1.02 ** max(0, step - 100)
+        growth_every = every.update(logit, step)
+        if step % 10 == 0:
+            growth_sparse = sparse.update(logit, step)
+            if step == 60:
+                assert growth_sparse == 0.0 and sparse.count == 7  # warm after 50 steps, not 50 values
+    assert growth_every > 1.0
+    assert abs(growth_sparse - growth_every) < 0.25 * growth_every
+    twin = TrendDetector()
+    twin.load_state_dict(sparse.state_dict())
+    assert twin.update(40.0, 300) == sparse.update(40.0, 300)
 
 
 def test_monitor_alert_cooldown_and_state_round_trip() -> None:
