@@ -11,6 +11,13 @@ Gaussian bound (the best recall any detector reaches on a 3x spike at 1 false al
 Part 2, real instabilities (``benchmarks/instability/traces.npz``, from ``train.py``): loss-based
 ground truth (see ``spike_suite``), recall of loss-spike and divergence onsets, the share alerted
 before the loss moved, and alerts per 10k healthy steps (all runs; and the runs with no event).
+Reported for all runs, the tuning set (seed 0, the runs the rules were designed on) and the
+held-out set (seeds 1+, generated afterwards), with the opt-in loss-drift alert at 4, 3 and 2 and
+the warning with precursors fed on every 10th step only (as the engine does).
+
+Part 3, each signal alone: thresholded just above its largest value on the healthy steps of the
+tuning set's runs with no event, scored on the held-out runs (can any signal warn before the loss
+moves without paging on healthy training?).
 
 Detectors, each on the same values:
 

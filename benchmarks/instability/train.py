@@ -1,7 +1,10 @@
 """Real training instabilities on the CPU: a small byte-level GPT on the Python standard library.
 
     python benchmarks/instability/train.py [--steps 400] [--lrs 0.01,0.1,0.3,1] [--arms all]
-                                           [--out benchmarks/instability/traces.npz]
+                                           [--seed 0] [--append] [--out benchmarks/instability/traces.npz]
+
+The stored traces hold seed 0 (22 runs, the tuning set of the spike detectors) and seeds 1-2
+(28 runs, ``--seed 1 --append``, keyed ``arm@lr#s1``: the held-out set, generated afterwards).
 
 Small transformers go unstable at high learning rates the way large ones do (Wortsman et al.
 2023): attention logits grow without qk-norm, output logits drift without z-loss. Each run
