@@ -11,6 +11,13 @@ Gaussian bound (the best recall any detector reaches on a 3x spike at 1 false al
 Part 2, real instabilities (``benchmarks/instability/traces.npz``, from ``train.py``): loss-based
 ground truth (see ``spike_suite``), recall of loss-spike and divergence onsets, the share alerted
 before the loss moved, and alerts per 10k healthy steps (all runs; and the runs with no event).
+Reported for all runs, the tuning set (seed 0, the runs the rules were designed on) and the
+held-out set (seeds 1+, generated afterwards), with the opt-in loss-drift alert at 4, 3 and 2 and
+the warning with precursors fed on every 10th step only (as the engine does).
+
+Part 3, each signal alone: thresholded just above its largest value on the healthy steps of the
+tuning set's runs with no event, scored on the held-out runs (can any signal warn before the loss
+moves without paging on healthy training?).
 
 Detectors, each on the same values:
 
@@ -53,7 +60,7 @@ from spike_suite import (
 )
 
 from stabilitykit.config import SpikeConfig
-from stabilitykit.spikes import RobustDetector, SpikeMonitor
+from stabilitykit.spikes import PredictiveDetector, RobustDetector, SpikeMonitor, TrendDetector
 
 Row = dict[str, float]  # one step of a real trace: grad_norm, loss, layer norms, signals
 RowFlag = Callable[[Row], bool]
@@ -77,14 +84,18 @@ def old_stream() -> Flag:
     return lambda x: detector.update([x])[0] >= 4.0
 
 
-def ours_real(kind: str) -> Callable[[list[str]], RowFlag]:
+def ours_real(kind: str, signal_every: int = 1, **config: Any) -> Callable[[list[str]], RowFlag]:
+    """``SpikeMonitor`` on a real trace; ``signal_every``: precursors on every n-th step only (logging steps)."""
+
     def make(layer_names: list[str]) -> RowFlag:
-        monitor = SpikeMonitor(SpikeConfig(per_layer=True), layer_names)
+        monitor = SpikeMonitor(SpikeConfig(per_layer=True, **config), layer_names)
         step = [0]
 
         def flag(row: Row) -> bool:
             layers = [row[f"layer/{n}"] for n in layer_names]
-            signals = {k: row[k] for k in ("max_attn_logit", "log_z", "update") if k in row}
+            signals = None
+            if step[0] % signal_every == 0:
+                signals = {k: row[k] for k in ("max_attn_logit", "log_z", "update") if k in row}
             events = monitor.update(step[0], row["grad_norm"], row["loss"], layers, False, signals=signals)
             step[0] += 1
             return any(e.kind == kind for e in events)
@@ -119,7 +130,11 @@ STREAM_DETECTORS: dict[str, Callable[[], Flag]] = {
 
 REAL_DETECTORS: dict[str, Callable[[list[str]], RowFlag]] = {
     "stabilitykit alert": ours_real("spike_alert"),
+    "stabilitykit alert + loss drift 4": ours_real("spike_alert", loss_drift_alert=4.0),
+    "stabilitykit alert + loss drift 3": ours_real("spike_alert", loss_drift_alert=3.0),
+    "stabilitykit alert + loss drift 2": ours_real("spike_alert", loss_drift_alert=2.0),
     "stabilitykit warning": ours_real("spike_warning"),
+    "stabilitykit warning (signals every 10 steps)": ours_real("spike_warning", signal_every=10),
     "stabilitykit before (z>=4)": on_series(old_stream, ("grad_norm",)),
     "OLMo 6 std / 128 (grad norm, loss)": on_series(olmo_rule, ("grad_norm", "loss")),
     "Lightning SpikeDetection (loss)": on_series(lightning_rule, ("loss",)),
@@ -270,17 +285,102 @@ def print_part2(table: dict[str, Any], runs: list[Run]) -> None:
         )
 
 
+# ----------------------------------------------------------------------------- part 3
+def signal_scores(run: Run) -> dict[str, np.ndarray]:
+    """Per-step scores of each signal a rule could use, from the library's detectors (no lookahead)."""
+    n = len(run.data)
+    main, layers, extra = PredictiveDetector(size=2), PredictiveDetector(size=6), PredictiveDetector(size=2)
+    trend = TrendDetector(warmup_steps=50)
+    grad, loss, update, logit = (run.col(c) for c in ("grad_norm", "loss", "update", "max_attn_logit"))
+    layer_values = run.layers()
+    names = ("loss z", "grad-norm z", "min(grad z, loss z)", "max layer z", "update-size z", "attention-logit z")
+    out = {name: np.zeros(n) for name in (*names, "attention-logit trend", "loss CUSUM (k=1)")}
+    cusum = 0.0
+    for t in range(n):
+        z_grad, z_loss = main.update([grad[t], loss[t]])
+        z_update, z_logit = extra.update([update[t], logit[t]])
+        cusum = max(0.0, cusum + min(z_loss, 4.0) - 1.0)
+        row = (z_loss, z_grad, min(z_grad, z_loss), max(layers.update(list(layer_values[t]))), z_update, z_logit)
+        for name, value in zip(names, row, strict=True):
+            out[name][t] = value
+        out["attention-logit trend"][t] = trend.update(abs(logit[t]))
+        out["loss CUSUM (k=1)"][t] = cusum
+    return out
+
+
+def part3(tune: list[Run], held: list[Run]) -> dict[str, Any]:
+    """Each signal alone, thresholded just above its maximum on the tuning set's quiet runs, scored on held-out runs."""
+    scores = {run.key: signal_scores(run) for run in tune + held}
+    truths = {run.key: ground_truth(run.col("loss")) for run in tune + held}
+    quiet = [r for r in tune if not truths[r.key].spikes and not truths[r.key].divergences]
+    out: dict[str, Any] = {}
+    for name in scores[tune[0].key]:
+        threshold = max(float(scores[r.key][name][truths[r.key].healthy].max()) for r in quiet)
+        hit = early = n = div_hit = div_n = exceed = healthy = exceed_q = healthy_q = 0
+        for run in held:
+            s, truth = scores[run.key][name], truths[run.key]
+            above = s > threshold
+            for m, t in truth.spikes:
+                n += 1
+                hit += bool(above[max(0, m - 30) : t + 4].any())
+                early += bool(above[max(0, m - 30) : m].any())
+            for d in truth.divergences:
+                div_n += 1
+                div_hit += bool(above[max(0, d - 30) : d + 4].any())
+            exceed += int(above[truth.healthy].sum())
+            healthy += int(truth.healthy.sum())
+            if not truth.spikes and not truth.divergences:
+                exceed_q += int(above[truth.healthy].sum())
+                healthy_q += int(truth.healthy.sum())
+        out[name] = {
+            "threshold": threshold,
+            "spike_recall": hit / max(1, n),
+            "before": early / max(1, n),
+            "divergence_recall": div_hit / max(1, div_n),
+            "exceed_per_10k": exceed / max(1, healthy) * 1e4,
+            "exceed_quiet_per_10k": exceed_q / max(1, healthy_q) * 1e4,
+        }
+    return out
+
+
+def print_part3(table: dict[str, Any], tune: list[Run], held: list[Run]) -> None:
+    print(
+        f"\n## Each signal alone: threshold just above its largest value on the healthy steps of the "
+        f"tuning set's runs with no event ({len(tune)} runs), scored on the {len(held)} held-out runs\n"
+    )
+    print(
+        "| signal | threshold | loss-spike onsets reached | reached before the loss moved "
+        "| divergence onsets reached | healthy steps above / 10k | same, runs with no event |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, r in table.items():
+        print(
+            f"| {name} | {r['threshold']:.2f} | {r['spike_recall']:.2f} | {r['before']:.2f} "
+            f"| {r['divergence_recall']:.2f} | {r['exceed_per_10k']:.1f} | {r['exceed_quiet_per_10k']:.1f} |"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6000)
     parser.add_argument("--traces", default=str(TRACES))
     parser.add_argument("--skip-synthetic", action="store_true")
+    parser.add_argument("--skip-real", action="store_true")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    if Path(args.traces).exists():
+    if args.skip_real:
+        pass
+    elif Path(args.traces).exists():
         runs = load_runs(Path(args.traces))
-        print_part2(part2(runs, REAL_DETECTORS), runs)
+        tune = [r for r in runs if "#s" not in r.key]  # seed 0: the runs the rules were designed on
+        held = [r for r in runs if "#s" in r.key]  # seeds 1+: generated after, for scoring only
+        for title, subset in (("all runs", runs), ("tuning set (seed 0)", tune), ("held-out (seeds 1+)", held)):
+            if subset and (held or subset is runs):
+                print(f"\n# Real runs, {title}")
+                print_part2(part2(subset, REAL_DETECTORS), subset)
+        if tune and held:
+            print_part3(part3(tune, held), tune, held)
     else:
         print(f"(no traces at {args.traces}: run benchmarks/instability/train.py first)")
     if not args.skip_synthetic:

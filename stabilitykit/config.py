@@ -160,6 +160,15 @@ class SpikeConfig(_Strict):
     enabled: bool = Field(True, description="Run the spike detectors.")
     warmup_steps: int = Field(20, ge=1, description="Steps that only collect statistics.")
     alpha: float = Field(0.1, gt=0, lt=1, description="EMA rate of the log-space baseline.")
+    scale_alpha: float = Field(
+        0.1,
+        gt=0,
+        lt=1,
+        description=(
+            "EMA rate of the residual scale (debiased). Slower (0.03) gives less noisy z-scores on "
+            "stationary noise; 0.1 follows noise that changes during training (better on real runs)."
+        ),
+    )
     z_warning: float = Field(
         4.0, gt=0, description="Grad-norm (or layer) z-score that raises a spike_warning (dashboard only)."
     )
@@ -174,6 +183,15 @@ class SpikeConfig(_Strict):
     )
     z_loss_alert: float = Field(6.0, gt=0, description="Loss z-score that raises a spike_alert.")
     alert_cooldown: int = Field(20, ge=1, description="Steps after a spike_alert during which no other is raised.")
+    loss_drift_alert: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Opt-in sequential test (CUSUM) on the loss: a spike_alert when the running sum of (loss "
+            "z-score - 1), each term clamped to 4, reaches this; catches a loss that climbs over several "
+            "steps. None: off. More recall for more alerts: see the spike guide's operating points."
+        ),
+    )
     trend_warning: float = Field(
         0.7,
         gt=0,

@@ -29,6 +29,9 @@ _ABS_TO_STD = 1.2533
 _CLAMP_SCALES = 3.0
 #: Floor of the residual scale in log space (0.1% relative change), so a flat series cannot alarm.
 _MIN_STD = 1e-3
+#: Loss-drift CUSUM: the reference z-score subtracted per step and the clamp of each step's term.
+_DRIFT_REFERENCE = 1.0
+_DRIFT_CLAMP = 4.0
 
 
 class RobustDetector:
@@ -96,19 +99,30 @@ class PredictiveDetector:
     baseline mistakes slow wander for noise, so its residual scale widens and 3x jumps drown.
     This detector predicts ``level + phi * (last - level)``, with ``level`` an EMA of log(x) and
     ``phi`` the lag-1 autocorrelation of the deviations from it (estimated online, in [0, 0.98]).
-    The residual scale is an EMA of |residual| (x1.2533); once warm, residuals are clamped to
+    The residual scale is a debiased EMA of |residual| (x1.2533, rate ``scale_alpha``, by default
+    ``alpha``); once warm, residuals are clamped to
     ``clamp`` scales before they update anything, and a clamped value is what ``last`` keeps, so
     one spike moves neither the baseline nor the scale nor the next prediction. NaN, Inf and
     non-positive values are never ingested: the detector is never blind after one.
     """
 
     def __init__(
-        self, alpha: float = 0.1, warmup_steps: int = 20, size: int = 1, slow_alpha: float = 0.02, clamp: float = 3.0
+        self,
+        alpha: float = 0.1,
+        warmup_steps: int = 20,
+        size: int = 1,
+        slow_alpha: float = 0.02,
+        clamp: float = 3.0,
+        scale_alpha: float | None = None,
     ) -> None:
-        if not 0 < alpha < 1 or not 0 < slow_alpha < 1:
-            raise ValueError(f"alpha and slow_alpha must be in (0, 1), got {alpha!r} and {slow_alpha!r}")
+        scale_alpha = alpha if scale_alpha is None else scale_alpha
+        if not 0 < alpha < 1 or not 0 < slow_alpha < 1 or not 0 < scale_alpha < 1:
+            raise ValueError(
+                f"alpha, slow_alpha and scale_alpha must be in (0, 1), got {alpha!r}, {slow_alpha!r}, {scale_alpha!r}"
+            )
         self.alpha = alpha
         self.slow_alpha = slow_alpha
+        self.scale_alpha = scale_alpha
         self.clamp = clamp
         self.warmup_steps = warmup_steps
         self.level = [0.0] * size
@@ -128,8 +142,14 @@ class PredictiveDetector:
         return min(0.98, max(0.0, self.cov[i] / self.var[i])) if self.var[i] > 0 else 0.0
 
     def scale(self, i: int = 0) -> float:
-        """The current one-step-ahead residual scale of series ``i`` (log space, std units)."""
-        return self.abs_dev[i] * _ABS_TO_STD + _MIN_STD
+        """The current one-step-ahead residual scale of series ``i`` (log space, std units).
+
+        The EMA of |residual| starts at 0, so it is divided by ``1 - (1 - scale_alpha) ** n`` (n residuals
+        seen), as Adam debiases its moments: the scale is unbiased from the first steps on.
+        """
+        seen = self.count[i] - 1
+        debias = 1.0 - (1.0 - self.scale_alpha) ** seen if seen > 0 else 1.0
+        return self.abs_dev[i] / debias * _ABS_TO_STD + _MIN_STD
 
     def update(self, values: Sequence[float]) -> list[float]:
         """Score each value against its prediction, then fold it in; z is 0 in warmup and for bad values."""
@@ -158,7 +178,8 @@ class PredictiveDetector:
                 scores.append(0.0)
             clean = pred + resid
             a = self.alpha
-            self.abs_dev[i] = (1 - a) * self.abs_dev[i] + a * abs(resid)
+            b = self.scale_alpha
+            self.abs_dev[i] = (1 - b) * self.abs_dev[i] + b * abs(resid)
             d_prev, d_now = last - level, clean - level
             s = self.slow_alpha
             self.cov[i] = (1 - s) * self.cov[i] + s * d_now * d_prev
@@ -193,33 +214,48 @@ class TrendDetector:
 
     For precursors that drift rather than jump (max attention logit, |log Z|, update size): the
     score is ``fast - slow`` (log of the ratio of the recent level to the long-run level).
-    Non-finite and non-positive values are never ingested.
+    Non-finite and non-positive values are never ingested. With ``step`` given, the rates and the
+    warmup are per optimizer step, so a signal measured on logging steps only (every n steps)
+    keeps the same time constants as one measured every step.
     """
 
     def __init__(self, fast: float = 0.1, slow: float = 0.01, warmup_steps: int = 50) -> None:
         self.fast_alpha, self.slow_alpha, self.warmup_steps = fast, slow, warmup_steps
         self.fast = self.slow = 0.0
         self.count = 0
+        self.first_step: int | None = None
+        self.last_step: int | None = None
 
-    def update(self, x: float) -> float:
+    def update(self, x: float, step: int | None = None) -> float:
         """Fold in one value; the log growth of the recent level over the long-run level (0 in warmup)."""
         if not (x > 0 and math.isfinite(x)):
             return 0.0
         y = math.log(x)
+        gap = 1 if step is None or self.last_step is None else max(1, step - self.last_step)
         if self.count == 0:
             self.fast = self.slow = y
-        self.fast += self.fast_alpha * (y - self.fast)
-        self.slow += self.slow_alpha * (y - self.slow)
+            self.first_step = step
+        self.fast += (1.0 - (1.0 - self.fast_alpha) ** gap) * (y - self.fast)
+        self.slow += (1.0 - (1.0 - self.slow_alpha) ** gap) * (y - self.slow)
         self.count += 1
-        return self.fast - self.slow if self.count >= self.warmup_steps else 0.0
+        self.last_step = step
+        age = self.count if step is None or self.first_step is None else step - self.first_step + 1
+        return self.fast - self.slow if age >= self.warmup_steps else 0.0
 
     def state_dict(self) -> dict[str, Any]:
-        """Both levels and the count."""
-        return {"fast": self.fast, "slow": self.slow, "count": self.count}
+        """Both levels, the count and the first and last steps seen."""
+        return {
+            "fast": self.fast,
+            "slow": self.slow,
+            "count": self.count,
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
         self.fast, self.slow, self.count = float(state["fast"]), float(state["slow"]), int(state["count"])
+        self.first_step, self.last_step = state.get("first_step"), state.get("last_step")
 
 
 class SpikeScore:
@@ -278,8 +314,10 @@ class SpikeMonitor:
     * ``spike_alert`` (rare): with a loss, the grad norm and the loss jump together (both z-scores
       reach ``z_joint``) or the loss alone reaches ``z_loss_alert``; a grad-norm jump the loss does
       not share is a one-batch outlier and only warns. Without a loss (``loss=None``), the grad
-      norm's z-score reaching ``z_alert`` alerts. At most one per ``alert_cooldown`` steps. Only
-      alerts are meant for ``run.alert``.
+      norm's z-score reaching ``z_alert`` alerts. Opt-in (``loss_drift_alert``): a CUSUM of the
+      loss z-score (``max(0, S + min(z, 4) - 1)``) reaching the threshold alerts on a loss that
+      climbs over several steps. At most one per ``alert_cooldown`` steps. Only alerts are meant
+      for ``run.alert``.
     * ``loss_spike``: the loss's z-score reaches ``z_spike`` (kept for existing hooks).
 
     Both z-scores come from ``PredictiveDetector`` (log space, autocorrelation-aware, robust
@@ -289,10 +327,13 @@ class SpikeMonitor:
     def __init__(self, config: SpikeConfig, layer_names: Sequence[str]) -> None:
         self.config = config
         self.layer_names = list(layer_names)
-        self.detector = PredictiveDetector(config.alpha, config.warmup_steps, size=2)  # [grad norm, loss]
+        alpha, warmup, scale_alpha = config.alpha, config.warmup_steps, config.scale_alpha
+        self.detector = PredictiveDetector(alpha, warmup, size=2, scale_alpha=scale_alpha)  # [grad norm, loss]
         per_layer = config.per_layer and bool(self.layer_names)
         self.layer_detector = (
-            PredictiveDetector(config.alpha, config.warmup_steps, size=len(self.layer_names)) if per_layer else None
+            PredictiveDetector(alpha, warmup, size=len(self.layer_names), scale_alpha=scale_alpha)
+            if per_layer
+            else None
         )
         self.trends: dict[str, TrendDetector] = {}
         self.trend_high: set[str] = set()  # signals above trend_warning (a warning fires on the crossing)
@@ -303,6 +344,7 @@ class SpikeMonitor:
         self.max_trend_recent = 0.0
         self.last_alert_step: int | None = None
         self.alerts = 0
+        self.loss_drift = 0.0  # CUSUM of the loss z-score (loss_drift_alert)
 
     def update(
         self,
@@ -339,7 +381,7 @@ class SpikeMonitor:
             detector = self.trends.get(name)
             if detector is None:
                 detector = self.trends[name] = TrendDetector(warmup_steps=max(cfg.warmup_steps, 50))
-            growth = detector.update(abs(value))
+            growth = detector.update(abs(value), step)
             if growth < cfg.trend_warning:
                 self.trend_high.discard(name)
             elif name not in self.trend_high:
@@ -367,22 +409,33 @@ class SpikeMonitor:
             message = f"loss z-score {z_loss:.1f} at step {step} (spike at {cfg.z_spike})"
             events.append(Event("loss_spike", step, message, {"z": z_loss, "loss": loss}))
         cooled = self.last_alert_step is None or step - self.last_alert_step >= cfg.alert_cooldown
+        if loss is not None:
+            self.loss_drift = max(0.0, self.loss_drift + min(z_loss, _DRIFT_CLAMP) - _DRIFT_REFERENCE)
         if loss is None:
             why = "grad norm" if z_grad >= cfg.z_alert else None
         elif z_loss >= cfg.z_loss_alert:
             why = "loss"
+        elif min(z_grad, z_loss) >= cfg.z_joint:
+            why = "grad norm and loss"
+        elif cfg.loss_drift_alert is not None and self.loss_drift >= cfg.loss_drift_alert:
+            why = "loss (climbing over several steps)"
         else:
-            why = "grad norm and loss" if min(z_grad, z_loss) >= cfg.z_joint else None
+            why = None
         if cooled and why is not None:
+            verb = f"climbed (cumulative excess {self.loss_drift:.1f})" if why.startswith("loss (") else "jumped"
             message = (
-                f"{why} jumped at step {step}: z-scores {z_grad:.1f} (grad norm {grad_norm:.3g}) and "
-                f"{z_loss:.1f} (loss {'n/a' if loss is None else f'{loss:.4g}'}); a loss spike or divergence may follow"
+                f"{why.split(' (')[0]} {verb} at step {step}: z-scores {z_grad:.1f} (grad norm {grad_norm:.3g}) "
+                f"and {z_loss:.1f} (loss {'n/a' if loss is None else f'{loss:.4g}'}); a loss spike or divergence "
+                "may follow"
             )
             z = z_grad if why == "grad norm" else z_loss
             details = {"z": z, "z_grad": z_grad, "z_loss": z_loss, "grad_norm": grad_norm, "loss": loss}
-            events.append(Event("spike_alert", step, message, {**details, "layer": leading}))
+            details.update(loss_drift=self.loss_drift, rule=why, layer=leading)
+            events.append(Event("spike_alert", step, message, details))
             self.last_alert_step = step
             self.alerts += 1
+        if why is not None:
+            self.loss_drift = 0.0  # this excursion is alerted (or inside the cooldown of its alert)
         return events
 
     def metrics(self) -> dict[str, float]:
@@ -397,6 +450,8 @@ class SpikeMonitor:
         }
         if self.trends:
             out["spikes/max_trend"] = self.max_trend_recent
+        if self.config.loss_drift_alert is not None:
+            out["spikes/loss_drift"] = self.loss_drift
         self.max_z_grad_recent = self.max_z_loss_recent = self.max_trend_recent = 0.0
         return out
 
@@ -413,6 +468,7 @@ class SpikeMonitor:
             "recent": [self.max_z_grad_recent, self.max_z_loss_recent, self.max_trend_recent],
             "last_alert_step": self.last_alert_step,
             "alerts": self.alerts,
+            "loss_drift": self.loss_drift,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -428,6 +484,7 @@ class SpikeMonitor:
                 self.trends[name].load_state_dict(sub)
             self.last_alert_step = state.get("last_alert_step")
             self.alerts = int(state.get("alerts", 0))
+            self.loss_drift = float(state.get("loss_drift", 0.0))
         self.spike_score.load_state_dict(state["spike_score"])
         z = state.get("last_z", (0.0, 0.0))
         self.last_z = (float(z[0]), float(z[1]))

@@ -13,7 +13,7 @@ import torch
 from stabilitykit.config import SkipConfig, SpikeConfig
 from stabilitykit.events import EVENT_KINDS
 from stabilitykit.spike_skip import SpikeSkipRule
-from stabilitykit.spikes import PredictiveDetector, SpikeMonitor
+from stabilitykit.spikes import PredictiveDetector, SpikeMonitor, TrendDetector
 from stabilitykit.testing.syncs import count_host_syncs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -39,6 +39,20 @@ def test_predictive_detector_learns_autocorrelation_and_scores_a_3x_jump() -> No
     assert 0.10 < detector.scale() < 0.25  # near the innovation, far below the stationary 0.35
     z = detector.update([values[-1] * 3.0])[0]
     assert z > 5.0
+
+
+def test_predictive_detector_scale_is_debiased_from_the_first_steps_for_any_scale_alpha() -> None:
+    values = _ar1(40, sigma=0.1, phi=0.0, seed=11)
+    scales = {}
+    for scale_alpha in (0.1, 0.03):
+        detector = PredictiveDetector(size=1, scale_alpha=scale_alpha)
+        for x in values:
+            detector.update([x])
+        scales[scale_alpha] = detector.scale()
+    # noise std 0.1 (sample: 0.12); an EMA started at 0 would sit at 1 - 0.97**39 = 70% of it at 0.03
+    assert all(0.1 < s < 0.16 for s in scales.values()), scales  # undebiased: 0.085 at 0.03
+    with pytest.raises(ValueError, match="scale_alpha"):
+        PredictiveDetector(scale_alpha=1.5)
 
 
 def test_predictive_detector_never_ingests_nan_or_inf_and_keeps_scoring() -> None:
@@ -101,6 +115,23 @@ def test_monitor_warning_is_separate_from_alert_and_names_the_signal() -> None:
     assert "spike_alert" in EVENT_KINDS
 
 
+def test_trend_detector_keeps_its_time_constants_when_fed_on_logging_steps_only() -> None:
+    every, sparse = TrendDetector(), TrendDetector()
+    growth_every = growth_sparse = 0.0
+    for step in range(300):
+        logit = 10.0 * 1.02 ** max(0, step - 100)
+        growth_every = every.update(logit, step)
+        if step % 10 == 0:
+            growth_sparse = sparse.update(logit, step)
+            if step == 60:
+                assert growth_sparse == 0.0 and sparse.count == 7  # warm after 50 steps, not 50 values
+    assert growth_every > 1.0
+    assert abs(growth_sparse - growth_every) < 0.25 * growth_every
+    twin = TrendDetector()
+    twin.load_state_dict(sparse.state_dict())
+    assert twin.update(40.0, 300) == sparse.update(40.0, 300)
+
+
 def test_monitor_alert_cooldown_and_state_round_trip() -> None:
     cfg = SpikeConfig(alert_cooldown=10)
     a, b = SpikeMonitor(cfg, []), SpikeMonitor(cfg, [])
@@ -116,6 +147,42 @@ def test_monitor_alert_cooldown_and_state_round_trip() -> None:
         out_b += [e.kind for e in b.update(step, x, None, None, False) if e.kind == "spike_alert"]
     assert out_a == out_b == ["spike_alert", "spike_alert"]  # 201 and 213; 205 falls in the cooldown
     assert a.metrics()["spikes/alerts"] == earlier + 2
+
+
+def test_loss_drift_alert_catches_a_loss_that_climbs_over_several_steps_and_is_off_by_default() -> None:
+    rng = random.Random(8)
+    grads = [math.exp(0.05 * rng.gauss(0, 1)) for _ in range(400)]
+    losses = [3.0 * math.exp(0.04 * rng.gauss(0, 1)) for _ in range(400)]
+    for t in range(300, 400):
+        losses[t] *= math.exp(0.05 * min(t - 299, 15))  # +5% a step for 15 steps: no step's z reaches 3
+    runs = {}
+    for drift in (None, 4.0):
+        monitor = SpikeMonitor(SpikeConfig(loss_drift_alert=drift), [])
+        alerts, top = [], 0.0
+        for t in range(400):
+            alerts += [e for e in monitor.update(t, grads[t], losses[t], None, False) if e.kind == "spike_alert"]
+            top = max(top, monitor.last_z[1]) if 300 <= t < 315 else top
+        runs[drift] = alerts
+    assert top < SpikeConfig().z_joint
+    assert runs[None] == []
+    assert [e.step for e in runs[4.0]] == [304]
+    event = runs[4.0][0]
+    assert event.details["rule"].startswith("loss (") and "climbed" in event.message
+    assert event.details["loss_drift"] >= 4.0
+
+
+def test_loss_drift_state_round_trips_and_resets_after_an_alert() -> None:
+    cfg = SpikeConfig(loss_drift_alert=5.0)
+    a, b = SpikeMonitor(cfg, []), SpikeMonitor(cfg, [])
+    rng = random.Random(3)
+    for t in range(100):
+        a.update(t, math.exp(0.05 * rng.gauss(0, 1)), 2.0 * math.exp(0.04 * rng.gauss(0, 1)), None, False)
+    a.update(100, 1.0, 2.0 * math.exp(0.1), None, False)  # one ~2.5-scale rise: some excess, no alert
+    assert 0 < a.loss_drift < 5.0 and a.metrics()["spikes/loss_drift"] == a.loss_drift
+    b.load_state_dict(a.state_dict())
+    assert b.loss_drift == a.loss_drift
+    events = [e for t in range(101, 104) for e in a.update(t, 1.0, 2.0 * math.exp(0.1 * (t - 99)), None, False)]
+    assert [e.kind for e in events].count("spike_alert") == 1 and a.loss_drift < 5.0
 
 
 def test_ground_truth_rule_finds_a_spike_and_a_divergence() -> None:

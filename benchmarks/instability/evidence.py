@@ -32,31 +32,42 @@ LABELS = {
 }
 
 
+def seed_of(key: str) -> int:
+    """The seed of a run key (``arm@lr`` is seed 0, ``arm@lr#s2`` seed 2)."""
+    return int(key.split("#s")[1]) if "#s" in key else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--traces", default=str(TRACES))
     parser.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
     args = parser.parse_args(argv)
-    runs = load_runs(Path(args.traces))
-    lrs = sorted({r.lr for r in runs})
+    all_runs = load_runs(Path(args.traces))
+    lrs = sorted({r.lr for r in all_runs})
+    for seed in sorted({seed_of(r.key) for r in all_runs}):
+        runs = [r for r in all_runs if seed_of(r.key) == seed]
+        by = {(r.arm, r.lr): r for r in runs}
+        arms = [a for a in ORDER if any(r.arm == a for r in runs)]
+        print(f"\nSeed {seed}:\n")
+        print("| arm | " + " | ".join(f"LR {lr:g}" for lr in lrs) + " |")
+        print("|" + " --- |" * (1 + len(lrs)))
+        for arm in arms:
+            cells = []
+            for lr in lrs:
+                run = by.get((arm, lr))
+                if run is None:
+                    cells.append("-")
+                    continue
+                truth = ground_truth(run.col("loss"))
+                marks = len(truth.spikes) * "s" + len(truth.divergences) * "D"
+                skipped = int(np.nansum(run.col("skipped")))
+                extra = f" ({marks}{', ' if marks and skipped else ''}{f'{skipped} skipped' if skipped else ''})"
+                cells.append(f"{run.final_loss:.3f}" + (extra if marks or skipped else ""))
+            print(f"| {LABELS[arm]} | " + " | ".join(cells) + " |")
+    print("\ns: a loss spike, D: a divergence (loss-based ground truth); n skipped: steps the arm skipped")
+    runs = [r for r in all_runs if seed_of(r.key) == 0]
     by = {(r.arm, r.lr): r for r in runs}
     arms = [a for a in ORDER if any(r.arm == a for r in runs)]
-    print("| arm | " + " | ".join(f"LR {lr:g}" for lr in lrs) + " |")
-    print("|" + " --- |" * (1 + len(lrs)))
-    for arm in arms:
-        cells = []
-        for lr in lrs:
-            run = by.get((arm, lr))
-            if run is None:
-                cells.append("-")
-                continue
-            truth = ground_truth(run.col("loss"))
-            marks = len(truth.spikes) * "s" + len(truth.divergences) * "D"
-            skipped = int(np.nansum(run.col("skipped")))
-            extra = f" ({marks}{', ' if marks and skipped else ''}{f'{skipped} skipped' if skipped else ''})"
-            cells.append(f"{run.final_loss:.3f}" + (extra if marks or skipped else ""))
-        print(f"| {LABELS[arm]} | " + " | ".join(cells) + " |")
-    print("\ns: a loss spike, D: a divergence (loss-based ground truth); n skipped: steps the arm skipped")
     if args.plot:
         import matplotlib
 
@@ -73,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_xscale("log")
         ax.set_xlabel("peak learning rate")
         ax.set_ylabel("held-out loss at the end (nats/byte)")
-        ax.set_title("0.5M-parameter byte GPT on the stdlib, 400 steps")
+        ax.set_title("0.5M-parameter byte GPT on the stdlib, 400 steps (seed 0)")
         ax.legend(fontsize=8)
         fig.tight_layout()
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)

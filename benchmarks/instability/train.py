@@ -1,7 +1,10 @@
 """Real training instabilities on the CPU: a small byte-level GPT on the Python standard library.
 
     python benchmarks/instability/train.py [--steps 400] [--lrs 0.01,0.1,0.3,1] [--arms all]
-                                           [--out benchmarks/instability/traces.npz]
+                                           [--seed 0] [--append] [--out benchmarks/instability/traces.npz]
+
+The stored traces hold seed 0 (22 runs, the tuning set of the spike detectors) and seeds 1-2
+(28 runs, ``--seed 1 --append``, keyed ``arm@lr#s1``: the held-out set, generated afterwards).
 
 Small transformers go unstable at high learning rates the way large ones do (Wortsman et al.
 2023): attention logits grow without qk-norm, output logits drift without z-loss. Each run
@@ -228,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--lrs", default="0.01,0.1,0.3,1")
     parser.add_argument("--arms", default="all")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="init and data order; seed s > 0 keys runs arm@lr#s<s>")
     parser.add_argument("--out", default=str(Path(__file__).with_name("traces.npz")))
     parser.add_argument("--append", action="store_true", help="keep the runs already in --out")
     args = parser.parse_args(argv)
@@ -248,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         for arm in arms:
             start = time.perf_counter()
             result = run(arm, lr, args.steps, train, heldout, args.seed)
-            key = f"{arm}@{lr:g}"
+            key = f"{arm}@{lr:g}" + (f"#s{args.seed}" if args.seed else "")
             out[key] = result["trace"]
-            meta["runs"][key] = {"arm": arm, "lr": lr, "final_loss": result["final_loss"]}
+            meta["runs"][key] = {"arm": arm, "lr": lr, "final_loss": result["final_loss"], "seed": args.seed}
             meta["columns"] = result["columns"]
             print(f"{key:>20}  final loss {result['final_loss']:.4f}  ({time.perf_counter() - start:.0f}s)", flush=True)
             np.savez_compressed(args.out, meta=np.array(json.dumps(meta)), **out)  # after every run: resumable reading
