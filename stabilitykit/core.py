@@ -63,7 +63,7 @@ _WARNED: set[str] = set()
 def _warn_contradictions(config: StabilityConfig) -> None:
     """Settings that can never take effect: say so once per process."""
     skip = config.skip
-    can_skip = skip.nonfinite or config.data.mode == "skip" or bool(getattr(skip, "spike", False))
+    can_skip = skip.nonfinite or config.data.mode == "skip" or skip.spike
     if "max_consecutive" in skip.model_fields_set and skip.max_consecutive is not None and not can_skip:
         message = (
             "stabilitykit: SkipConfig(max_consecutive=...) has no effect with SkipConfig(nonfinite=False) and no "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import csv
 import json
 import os
@@ -16,6 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
+from lightning_checks import StateAt
 
 import stabilitykit as sk
 from stabilitykit.lightning import StabilityCallback
@@ -40,47 +40,14 @@ def _trainer(tmp_path: Path, callbacks: list, **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(callbacks=callbacks, **defaults)
 
 
-class Snapshots(pl.Callback):
-    """Parameters, optimizer state and LR before and after one global step."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.before: dict[str, Any] = {}
-        self.after: dict[str, Any] = {}
-
-    def _take(self, trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, Any]:
-        opt = trainer.optimizers[0]
-        return {
-            "params": {n: p.detach().clone() for n, p in module.named_parameters()},
-            "opt": copy.deepcopy(opt.state_dict()["state"]),
-            "lr": opt.param_groups[0]["lr"],
-        }
-
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step and not self.before:
-            self.before = self._take(trainer, module)
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step + 1 and not self.after:
-            self.after = self._take(trainer, module)
-
-
-def _assert_unchanged(snap: Snapshots) -> None:
-    for name, value in snap.before["params"].items():
-        assert torch.equal(value, snap.after["params"][name]), name
-    for key, state in snap.before["opt"].items():
-        for field, value in state.items():
-            assert torch.equal(value, snap.after["opt"][key][field]), f"{key}.{field}"
-
-
 @pytest.mark.parametrize("fused", [True, False])
 def test_nan_step_is_skipped_and_metrics_reach_the_logger(tmp_path: Path, fused: bool) -> None:
     callback = StabilityCallback(CFG)
-    snap = Snapshots(7)
+    snap = StateAt(7)
     module = GPTModule(fused=fused, poison={7: float("nan")}, scheduler=True)
     trainer = _trainer(tmp_path, [callback, snap])
     trainer.fit(module, gpt_dataloader())
-    _assert_unchanged(snap)
+    snap.assert_unchanged()
     if not fused:  # a fused optimizer's scheduler catches up at the next logging step
         assert snap.before["lr"] == snap.after["lr"]
     engine = callback.engine
@@ -110,12 +77,12 @@ def test_mixed_precision_and_accumulation(tmp_path: Path, precision: str, fused:
     else:
         kwargs["precision"] = "bf16-mixed"
     callback = StabilityCallback(CFG)
-    snap = Snapshots(4)
+    snap = StateAt(4)
     module = GPTModule(fused=fused, poison={4: float("inf")})
     trainer = _trainer(tmp_path, [callback, snap], **kwargs)
     trainer.fit(module, gpt_dataloader(40))
     assert trainer.global_step == 10
-    _assert_unchanged(snap)
+    snap.assert_unchanged()
     engine = callback.engine
     assert engine is not None and int(engine.counters.skipped_total) >= 1
     assert callback.last_report is not None
@@ -196,10 +163,10 @@ class ManualGPT(GPTModule):
 
 def test_manual_optimization_skips_too(tmp_path: Path) -> None:
     callback = StabilityCallback(CFG)
-    snap = Snapshots(6)
+    snap = StateAt(6)
     trainer = _trainer(tmp_path, [callback, snap], max_steps=12)
     trainer.fit(ManualGPT(fused=False, poison={6: float("nan")}), gpt_dataloader(20))
-    _assert_unchanged(snap)
+    snap.assert_unchanged()
     assert callback.engine is not None and int(callback.engine.counters.skipped_total) == 1
     assert callback.last_report is not None and float(callback.last_report.grad_norm) > 0
 

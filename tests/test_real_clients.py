@@ -20,6 +20,7 @@ from hf_models import VOCAB, tiny_gpt2, tiny_llama, token_batches
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
+from lightning_checks import StateAt
 from lightning_hf import SCHEDULERS, HFModule, hf_dataloader
 
 import stabilitykit as sk
@@ -41,37 +42,6 @@ def _trainer(root: Path, callbacks: list, **kwargs: Any) -> pl.Trainer:
     )
     defaults.update(kwargs)
     return pl.Trainer(callbacks=callbacks, **defaults)
-
-
-class StateAt(pl.Callback):
-    """Parameters and optimizer state before and after the optimizer step of one global step."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.before: dict[str, Any] = {}
-        self.after: dict[str, Any] = {}
-
-    def _take(self, trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, Any]:
-        return {
-            "params": {n: p.detach().clone() for n, p in module.named_parameters()},
-            "opt": copy.deepcopy(trainer.optimizers[0].state_dict()["state"]),
-        }
-
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step and not self.before:
-            self.before = self._take(trainer, module)
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step + 1 and not self.after:
-            self.after = self._take(trainer, module)
-
-    def assert_unchanged(self) -> None:
-        assert self.before and self.after
-        for name, value in self.before["params"].items():
-            assert torch.equal(value, self.after["params"][name]), f"parameter {name} changed on a skipped step"
-        for key, state in self.before["opt"].items():
-            for field, value in state.items():
-                assert torch.equal(value, self.after["opt"][key][field]), f"optimizer state {key}.{field} changed"
 
 
 class NormProbe(pl.Callback):

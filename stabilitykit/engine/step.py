@@ -76,7 +76,6 @@ class StepDecision:
     rows: list[Row] = field(default_factory=list)  # journal rows the host read during this step
     loss_scale: float | None = None
     module_metrics: dict[str, float] = field(default_factory=dict)
-    host_metrics: dict[str, float] | None = None
 
 
 class StabilityEngine:
@@ -415,7 +414,6 @@ class StabilityEngine:
             )
         c.reset_recent()
         named = {self.key(k): float(v) for k, v in metrics.items()}
-        decision.host_metrics = named
         self.last_host_metrics = dict(named)
         self.hooks.log_metrics(named, step)
 

@@ -35,6 +35,7 @@ from stabilitykit.config import StabilityConfig
 from stabilitykit.core import DriverCore, coerce_config
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.events import Event
+from stabilitykit.grads import CLIP_EPS, apply_clip_coefficient, clip_coefficient
 from stabilitykit.hooks import HookManager
 from stabilitykit.integrations._extras import missing
 from stabilitykit.report import StepReport
@@ -306,10 +307,9 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         grads = [p.grad for p in core.engine.params if p.grad is not None]
         if not grads:
             return
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        coef = torch.where(torch.isfinite(coef), coef, torch.ones_like(coef))
-        for device_grads in _by_device(grads).values():
-            torch._foreach_mul_(device_grads, coef.to(device_grads[0].device))
+        # an Inf norm gives coefficient 0 (torch zeroes the grads); only a NaN coefficient becomes 1
+        coef = clip_coefficient(norm, max_norm, finite=torch.isfinite(max_norm / (norm + CLIP_EPS)))
+        apply_clip_coefficient(list(_by_device(grads).values()), coef)
 
     def _log_route(self, trainer: Trainer) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def route(original: Callable[..., Any]) -> Callable[..., Any]:
