@@ -34,7 +34,7 @@ CLIP_EPS = 1e-6
 
 @dataclass
 class NormResult:
-    """Norms of one step; every field is a device tensor (fp32)."""
+    """Norms of one step; every field is a device tensor (fp32, or fp64 when measured in fp64)."""
 
     total: Tensor
     layer_norms: Tensor | None
@@ -173,10 +173,15 @@ class GradNormPlan:
             stacklevel=4,
         )
 
-    def compute(self, grad_scale: Tensor | None = None) -> tuple[NormResult, list[list[Tensor]]]:
+    def compute(
+        self, grad_scale: Tensor | None = None, dtype: torch.dtype = torch.float32
+    ) -> tuple[NormResult, list[list[Tensor]]]:
         """Norms of the current grads and the grads themselves grouped for ``_foreach`` ops.
 
         ``grad_scale``: the loss scale still applied to the grads; the returned norms are unscaled.
+        ``dtype``: where the norms accumulate. fp32 (the default, the fast path) overflows once a
+        tensor's sum of squares passes ~3.4e38 (a norm above ~1.8e19); fp64 does not, at many times
+        the cost on the CPU, so the engine uses it only to re-measure a step whose fp32 norm overflowed.
         """
         present = tuple(p.grad is not None for p in self.params)
         layout = self._layout(present)
@@ -185,11 +190,11 @@ class GradNormPlan:
             self._warn_empty()
         p = self.norm_type
         pieces = [
-            torch.stack(torch._foreach_norm(grads, p, dtype=torch.float32)).to(layout.device)  # type: ignore[arg-type]
+            torch.stack(torch._foreach_norm(grads, p, dtype=dtype)).to(layout.device)  # type: ignore[arg-type]
             for grads in measure
         ]
         if not pieces:
-            per_tensor = torch.zeros(0, dtype=torch.float32, device=layout.device)
+            per_tensor = torch.zeros(0, dtype=dtype, device=layout.device)
         else:
             per_tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         if self.reducer is not None:
@@ -197,7 +202,7 @@ class GradNormPlan:
         else:
             result = self._local_result(per_tensor, layout)
         if grad_scale is not None:
-            inv = grad_scale.to(device=layout.device, dtype=torch.float32).reciprocal()
+            inv = grad_scale.to(device=layout.device, dtype=dtype).reciprocal()
             result.total = result.total * inv
             result.layer_norms = result.layer_norms * inv if result.layer_norms is not None else None
         return result, grouped
@@ -207,13 +212,13 @@ class GradNormPlan:
         p = self.norm_type
         n = len(self.layer_names) if self.per_layer else 1
         if self.per_layer and layout.segments is not None:
-            sums = torch.zeros(n, dtype=torch.float32, device=layout.device)
+            sums = torch.zeros(n, dtype=per_tensor.dtype, device=layout.device)
             if p == math.inf:
                 sums.scatter_reduce_(0, layout.segments, per_tensor, reduce="amax", include_self=True)
             else:
                 sums.index_add_(0, layout.segments, _pow(per_tensor, p))
         elif per_tensor.numel() == 0:
-            sums = torch.zeros(n, dtype=torch.float32, device=layout.device)
+            sums = torch.zeros(n, dtype=per_tensor.dtype, device=layout.device)
         elif p == math.inf:
             sums = per_tensor.max().reshape(1)
         else:
@@ -235,9 +240,9 @@ class GradNormPlan:
         p = self.norm_type
         n = len(self.layer_names) if self.per_layer else 1
         rows = reducer.n_rows
-        packed = torch.zeros((rows + 1) * 2 * n, dtype=torch.float32, device=layout.device)
+        packed = torch.zeros((rows + 1) * 2 * n, dtype=per_tensor.dtype, device=layout.device)
         if layout.scatter is not None and per_tensor.numel():
-            bad = (~torch.isfinite(per_tensor)).to(torch.float32)
+            bad = (~torch.isfinite(per_tensor)).to(per_tensor.dtype)
             if p == math.inf:
                 source = torch.cat([per_tensor, bad, bad])
                 packed.scatter_reduce_(0, layout.scatter, source, reduce="amax", include_self=True)

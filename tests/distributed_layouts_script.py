@@ -50,6 +50,8 @@ CI_SKIP = [(lay, math.inf, "nan") for lay in LAYOUTS] + [
     ("fsdp2-tp", 2.0, "inf"),
     ("pp2-fsdp2", 1.0, "nan"),
 ]
+#: A finite 1e38 on rank 3 overflows the fp32 norm: re-measured in fp64, clipped and taken everywhere.
+CI_OVERFLOW = ["fsdp1-hybrid|orig=True", "fsdp2-hsdp-2x2", "fsdp2-tp", "pp2-fsdp2"]
 WIDTH, HIDDEN = 12, 32  # even, so tensor-parallel shards are equal
 
 
@@ -303,7 +305,11 @@ def state_digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
 
 
 def skip_case(layout: str, norm_type: float, value: str) -> dict[str, Any]:
-    """A NaN/Inf in one grad on rank 3 only, at step 1 of 3: every rank skips, its state bitwise kept."""
+    """A NaN/Inf in one grad on rank 3 only, at step 1 of 3: every rank skips, its state bitwise kept.
+
+    With ``value="1e38"`` (finite, but its square overflows fp32), set on every rank so replicas stay
+    identical, no rank may skip: the step is re-measured in fp64 and clipped.
+    """
     import stabilitykit as sk
 
     s = setup(layout)
@@ -318,7 +324,7 @@ def skip_case(layout: str, norm_type: float, value: str) -> dict[str, Any]:
     for it in range(3):
         s.backward(it)  # grads final (a pipeline's backward runs across stages); no loss for the guard
         if it == 1:
-            if dist.get_rank() == 3:
+            if dist.get_rank() == 3 or value == "1e38":  # 1e38 on every rank keeps replicas identical
                 p = next(q for q in s.model.parameters() if q.grad is not None and _local(q.grad).numel())
                 _local(p.grad).view(-1)[0] = float(value)
             before = state_digest(s.model, opt)
@@ -330,6 +336,7 @@ def skip_case(layout: str, norm_type: float, value: str) -> dict[str, Any]:
         guard.zero_grad()
     guard.close()
     out["skipped"] = guard.skipped_total
+    out["params_finite"] = all(bool(torch.isfinite(_local(q)).all()) for q in s.model.parameters())
     return out
 
 
@@ -384,6 +391,7 @@ def worker(rank: int, world: int, mode: str) -> dict[str, Any]:
         if os.environ.get("SK_DEBUG"):
             print(f"rank {rank}: skip {layout} {p} {value}", file=sys.stderr, flush=True)
         results["skip"][f"{layout}|{p}|{value}"] = skip_case(layout, p, value)
+    results["overflow"] = {layout: skip_case(layout, 2.0, "1e38") for layout in CI_OVERFLOW}
     results["placements"] = placements_case()
     return results
 

@@ -70,6 +70,16 @@ def test_nonfinite_on_one_rank_skips_everywhere_with_state_bitwise_unchanged(ran
     check_skips(ranks)
 
 
+def test_a_finite_overflow_on_one_rank_is_clipped_and_taken_everywhere(ranks: list[dict]) -> None:
+    for layout in ranks[0]["overflow"]:
+        for r, rank in enumerate(ranks):
+            case = rank["overflow"][layout]
+            assert not case["skipped_step"] and case["skipped"] == 0, f"rank {r} skipped a finite step: {layout}"
+            assert 1e38 <= case["grad_norm"] < math.inf, f"rank {r} {layout}: {case['grad_norm']}"
+            assert case["grad_norm"] == ranks[0]["overflow"][layout]["grad_norm"], f"rank {r} {layout}: norms differ"
+            assert case["params_finite"], f"rank {r} {layout}: non-finite parameters after the clipped step"
+
+
 def test_dtensor_grads_with_any_placements_reduce_to_the_full_norm(ranks: list[dict]) -> None:
     for rank in ranks:
         for p, (got, ref) in rank["placements"].items():

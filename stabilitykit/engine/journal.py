@@ -81,6 +81,14 @@ class Journal:
             row[len(COLUMNS) :].copy_(layer_norms)
         self.infos.append(info)
 
+    def rewrite_last(self, scalars: list[Tensor], layer_norms: Tensor | None) -> None:
+        """Overwrite the newest row while it is still held (a step re-measured after it was written)."""
+        if self.infos:
+            row = self.buffer[len(self.infos) - 1]
+            torch.stack([t.to(row) for t in scalars], out=row[: len(COLUMNS)])
+            if layer_norms is not None:
+                row[len(COLUMNS) :].copy_(layer_norms)
+
     def _decode(self, values: list[float], info: RowInfo) -> Row:
         total, loss = values[TOTAL], values[LOSS]
         flags = round(values[SKIP])  # 1 skipped, +2 the data guard forced it, +4 skip-on-spike

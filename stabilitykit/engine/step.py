@@ -44,7 +44,7 @@ from stabilitykit.engine.journal import COLUMNS, MAX_JOURNAL_ROWS, Journal, Row,
 from stabilitykit.engine.layers import build_layer_map
 from stabilitykit.engine.ledger import Divergence, Ledger
 from stabilitykit.events import Event
-from stabilitykit.grads import GradNormPlan, apply_clip_coefficient, clip_coefficient
+from stabilitykit.grads import CLIP_EPS, GradNormPlan, apply_clip_coefficient, clip_coefficient
 from stabilitykit.hooks import HookManager
 from stabilitykit.report import StepReport
 from stabilitykit.spike_skip import SpikeSkipRule
@@ -248,7 +248,69 @@ class StabilityEngine:
             self.resolve(decision)  # the one sync a non-fused optimizer pays to skip
         elif not can_skip:
             decision.skip_known = False
+        if decision.skip_known and self._overflowed(decision):
+            self._remeasure(decision, grouped, grad_scale, force_skip)
         return decision
+
+    def _overflowed(self, decision: StepDecision) -> bool:
+        """The host read a skip with a non-finite norm while clipping is on: maybe an fp32 overflow of finite grads.
+
+        Only the globally reduced total decides, so every rank takes the same branch (across ranks an
+        overflow arrives as NaN, like a real NaN, so both are re-measured). With skip-on-spike on,
+        such a step is skipped as a spike anyway; an fp16 overflow has Inf grads and stays skipped.
+        """
+        row = decision.rows[-1] if decision.rows and decision.rows[-1].step == decision.report.step else None
+        return (
+            row is not None
+            and not math.isfinite(row.total)
+            and self.clip is not None
+            and self.spike_rule is None
+            and self.config.skip.nonfinite
+        )
+
+    def _remeasure(
+        self, decision: StepDecision, grouped: list[list[Tensor]], grad_scale: Tensor | None, force_skip: Tensor | None
+    ) -> None:
+        """Re-measure an overflowed step in fp64: finite grads are clipped and the step runs (rare; syncs).
+
+        A tensor whose sum of squares passes fp32's range (a norm above ~1.8e19, one element of 1e38)
+        makes the fp32 total +inf although every grad is finite. The fp64 norm cannot overflow; with
+        it the clip brings the grads back into range, as it would for any large norm.
+        """
+        norms, _ = self.plan.compute(grad_scale, dtype=torch.float64)
+        finite = norms.finite if norms.finite is not None else torch.isfinite(norms.total)
+        report = decision.report
+        loss = report.loss
+        skip = ~finite if loss is None else ~(finite & torch.isfinite(loss))
+        if force_skip is not None:
+            skip = skip | force_skip
+        if self.config.skip.sync_ranks:
+            skip = all_ranks_agree(skip)
+        if bool(skip):
+            return  # a NaN or Inf is really there: the skip stands
+        assert self.clip is not None
+        big = torch.finfo(torch.float32).max
+        total32 = norms.total.clamp(max=big).float()
+        threshold, active = self.clip.threshold(total32, finite)
+        coef64 = torch.clamp(threshold.double() / (norms.total + CLIP_EPS), max=1.0)
+        coef = torch.where(active, coef64.float(), 1.0)
+        apply_clip_coefficient(grouped, coef)
+        report.grad_norm = norms.total.float()
+        report.clip_coef = coef
+        report.skipped = skip
+        report.layer_norms = norms.layer_norms.float() if norms.layer_norms is not None else None
+        decision.skip = skip
+        row = decision.rows[-1]
+        row.total, row.coef, row.threshold = float(report.grad_norm), float(coef), float(threshold)
+        row.code = 0
+        row.layers = report.layer_norms.tolist() if report.layer_norms is not None else []
+        self._know(decision, row)
+        self.journal.rewrite_last(self._row_scalars(report, threshold), report.layer_norms)
+
+    def _row_scalars(self, report: StepReport, threshold: Tensor) -> list[Tensor]:
+        """The journal's scalar columns for ``report`` (see ``journal.COLUMNS``)."""
+        loss = report.loss if report.loss is not None else self._nan
+        return [report.grad_norm, loss, report.skipped.float(), report.clip_coef, threshold]
 
     def resolve(self, decision: StepDecision) -> bool:
         """Read this step's decision now (one sync); the skip is then applied and reported at once."""
