@@ -43,8 +43,9 @@ from stabilitykit.engine.clipping import make_clip_strategy
 from stabilitykit.engine.journal import COLUMNS, MAX_JOURNAL_ROWS, Journal, Row, RowInfo
 from stabilitykit.engine.layers import build_layer_map
 from stabilitykit.engine.ledger import Divergence, Ledger
+from stabilitykit.engine.overflow import remeasure_overflow
 from stabilitykit.events import Event
-from stabilitykit.grads import CLIP_EPS, GradNormPlan, apply_clip_coefficient, clip_coefficient
+from stabilitykit.grads import GradNormPlan, apply_clip_coefficient, clip_coefficient
 from stabilitykit.hooks import HookManager
 from stabilitykit.report import StepReport
 from stabilitykit.spike_skip import SpikeSkipRule
@@ -271,41 +272,21 @@ class StabilityEngine:
     def _remeasure(
         self, decision: StepDecision, grouped: list[list[Tensor]], grad_scale: Tensor | None, force_skip: Tensor | None
     ) -> None:
-        """Re-measure an overflowed step in fp64: finite grads are clipped and the step runs (rare; syncs).
-
-        A tensor whose sum of squares passes fp32's range (a norm above ~1.8e19, one element of 1e38)
-        makes the fp32 total +inf although every grad is finite. The fp64 norm cannot overflow; with
-        it the clip brings the grads back into range, as it would for any large norm.
-        """
-        norms, _ = self.plan.compute(grad_scale, dtype=torch.float64)
-        finite = norms.finite if norms.finite is not None else torch.isfinite(norms.total)
-        report = decision.report
-        loss = report.loss
-        skip = ~finite if loss is None else ~(finite & torch.isfinite(loss))
-        if force_skip is not None:
-            skip = skip | force_skip
-        if self.config.skip.sync_ranks:
-            skip = all_ranks_agree(skip)
-        if bool(skip):
-            return  # a NaN or Inf is really there: the skip stands
+        """Re-measure an overflowed step in fp64 (``overflow.py``); finite grads are clipped and the step runs."""
         assert self.clip is not None
-        big = torch.finfo(torch.float32).max
-        total32 = norms.total.clamp(max=big).float()
-        threshold, active = self.clip.threshold(total32, finite)
-        coef64 = torch.clamp(threshold.double() / (norms.total + CLIP_EPS), max=1.0)
-        coef = torch.where(active, coef64.float(), 1.0)
-        apply_clip_coefficient(grouped, coef)
-        report.grad_norm = norms.total.float()
-        report.clip_coef = coef
-        report.skipped = skip
-        report.layer_norms = norms.layer_norms.float() if norms.layer_norms is not None else None
-        decision.skip = skip
+        report = decision.report
+        found = remeasure_overflow(
+            self.plan, self.clip, grouped, grad_scale, report.loss, force_skip, self.config.skip.sync_ranks
+        )
+        if found is None:
+            return
+        report.grad_norm, report.clip_coef, report.layer_norms = found.total, found.coef, found.layer_norms
+        report.skipped = decision.skip = self._false
         row = decision.rows[-1]
-        row.total, row.coef, row.threshold = float(report.grad_norm), float(coef), float(threshold)
-        row.code = 0
-        row.layers = report.layer_norms.tolist() if report.layer_norms is not None else []
+        row.total, row.coef, row.threshold, row.code = float(found.total), float(found.coef), float(found.threshold), 0
+        row.layers = found.layer_norms.tolist() if found.layer_norms is not None else []
         self._know(decision, row)
-        self.journal.rewrite_last(self._row_scalars(report, threshold), report.layer_norms)
+        self.journal.rewrite_last(self._row_scalars(report, found.threshold), found.layer_norms)
 
     def _row_scalars(self, report: StepReport, threshold: Tensor) -> list[Tensor]:
         """The journal's scalar columns for ``report`` (see ``journal.COLUMNS``)."""

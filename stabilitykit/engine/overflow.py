@@ -1,0 +1,58 @@
+"""Huge but finite gradients: re-measure a step whose fp32 norm overflowed, in fp64.
+
+A tensor whose sum of squares passes fp32's range (a norm above ~1.8e19, one element of 1e38)
+makes the fp32 total non-finite although every grad is finite. The fp64 norm cannot overflow;
+with it the clip brings the grads back into range, as it would for any large norm. This runs only
+on a skipped step whose decision the host already read, so ordinary steps pay nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from stabilitykit.distributed import all_ranks_agree
+from stabilitykit.engine.clipping import ClipStrategy
+from stabilitykit.grads import CLIP_EPS, GradNormPlan, apply_clip_coefficient
+
+__all__ = ["Remeasured", "remeasure_overflow"]
+
+
+@dataclass
+class Remeasured:
+    """An overflowed step that is finite after all: its true norms and the clip applied."""
+
+    total: Tensor  # fp32 (inf only above fp32's largest value)
+    layer_norms: Tensor | None
+    coef: Tensor
+    threshold: Tensor
+
+
+def remeasure_overflow(
+    plan: GradNormPlan,
+    clip: ClipStrategy,
+    grouped: list[list[Tensor]],
+    grad_scale: Tensor | None,
+    loss: Tensor | None,
+    force_skip: Tensor | None,
+    sync_ranks: bool,
+) -> Remeasured | None:
+    """Measure in fp64; if every grad and the loss are finite (on every rank), clip and return the
+    numbers, else None (the skip stands). Syncs: the verdict is read on the host (a rare path)."""
+    norms, _ = plan.compute(grad_scale, dtype=torch.float64)
+    finite = norms.finite if norms.finite is not None else torch.isfinite(norms.total)
+    skip = ~finite if loss is None else ~(finite & torch.isfinite(loss))
+    if force_skip is not None:
+        skip = skip | force_skip
+    if sync_ranks:
+        skip = all_ranks_agree(skip)
+    if bool(skip):
+        return None  # a NaN or Inf is really there
+    total32 = norms.total.clamp(max=torch.finfo(torch.float32).max).float()
+    threshold, active = clip.threshold(total32, finite)
+    coef = torch.where(active, torch.clamp(threshold.double() / (norms.total + CLIP_EPS), max=1.0).float(), 1.0)
+    apply_clip_coefficient(grouped, coef)
+    layers = norms.layer_norms.float() if norms.layer_norms is not None else None
+    return Remeasured(norms.total.float(), layers, coef, threshold)
