@@ -331,6 +331,43 @@ def test_guard_skip_leaves_attention_weights_bitwise_unchanged() -> None:
     assert guard.summary()["skipped"] == 1
 
 
+def test_lightning_trainer_clips_after_each_step_and_not_on_a_skipped_one(tmp_path) -> None:
+    import csv
+    from pathlib import Path
+
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.loggers import CSVLogger
+
+    from stabilitykit.lightning import StabilityCallback
+    from stabilitykit.testing.lightning_gpt import GPTModule, gpt_dataloader
+    from tests.lightning_checks import StateAt
+
+    module = GPTModule(lr=2e-2, poison={7: math.nan})
+    torch.manual_seed(1)
+    for block in module.model.blocks:  # type: ignore[union-attr]
+        block.attn = sk.nn.QKNormAttention(64, 4, qk_norm=False)
+    cfg = sk.StabilityConfig(log_every_n_steps=5, qk_clip=sk.QKClipConfig(enabled=True, threshold=2.0))
+    callback, snap = StabilityCallback(cfg), StateAt(7)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=12,
+        logger=CSVLogger(tmp_path, name="csv"),
+        callbacks=[callback, snap],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=5,
+    )
+    trainer.fit(module, gpt_dataloader())
+    snap.assert_unchanged()  # the NaN step: no optimizer step and no rescale
+    assert callback.engine is not None and callback.engine.qk_clip is not None
+    rows = list(csv.DictReader((Path(trainer.logger.log_dir) / "metrics.csv").open()))  # type: ignore[union-attr]
+    clipped = [float(r["stability/qk_clip/heads_clipped"]) for r in rows if r.get("stability/qk_clip/heads_clipped")]
+    assert len(clipped) == 3 and sum(clipped) > 0
+    last_apply = callback.engine.qk_clip.stability_metrics()  # no forward since the last step's apply
+    assert float(last_apply["qk_clip/heads_clipped"]) > 0
+
+
 # --------------------------------------------------------------------------- a real Hugging Face Llama
 
 

@@ -240,6 +240,12 @@ class QKClip:
                     f"({to_local(k).shape[0]}) are not {hkv} heads of {d}"
                 )
             return "local"
+        if is_dtensor(q) and q is not k and lay.q_row == 0 and hq * d != q.shape[0]:
+            raise ValueError(
+                f"{where}: its {hq} query heads cover neither all {q.shape[0]} rows of its sharded q weight nor "
+                f"the {to_local(q).shape[0]} rows this rank holds; QK-clip supports FSDP/DDP (all heads computed) "
+                "or tensor parallelism (each rank computes the heads it holds), not both on one weight"
+            )
         if lay.q_row + hq * d > q.shape[0] or lay.k_start + hkv * d > k.shape[0]:
             raise ValueError(
                 f"{where}: {hq} query heads from row {lay.q_row} and {hkv} key heads from row {lay.k_start} "
