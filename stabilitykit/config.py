@@ -22,6 +22,7 @@ __all__ = [
     "GradNormConfig",
     "NaNTraceConfig",
     "PrecisionConfig",
+    "QKClipConfig",
     "SkipConfig",
     "SpikeConfig",
     "StabilityConfig",
@@ -271,6 +272,27 @@ class PrecisionConfig(_Strict):
     deterministic_seed: int | None = Field(None, description="Call sk.set_determinism(seed) before training.")
 
 
+class QKClipConfig(_Strict):
+    """QK-clip (MuonClip): after each optimizer step, rescale the q/k rows of heads whose max logit exceeded tau."""
+
+    enabled: bool = Field(
+        False,
+        description=(
+            "Run stabilitykit.nn.QKClip after every optimizer step that is not skipped; the model needs "
+            "attention modules implementing stabilitykit.nn.QKClipTarget."
+        ),
+    )
+    threshold: float = Field(
+        100.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="tau: the largest max pre-softmax logit a head keeps (Megatron: 100).",
+    )
+    alpha: float = Field(
+        0.5, ge=0, le=1, description="Share of the rescale on the queries (eta ** alpha); keys get eta ** (1 - alpha)."
+    )
+
+
 class StabilityConfig(_Strict):
     """Everything stabilitykit does in one place; each feature has its own section."""
 
@@ -290,6 +312,7 @@ class StabilityConfig(_Strict):
     data: DataGuardConfig = Field(default_factory=DataGuardConfig)  # type: ignore[arg-type]
     fp16: Fp16Config = Field(default_factory=Fp16Config)  # type: ignore[arg-type]
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)  # type: ignore[arg-type]
+    qk_clip: QKClipConfig = Field(default_factory=QKClipConfig)  # type: ignore[arg-type]
     module_metrics: bool = Field(
         True,
         description=(

@@ -101,3 +101,11 @@ def test_fabric_loop_example(tmp_path) -> None:
     rows, events = sk.sinks.read_jsonl(tmp_path / "stability.jsonl")
     assert any(e["event"] == "skipped" and e["step"] == 5 for e in events)
     assert any("stability/opt1/grad_norm/total" in r for r in rows)
+
+
+def test_qk_clip_example_holds_the_logits_that_run_away_without_it(capsys) -> None:
+    result = _load("qk_clip").main(["--steps", "40", "--tau", "8"])
+    free, clipped = result["free"]["max_logit"], result["clipped"]["max_logit"]
+    assert max(free[-10:]) > 25 and max(clipped[-10:]) < 14
+    assert sum(r.get("stability/qk_clip/heads_clipped", 0) for r in result["clipped"]["rows"]) > 0
+    assert "with QK-clip" in capsys.readouterr().out

@@ -46,5 +46,6 @@ def on_page_markdown(markdown: str, **kwargs: Any) -> str:
         sk.DataGuardConfig,
         sk.Fp16Config,
         sk.PrecisionConfig,
+        sk.QKClipConfig,
     ]
     return markdown.replace(MARKER, "\n".join(_table(m) for m in models))

@@ -47,6 +47,7 @@ from stabilitykit.engine.overflow import remeasure_overflow
 from stabilitykit.events import Event
 from stabilitykit.grads import GradNormPlan, apply_clip_coefficient, clip_coefficient
 from stabilitykit.hooks import HookManager
+from stabilitykit.nn.qk_clip import QKClip
 from stabilitykit.report import StepReport
 from stabilitykit.spike_skip import SpikeSkipRule
 
@@ -135,6 +136,10 @@ class StabilityEngine:
         self.metric_sources: list[Any] = []
         if model is not None and self.config.module_metrics:
             self.metric_sources = [m for m in model.modules() if callable(getattr(m, "stability_metrics", None))]
+        #: QK-clip (``config.qk_clip``) over the attention modules this optimizer updates, else None.
+        self.qk_clip = QKClip.from_config(self.config.qk_clip, model, self.params)
+        if self.qk_clip is not None and self.config.module_metrics:
+            self.metric_sources.append(self.qk_clip)
         self._mark_measure()
 
     # ----------------------------------------------------------------------------- helpers
@@ -345,8 +350,11 @@ class StabilityEngine:
         """Run the optimizer step unless this step is skipped; fused optimizers skip on the device.
 
         A fused optimizer gets the skip OR-ed into ``found_inf`` (GradScaler's own flag, when it set
-        one, is kept and restored afterwards, so GradScaler's bookkeeping is untouched).
+        one, is kept and restored afterwards, so GradScaler's bookkeeping is untouched). QK-clip
+        (``config.qk_clip``) rescales right after the optimizer step, and nothing on a skipped step.
         """
+        if self.qk_clip is not None:
+            step_fn = self.qk_clip.after(step_fn, decision.skip, skipped=decision.skip_known is True)
         if decision.skip_known is True:
             return None
         if decision.skip_known is None and optimizer is not None and self.fused:

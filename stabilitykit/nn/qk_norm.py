@@ -14,6 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from stabilitykit.nn.qk_clip import QKLayout
+from stabilitykit.nn.softcap import softcap, validate_cap
+
 __all__ = ["QKNorm", "QKNormAttention"]
 
 
@@ -83,6 +86,15 @@ class QKNormAttention(nn.Module):
     Input and output are (B, T, embed_dim). On steps the engine marks as logging steps
     (``measure_metrics``), it also computes the largest attention logit, an early sign of
     attention-logit growth; other steps pay nothing for it.
+
+    ``softcap``: cap the attention logits at ``softcap * tanh(logits / softcap)`` (Gemma 2: 50).
+    SDPA has no score modifier, so the attention is then computed explicitly (same causal mask,
+    dropout on the attention weights). The max-logit metric is the pre-cap value.
+
+    It is a ``QKClipTarget`` (``stabilitykit.nn.QKClip``): while QK-clip tracks it, every training
+    forward also computes the per-head max logit (one extra ``q @ k^T`` on the SDPA path, none with
+    ``softcap``). QK-clip needs ``qk_norm=False``: it rescales the projection rows, which qk-norm
+    would normalize away. That is MuonClip's setting: QK-clip in place of qk-norm.
     """
 
     def __init__(
@@ -96,6 +108,7 @@ class QKNormAttention(nn.Module):
         dropout: float = 0.0,
         bias: bool = False,
         eps: float = 1e-6,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         if embed_dim % num_heads:
@@ -104,12 +117,16 @@ class QKNormAttention(nn.Module):
         self.head_dim = embed_dim // num_heads
         self.causal = causal
         self.dropout = dropout
+        self.softcap = validate_cap(softcap) if softcap is not None else None
         self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=bias)
         self.proj = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.qk_norm = QKNorm(self.head_dim, num_heads, per_head, kind, eps) if qk_norm else None
         #: Set by the engine: compute the max attention logit on the next forward.
         self.measure_metrics = False
+        #: Set by QKClip: compute the per-head max logits on every training forward.
+        self.qk_clip_tracking = False
         self._max_logit: Tensor | None = None
+        self._head_max: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, c = x.shape
@@ -117,21 +134,55 @@ class QKNormAttention(nn.Module):
         q, k, v = (z.view(b, t, self.num_heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
         if self.qk_norm is not None:
             q, k = self.qk_norm(q, k)
-        if self.measure_metrics:
-            self._max_logit = self._logit_max(q.detach(), k.detach())
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0
-        )
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        track = self.qk_clip_tracking and self.training
+        measure = self.measure_metrics or track
+        dropout = self.dropout if self.training else 0.0
+        if self.softcap is None:
+            if measure:
+                scores = (q.detach().float() @ k.detach().float().transpose(-2, -1)) / math.sqrt(self.head_dim)
+                self._record(self._masked(scores), track)
+            else:
+                self._head_max = None
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=dropout)
+        else:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+            if measure:
+                self._record(self._masked(scores.detach().float()), track)  # the pre-cap logits
+            else:
+                self._head_max = None
+            weights = self._masked(softcap(scores, self.softcap)).float().softmax(dim=-1).to(v.dtype)
+            y = F.dropout(weights, p=dropout) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))  # type: ignore[no-any-return]
 
-    def _logit_max(self, q: Tensor, k: Tensor) -> Tensor:
-        scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.head_dim)
-        if self.causal:
-            t_q, t_k = scores.shape[-2:]
-            allowed = torch.ones(t_q, t_k, dtype=torch.bool, device=scores.device).tril(t_k - t_q)
-            scores = scores.masked_fill(~allowed, -torch.inf)
-        return scores.amax()
+    def _masked(self, scores: Tensor) -> Tensor:
+        """``scores`` with the positions the causal mask hides set to -inf (as SDPA's ``is_causal``)."""
+        if not self.causal:
+            return scores
+        t_q, t_k = scores.shape[-2:]
+        allowed = torch.ones(t_q, t_k, dtype=torch.bool, device=scores.device).tril()
+        return scores.masked_fill(~allowed, -torch.inf)
+
+    def _record(self, scores: Tensor, track: bool) -> None:
+        head_max = scores.amax(dim=(0, 2, 3))
+        if self.measure_metrics:
+            self._max_logit = head_max.amax()
+        self._head_max = head_max if track else None
 
     def stability_metrics(self) -> dict[str, Tensor]:
         """The last measured max attention logit (a device tensor; the engine reads it when logging)."""
         return {"attention/max_logit": self._max_logit} if self._max_logit is not None else {}
+
+    # ------------------------------------------------------------------ QKClipTarget
+
+    def qk_clip_layout(self) -> QKLayout:
+        """The fused ``qkv`` rows: query heads, then key heads (refused with qk-norm on: see the class)."""
+        if self.qk_norm is not None:
+            raise ValueError(
+                "QK-clip rescales the query and key projection rows, which qk-norm normalizes away: build "
+                "QKNormAttention(..., qk_norm=False) to use QK-clip (MuonClip uses QK-clip instead of qk-norm)"
+            )
+        return QKLayout.fused(self.qkv, self.num_heads, self.head_dim)
+
+    def qk_clip_max_logits(self) -> Tensor | None:
+        """Per-head max pre-softmax (pre-cap) logits of the last training forward while tracked."""
+        return self._head_max
