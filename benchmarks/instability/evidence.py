@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 from spike_suite import TRACES, ground_truth, load_runs
 
-ORDER = ("baseline", "qknorm", "zloss", "both", "clip", "zclip", "adaptive", "skip")
+ORDER = ("baseline", "qknorm", "zloss", "both", "clip", "zclip", "adaptive", "skip", "qkclip", "softcap", "agc")
 LABELS = {
     "baseline": "baseline",
     "qknorm": "qk-norm",
@@ -29,6 +29,9 @@ LABELS = {
     "zclip": "ZClip",
     "adaptive": "adaptive clipping",
     "skip": "skip-on-spike",
+    "qkclip": "QK-clip 100",
+    "softcap": "soft-cap 50/30",
+    "agc": "per-tensor adaptive clipping",
 }
 
 

@@ -14,7 +14,9 @@ bytes of the standard library's ``.py`` sources (on every machine, no download) 
 
 ``baseline`` (nothing), ``qknorm`` (sk.nn.QKNorm), ``zloss`` (sk.nn.z_loss 1e-4), ``both``,
 ``clip`` (fixed clip 1.0), ``zclip`` (the zclip package), ``adaptive`` (sk.StabilityGuard with
-adaptive clipping), ``skip`` (stabilitykit.spike_skip.SpikeSkipRule, skip-on-spike).
+adaptive clipping), ``skip`` (stabilitykit.spike_skip.SpikeSkipRule, skip-on-spike), ``qkclip``
+(sk.nn.QKClip, tau 100, alpha 0.5, after each optimizer step), ``softcap`` (sk.nn.softcap: attention
+logits 50, final logits 30) and ``agc`` (sk.StabilityGuard with per-tensor adaptive clipping).
 
 Every arm skips a step whose grad norm or loss is not finite (so a run is never killed by one
 NaN and its later steps stay readable). Recorded per step: loss, total grad norm (before any
@@ -39,7 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-ARMS = ("baseline", "qknorm", "zloss", "both", "clip", "zclip", "adaptive", "skip")
+ARMS = ("baseline", "qknorm", "zloss", "both", "clip", "zclip", "adaptive", "skip", "qkclip", "softcap", "agc")
+#: QK-clip threshold (Kimi K2 / Megatron default), soft caps (Gemma 2 defaults): published values, not tuned here.
+QK_CLIP_TAU, ATTN_CAP, FINAL_CAP = 100.0, 50.0, 30.0
 LAYERS = ("embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head")
 CONTEXT, BATCH, WIDTH, HEADS, DEPTH = 64, 16, 96, 4, 4
 
@@ -73,9 +77,14 @@ def batch(data: np.ndarray, gen: torch.Generator) -> tuple[Tensor, Tensor]:
 
 # ----------------------------------------------------------------------------- model
 class Attention(nn.Module):
-    """Causal attention written out, so the max attention logit is at hand every step."""
+    """Causal attention written out, so the max attention logit is at hand every step.
 
-    def __init__(self, qk_norm: bool) -> None:
+    It implements ``sk.nn.QKClipTarget`` (three members), so the ``qkclip`` arm can rescale it.
+    """
+
+    qk_clip_tracking = False
+
+    def __init__(self, qk_norm: bool, cap: float | None = None) -> None:
         super().__init__()
         self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
         self.proj = nn.Linear(WIDTH, WIDTH)
@@ -88,6 +97,16 @@ class Attention(nn.Module):
             self.qk_norm = None
         self.register_buffer("mask", torch.ones(CONTEXT, CONTEXT, dtype=torch.bool).tril(), persistent=False)
         self.max_logit = torch.zeros(())
+        self.head_max: Tensor | None = None
+        self.cap = cap
+
+    def qk_clip_layout(self) -> Any:
+        from stabilitykit.nn import QKLayout
+
+        return QKLayout.fused(self.qkv, HEADS, self.head_dim)
+
+    def qk_clip_max_logits(self) -> Tensor | None:
+        return self.head_max
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, c = x.shape
@@ -97,16 +116,22 @@ class Attention(nn.Module):
             q, k = self.qk_norm(q, k)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
         scores = scores.masked_fill(~self.mask[:t, :t], -math.inf)
-        self.max_logit = scores.detach().amax()
+        self.max_logit = scores.detach().amax()  # before any soft cap
+        if self.qk_clip_tracking:
+            self.head_max = scores.detach().amax(dim=(0, 2, 3))
+        if self.cap is not None:
+            from stabilitykit.nn import softcap
+
+            scores = softcap(scores, self.cap)
         y = scores.softmax(-1) @ v
         return self.proj(y.transpose(1, 2).reshape(b, t, c))  # type: ignore[no-any-return]
 
 
 class Block(nn.Module):
-    def __init__(self, qk_norm: bool) -> None:
+    def __init__(self, qk_norm: bool, cap: float | None = None) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.attn = Attention(qk_norm)
+        self.attn = Attention(qk_norm, cap)
         self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -115,19 +140,25 @@ class Block(nn.Module):
 
 
 class ByteGPT(nn.Module):
-    def __init__(self, qk_norm: bool) -> None:
+    def __init__(self, qk_norm: bool, attn_cap: float | None = None, final_cap: float | None = None) -> None:
         super().__init__()
         self.tok = nn.Embedding(256, WIDTH)
         self.pos = nn.Embedding(CONTEXT, WIDTH)
-        self.blocks = nn.ModuleList([Block(qk_norm) for _ in range(DEPTH)])
+        self.blocks = nn.ModuleList([Block(qk_norm, attn_cap) for _ in range(DEPTH)])
         self.ln_f = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, 256, bias=False)
+        self.final_cap = final_cap
 
     def forward(self, idx: Tensor) -> Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))  # type: ignore[no-any-return]
+        logits = self.head(self.ln_f(x))
+        if self.final_cap is not None:
+            from stabilitykit.nn import softcap
+
+            logits = softcap(logits, self.final_cap)
+        return logits  # type: ignore[no-any-return]
 
     def layer_of(self, name: str) -> int:
         if name.startswith(("tok.", "pos.")):
@@ -148,21 +179,27 @@ def lr_at(step: int, steps: int, peak: float, warmup: int = 100) -> float:
 def run(arm: str, lr: float, steps: int, data: np.ndarray, heldout: np.ndarray, seed: int = 0) -> dict[str, Any]:
     """Train one arm at one peak LR; the per-step trace and the final held-out loss."""
     torch.manual_seed(seed)
-    model = ByteGPT(qk_norm=arm in ("qknorm", "both"))
+    capped = arm == "softcap"
+    model = ByteGPT(arm in ("qknorm", "both"), ATTN_CAP if capped else None, FINAL_CAP if capped else None)
     z_coef = 1e-4 if arm in ("zloss", "both") else 0.0
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)
     names, params = zip(*model.named_parameters(), strict=True)
     params = list(params)
     layer_index = torch.tensor([model.layer_of(n) for n in names])
     gen = torch.Generator().manual_seed(1000 + seed)
-    guard = zclip = rule = None
-    if arm == "adaptive":
+    guard = zclip = rule = qk_clip = None
+    if arm in ("adaptive", "agc"):
         import stabilitykit as sk
 
+        mode = "adaptive" if arm == "adaptive" else "per_tensor_adaptive"
         cfg = sk.StabilityConfig(
-            log_every_n_steps=50, clip=sk.ClipConfig(mode="adaptive"), spikes=sk.SpikeConfig(enabled=False)
+            log_every_n_steps=50, clip=sk.ClipConfig(mode=mode), spikes=sk.SpikeConfig(enabled=False)
         )
         guard = sk.StabilityGuard(model, opt, config=cfg)
+    elif arm == "qkclip":
+        from stabilitykit.nn import QKClip
+
+        qk_clip = QKClip(model, threshold=QK_CLIP_TAU, alpha=0.5)
     elif arm == "zclip":
         from zclip import ZClip
 
@@ -208,6 +245,8 @@ def run(arm: str, lr: float, steps: int, data: np.ndarray, heldout: np.ndarray, 
                 skipped = bool(rule.decide(total, loss.detach(), torch.isfinite(total) & torch.isfinite(loss)))
             if not skipped:
                 opt.step()
+                if qk_clip is not None:
+                    qk_clip.apply()
         diff = torch._foreach_sub([p.detach() for p in params], before)
         update = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(diff))) / torch.linalg.vector_norm(
             torch.stack(torch._foreach_norm(before))
