@@ -101,3 +101,10 @@ def test_fabric_loop_example(tmp_path) -> None:
     rows, events = sk.sinks.read_jsonl(tmp_path / "stability.jsonl")
     assert any(e["event"] == "skipped" and e["step"] == 5 for e in events)
     assert any("stability/opt1/grad_norm/total" in r for r in rows)
+
+
+def test_per_tensor_clipping_example_spares_the_healthy_tensors() -> None:
+    results = _load("per_tensor_clipping").main(["--steps", "30", "--spike-at", "20"])
+    fixed, per_tensor = results["global (fixed)"], results["per-tensor (AdaGC)"]
+    assert fixed["others_kept"] < 0.05 and fixed["spiked_vs_usual"] > 5
+    assert per_tensor["others_kept"] > 0.5 and per_tensor["spiked_vs_usual"] < 1.2
