@@ -6,9 +6,9 @@ All arms run interleaved in one process (round-robin, same grads, same model), s
 hits every arm alike. Two tables:
 
 1. Grad processing only (after backward, before the optimizer): stabilitykit's engine (fused
-   norms + per-layer norms + finite check + clip + counters, logging every 10 steps) vs
-   ``torch.nn.utils.clip_grad_norm_`` alone, vs Lightning's ``grad_norm`` + ``clip_grad_norm_``,
-   vs ZClip (``zclip`` package).
+   norms + per-layer norms + finite check + clip + counters, logging every 10 steps; fixed and
+   per-tensor adaptive (AdaGC) clipping) vs ``torch.nn.utils.clip_grad_norm_`` alone, vs
+   Lightning's ``grad_norm`` + ``clip_grad_norm_``, vs ZClip (``zclip`` package).
 2. A whole training step of a small GPT (forward, backward, grad processing, fused AdamW step):
    bare, ``clip_grad_norm_``, StabilityGuard (JSONL logging every 10 steps), Lightning's
    ``grad_norm`` + clip, ZClip, and ``wandb.watch(log="gradients", log_freq=1)`` (offline) + clip.
@@ -65,11 +65,19 @@ def grad_processing(args: argparse.Namespace) -> dict[str, float]:
 
     cfg = sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0), log_every_n_steps=10)
     engine = StabilityEngine(params, cfg, model=model, fused=True)
+    per_tensor_cfg = sk.StabilityConfig(
+        clip=sk.ClipConfig(mode="per_tensor_adaptive", warmup_steps=1), log_every_n_steps=10
+    )
+    per_tensor_engine = StabilityEngine(params, per_tensor_cfg, model=model, fused=True)
     zclip = ZClip(warmup_steps=5)
 
     def ours() -> None:
         decision = engine.evaluate()
         engine.finish(decision)
+
+    def ours_per_tensor() -> None:
+        decision = per_tensor_engine.evaluate()
+        per_tensor_engine.finish(decision)
 
     def torch_clip() -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -83,6 +91,7 @@ def grad_processing(args: argparse.Namespace) -> dict[str, float]:
 
     arms = {
         "stabilitykit": ours,
+        "stabilitykit per-tensor": ours_per_tensor,
         "clip_grad_norm_": torch_clip,
         "lightning grad_norm+clip": lightning,
         "zclip": zclip_step,
@@ -199,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     _table("2. whole training step (median)", t, ["bare", "clip_grad_norm_"])
     overhead = (t["stabilitykit guard"] / t["clip_grad_norm_"] - 1) * 100
     print(f"\nstabilitykit vs clip_grad_norm_ alone (grad processing): {g['stabilitykit'] / g['clip_grad_norm_']:.3f}x")
+    per_tensor = g["stabilitykit per-tensor"] / g["clip_grad_norm_"]
+    print(f"stabilitykit per-tensor (AdaGC) vs clip_grad_norm_ alone (grad processing): {per_tensor:.3f}x")
     print(f"end-to-end step overhead vs a clip_grad_norm_ loop: {overhead:+.1f}%")
     print(f"wandb.watch(log='gradients', log_freq=1) step vs bare: {t['wandb.watch gradients'] / t['bare']:.2f}x")
 

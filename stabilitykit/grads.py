@@ -3,7 +3,8 @@
 Nothing here reads a value back to the host. Per-tensor norms come out in fp32 (bf16/fp16
 grads accumulate in fp32), are raised to the p-th power, segment-summed into layers with a
 single ``index_add_``, and the total is the p-th root of their sum. A non-finite total never
-multiplies the grads.
+multiplies the grads. On request (``per_tensor=True``, for per-tensor clipping) the plan also
+returns each parameter's own global norm, reduced in the same collectives as the layers.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class NormResult:
     layer_names: list[str]
     #: 0-d bool: every grad is finite on every rank (a reduction may hide a NaN, so this is kept apart).
     finite: Tensor | None = None
+    #: ``per_tensor`` plans only: each parameter's global grad norm, in the plan's parameter order (0 without a grad).
+    tensor_norms: Tensor | None = None
+    #: ``per_tensor`` plans only: bool per parameter, it has a grad on some rank this step.
+    tensor_present: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.finite is None:
@@ -67,6 +72,9 @@ class _Layout:
     device: torch.device
     #: distributed only: where each present grad's [value, count, world count] lands in the packed matrix
     scatter: Tensor | None = None
+    #: per-tensor plans only: the parameter index of each present grad (group order), and which parameters have one
+    positions: Tensor | None = None
+    present: Tensor | None = None
 
 
 def _pow(values: Tensor, p: float) -> Tensor:
@@ -92,6 +100,8 @@ class GradNormPlan:
     the layout is cached per set of parameters that have grads. With a ``reducer``
     (``stabilitykit.distributed.reducer_for``) the per-layer sums and non-finite counts are
     packed into one matrix and reduced across processes as the parameters' layout requires.
+    ``per_tensor``: also give each parameter's global norm (``NormResult.tensor_norms``); its
+    p-th powers and presence flags ride in the same matrix, so no collective is added.
     """
 
     def __init__(
@@ -101,6 +111,7 @@ class GradNormPlan:
         layer_names: Sequence[str] | None = None,
         norm_type: float = 2.0,
         reducer: LayoutReducer | None = None,
+        per_tensor: bool = False,
     ) -> None:
         if norm_type != math.inf and not (norm_type > 0 and math.isfinite(norm_type)):
             raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
@@ -114,9 +125,16 @@ class GradNormPlan:
         self.per_layer = layer_names is not None
         self.norm_type = float(norm_type)
         self.reducer = reducer
+        self.per_tensor = per_tensor
         self._local = any(is_dtensor(q) for q in self.params)
         self._layouts: dict[tuple[bool, ...], _Layout] = {}
+        self._current: _Layout | None = None  # the layout of the last ``compute()``
         self._warned_empty = False
+
+    @property
+    def _tensor_columns(self) -> int:
+        """Columns per packed row for per-tensor norms: [p-th powers..., presence flags...]."""
+        return 2 * len(self.params) if self.per_tensor else 0
 
     def _layout(self, present: tuple[bool, ...]) -> _Layout:
         layout = self._layouts.get(present)
@@ -136,14 +154,24 @@ class GradNormPlan:
         scatter = None
         if self.reducer is not None:
             n_layers = len(self.layer_names) if self.per_layer else 1
+            width = 2 * n_layers + self._tensor_columns  # one packed row: [values, counts, per-tensor columns]
             world_row = self.reducer.n_rows
             layers = [self.layer_of[i] if self.per_layer else 0 for i in order]
             rows = [self.reducer.row_of[i] for i in order]
-            value = [2 * r * n_layers + layer for r, layer in zip(rows, layers, strict=True)]
-            count = [(2 * r + 1) * n_layers + layer for r, layer in zip(rows, layers, strict=True)]
-            world = [(2 * world_row + 1) * n_layers + layer for layer in layers]
-            scatter = torch.tensor(value + count + world, dtype=torch.long, device=device)
-        layout = _Layout(groups, segments, device, scatter)
+            value = [r * width + layer for r, layer in zip(rows, layers, strict=True)]
+            count = [r * width + n_layers + layer for r, layer in zip(rows, layers, strict=True)]
+            world = [world_row * width + n_layers + layer for layer in layers]
+            index = value + count + world
+            if self.per_tensor:
+                m, base = len(self.params), 2 * n_layers
+                index += [r * width + base + i for r, i in zip(rows, order, strict=True)]
+                index += [r * width + base + m + i for r, i in zip(rows, order, strict=True)]
+            scatter = torch.tensor(index, dtype=torch.long, device=device)
+        positions = present_mask = None
+        if self.per_tensor:
+            positions = torch.tensor(order, dtype=torch.long, device=device)
+            present_mask = torch.tensor(present, dtype=torch.bool, device=device)
+        layout = _Layout(groups, segments, device, scatter, positions, present_mask)
         self._layouts[present] = layout
         return layout
 
@@ -185,6 +213,7 @@ class GradNormPlan:
         """
         present = tuple(p.grad is not None for p in self.params)
         layout = self._layout(present)
+        self._current = layout
         measure, grouped = self._grouped(layout)
         if not grouped:
             self._warn_empty()
@@ -205,7 +234,32 @@ class GradNormPlan:
             inv = grad_scale.to(device=layout.device, dtype=dtype).reciprocal()
             result.total = result.total * inv
             result.layer_norms = result.layer_norms * inv if result.layer_norms is not None else None
+            result.tensor_norms = result.tensor_norms * inv if result.tensor_norms is not None else None
         return result, grouped
+
+    def scale_tensors(self, grouped_grads: Sequence[Sequence[Tensor]], coefs: Tensor) -> None:
+        """Multiply each grad by its own coefficient in place (``coefs``: one per parameter, plan order).
+
+        ``grouped_grads`` is what the last ``compute()`` returned: one ``_foreach_mul_`` per group.
+        """
+        layout = self._current
+        if layout is None or layout.positions is None:
+            raise RuntimeError("scale_tensors needs a per_tensor plan and a compute() first")
+        if not layout.groups:
+            return
+        ordered = coefs.to(layout.device).index_select(0, layout.positions)
+        sizes = [len(g.indices) for g in layout.groups]
+        for grads, part in zip(grouped_grads, ordered.split(sizes), strict=True):
+            if grads:
+                torch._foreach_mul_(list(grads), list(part.to(grads[0].device).unbind()))
+
+    def _tensor_result(self, per_tensor: Tensor, layout: _Layout) -> tuple[Tensor, Tensor] | None:
+        """One process (or whole grads): each parameter's norm in plan order, and which have a grad."""
+        if layout.positions is None or layout.present is None:
+            return None
+        norms = torch.zeros(len(self.params), dtype=per_tensor.dtype, device=layout.device)
+        norms.index_copy_(0, layout.positions, per_tensor)
+        return norms, layout.present
 
     def _local_result(self, per_tensor: Tensor, layout: _Layout) -> NormResult:
         """One process (or grads whole on every rank): sums and maxima propagate NaN by themselves."""
@@ -229,7 +283,11 @@ class GradNormPlan:
         else:
             total = _root(sums.sum(), p)
             layers = _root(sums, p) if self.per_layer else None
-        return NormResult(total, layers, self.layer_names)
+        result = NormResult(total, layers, self.layer_names)
+        tensors = self._tensor_result(per_tensor, layout)
+        if tensors is not None:
+            result.tensor_norms, result.tensor_present = tensors
+        return result
 
     def _reduced(self, per_tensor: Tensor, layout: _Layout, reducer: LayoutReducer) -> NormResult:
         """Distributed: pack [per-layer sums, per-layer non-finite counts] per row, reduce, combine.
@@ -240,16 +298,21 @@ class GradNormPlan:
         p = self.norm_type
         n = len(self.layer_names) if self.per_layer else 1
         rows = reducer.n_rows
-        packed = torch.zeros((rows + 1) * 2 * n, dtype=per_tensor.dtype, device=layout.device)
+        width = 2 * n + self._tensor_columns
+        packed = torch.zeros((rows + 1) * width, dtype=per_tensor.dtype, device=layout.device)
         if layout.scatter is not None and per_tensor.numel():
             bad = (~torch.isfinite(per_tensor)).to(per_tensor.dtype)
+            powered = per_tensor if p == math.inf else _pow(per_tensor, p)
+            parts = [powered, bad, bad]
+            if self.per_tensor:
+                parts += [powered, torch.ones_like(per_tensor)]
             if p == math.inf:
-                source = torch.cat([per_tensor, bad, bad])
-                packed.scatter_reduce_(0, layout.scatter, source, reduce="amax", include_self=True)
+                packed.scatter_reduce_(0, layout.scatter, torch.cat(parts), reduce="amax", include_self=True)
             else:
-                packed.index_add_(0, layout.scatter, torch.cat([_pow(per_tensor, p), bad, bad]))
-        packed = packed.view(rows + 1, 2, n)
-        reducer.reduce_rows(packed, p)
+                packed.index_add_(0, layout.scatter, torch.cat(parts))
+        matrix = packed.view(rows + 1, width)
+        reducer.reduce_rows(matrix, p)
+        packed = matrix[:, : 2 * n].reshape(rows + 1, 2, n)  # a view when there are no per-tensor columns
         values, counts = packed[:rows, 0], packed[:rows, 1]
         layer_values = values.amax(0) if p == math.inf else values.sum(0)
         layer_bad = counts.sum(0)
@@ -266,7 +329,14 @@ class GradNormPlan:
         if self.per_layer:
             layers = layer_values if p == math.inf else _root(layer_values, p)
             layers = torch.where(layer_bad > 0, torch.full_like(layers, math.nan), layers)
-        return NormResult(total, layers, self.layer_names, finite)
+        result = NormResult(total, layers, self.layer_names, finite)
+        if self.per_tensor:
+            m = len(self.params)
+            tensor_values = matrix[:rows, 2 * n : 2 * n + m]
+            reduced = tensor_values.amax(0) if p == math.inf else _root(tensor_values.sum(0), p)
+            result.tensor_norms = reduced
+            result.tensor_present = matrix[:rows, 2 * n + m :].sum(0) > 0
+        return result
 
 
 def clip_coefficient(total: Tensor, max_norm: float | Tensor, finite: Tensor | None = None) -> Tensor:

@@ -109,3 +109,10 @@ def test_qk_clip_example_holds_the_logits_that_run_away_without_it(capsys) -> No
     assert max(free[-10:]) > 25 and max(clipped[-10:]) < 14
     assert sum(r.get("stability/qk_clip/heads_clipped", 0) for r in result["clipped"]["rows"]) > 0
     assert "with QK-clip" in capsys.readouterr().out
+
+
+def test_per_tensor_clipping_example_spares_the_healthy_tensors() -> None:
+    results = _load("per_tensor_clipping").main(["--steps", "30", "--spike-at", "20"])
+    fixed, per_tensor = results["global (fixed)"], results["per-tensor (AdaGC)"]
+    assert fixed["others_kept"] < 0.05 and fixed["spiked_vs_usual"] > 5
+    assert per_tensor["others_kept"] > 0.5 and per_tensor["spiked_vs_usual"] < 1.2

@@ -16,7 +16,7 @@ def _ours(counter) -> int:
     return sum(1 for site in counter.sites if "/stabilitykit/" in site and "/testing/" not in site)
 
 
-@pytest.mark.parametrize("clip", ["fixed", "adaptive"])
+@pytest.mark.parametrize("clip", ["fixed", "adaptive", "per_tensor_adaptive"])
 def test_fused_adamw_zero_syncs_off_logging_steps_one_on(clip: str) -> None:
     model = sk.testing.tiny_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)

@@ -3,7 +3,8 @@
 A tensor whose sum of squares passes fp32's range (a norm above ~1.8e19, one element of 1e38)
 makes the fp32 total non-finite although every grad is finite. The fp64 norm cannot overflow;
 with it the clip brings the grads back into range, as it would for any large norm. This runs only
-on a skipped step whose decision the host already read, so ordinary steps pay nothing.
+on a skipped step whose decision the host already read, so ordinary steps pay nothing. Per-tensor
+clipping (AdaGC) keeps such a step skipped.
 """
 
 from __future__ import annotations

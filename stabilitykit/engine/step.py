@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
 from stabilitykit.distributed import all_ranks_agree, is_distributed, reducer_for
-from stabilitykit.engine.clipping import make_clip_strategy
+from stabilitykit.engine.clipping import PerTensorClip, make_clip_strategy
 from stabilitykit.engine.journal import COLUMNS, MAX_JOURNAL_ROWS, Journal, Row, RowInfo
 from stabilitykit.engine.layers import build_layer_map
 from stabilitykit.engine.ledger import Divergence, Ledger
@@ -110,11 +110,12 @@ class StabilityEngine:
             self.layer_names if self.per_layer else None,
             norm_type=gcfg.norm_type,
             reducer=reducer_for(self.params, model, extra_group),
+            per_tensor=self.config.clip.mode == "per_tensor_adaptive",
         )
         self.logged_layers = [i for i, n in enumerate(self.layer_names) if self._layer_logged(n)]
         self.device = self.params[0].device
         self.step = 0  # optimizer steps attempted so far (skipped ones included)
-        self.clip = make_clip_strategy(self.config.clip, self.device)
+        self.clip = make_clip_strategy(self.config.clip, self.device, len(self.params), gcfg.norm_type)
         scfg = self.config.skip
         self.spike_rule = (
             SpikeSkipRule(scfg.spike_z, scfg.spike_alpha, scfg.spike_warmup_steps, self.device, scfg.spike_on_loss)
@@ -228,7 +229,11 @@ class StabilityEngine:
             skip_column = skip_column + 4 * spike.float()
 
         coef, threshold = self._one, self._nan
-        if self.clip is not None:
+        if isinstance(self.clip, PerTensorClip):  # AdaGC: one coefficient per tensor; coef = post / pre total
+            clipped = self.clip.clip_tensors(norms, all_finite & ~skip)  # a skipped step leaves the EMAs alone
+            coef, threshold = clipped.coef, clipped.threshold
+            self.plan.scale_tensors(grouped, clipped.coefs)
+        elif self.clip is not None:
             threshold, active = self.clip.threshold(total, finite)
             coef = torch.where(active, clip_coefficient(total, threshold, finite), 1.0)
             apply_clip_coefficient(grouped, coef)
@@ -270,6 +275,7 @@ class StabilityEngine:
             row is not None
             and not math.isfinite(row.total)
             and self.clip is not None
+            and not isinstance(self.clip, PerTensorClip)
             and self.spike_rule is None
             and self.config.skip.nonfinite
         )
@@ -495,7 +501,7 @@ class StabilityEngine:
             )
         ledger = Ledger(self.config, self.ledger.layer_names, self.fused, self.ledger.rank)
         ledger.load_state_dict(state["ledger"])
-        clip = make_clip_strategy(self.config.clip, self.device)
+        clip = make_clip_strategy(self.config.clip, self.device, len(self.params), self.config.grad_norm.norm_type)
         if clip is not None and state.get("clip"):
             clip.load_state_dict(state["clip"])
         journal = Journal(self.journal.capacity, self.journal.width - len(COLUMNS), self.device)
