@@ -284,7 +284,7 @@ class StabilityEngine:
         self, decision: StepDecision, grouped: list[list[Tensor]], grad_scale: Tensor | None, force_skip: Tensor | None
     ) -> None:
         """Re-measure an overflowed step in fp64 (``overflow.py``); finite grads are clipped and the step runs."""
-        assert self.clip is not None
+        assert self.clip is not None and not isinstance(self.clip, PerTensorClip)
         report = decision.report
         found = remeasure_overflow(
             self.plan, self.clip, grouped, grad_scale, report.loss, force_skip, self.config.skip.sync_ranks
