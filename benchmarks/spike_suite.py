@@ -192,13 +192,18 @@ class Run:
         return self.data[:, idx].astype(np.float64)
 
 
-def load_runs(path: Path = TRACES) -> list[Run]:
-    """Every run stored in a traces file."""
+#: The arms of the detector study (the runs ``spikes.py`` scores); later technique arms are in ``evidence.py``.
+DETECTOR_ARMS = ("baseline", "qknorm", "zloss", "both", "clip", "zclip", "adaptive", "skip")
+
+
+def load_runs(path: Path = TRACES, arms: Sequence[str] | None = None) -> list[Run]:
+    """The runs stored in a traces file (only those of ``arms`` when given)."""
     with np.load(path) as npz:
         meta = json.loads(str(npz["meta"]))
         return [
             Run(key, info["arm"], info["lr"], info["final_loss"], meta["columns"], npz[key])
             for key, info in meta["runs"].items()
+            if arms is None or info["arm"] in arms
         ]
 
 

@@ -8,7 +8,8 @@ ramp, a regime change and a 4x decay; one-step spikes of 1.5x-1000x every 80-120
 Inf events. Per configuration: recall on spikes >= 3x, false alarms per 10k clean steps, and the
 Gaussian bound (the best recall any detector reaches on a 3x spike at 1 false alarm per 10k).
 
-Part 2, real instabilities (``benchmarks/instability/traces.npz``, from ``train.py``): loss-based
+Part 2, real instabilities (``benchmarks/instability/traces.npz``, from ``train.py``; the 8 arms of
+the detector study, ``spike_suite.DETECTOR_ARMS``; the technique arms added later are not scored here): loss-based
 ground truth (see ``spike_suite``), recall of loss-spike and divergence onsets, the share alerted
 before the loss moved, and alerts per 10k healthy steps (all runs; and the runs with no event).
 Reported for all runs, the tuning set (seed 0, the runs the rules were designed on) and the
@@ -43,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import numpy as np
 from spike_suite import (
+    DETECTOR_ARMS,
     PHIS,
     SIGMAS,
     SPIKE_SIZES,
@@ -372,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.skip_real:
         pass
     elif Path(args.traces).exists():
-        runs = load_runs(Path(args.traces))
+        runs = load_runs(Path(args.traces), DETECTOR_ARMS)
         tune = [r for r in runs if "#s" not in r.key]  # seed 0: the runs the rules were designed on
         held = [r for r in runs if "#s" in r.key]  # seeds 1+: generated after, for scoring only
         for title, subset in (("all runs", runs), ("tuning set (seed 0)", tune), ("held-out (seeds 1+)", held)):
