@@ -40,6 +40,30 @@ def seed_of(key: str) -> int:
     return int(key.split("#s")[1]) if "#s" in key else 0
 
 
+def print_summary(all_runs: list, lrs: list[float]) -> None:
+    """Per arm and LR over every seed stored: mean final loss (runs); loss spikes and divergences per run
+    at the LRs every arm ran (0.3 and 1), so the counts compare across arms."""
+    print("\nAll seeds: mean final loss (runs); loss spikes and divergences per run at LR 0.3 and 1\n")
+    print("| arm | " + " | ".join(f"LR {lr:g}" for lr in lrs) + " | spikes / run | divergences / run |")
+    print("|" + " --- |" * (3 + len(lrs)))
+    for arm in [a for a in ORDER if any(r.arm == a for r in all_runs)]:
+        cells, spikes, divergences, n = [], 0, 0, 0
+        for lr in lrs:
+            runs = [r for r in all_runs if r.arm == arm and r.lr == lr]
+            if not runs:
+                cells.append("-")
+                continue
+            losses = [r.final_loss for r in runs]
+            cells.append(f"{sum(losses) / len(losses):.3f} ({len(runs)})")
+            for r in runs if lr >= 0.3 else []:
+                truth = ground_truth(r.col("loss"))
+                spikes += len(truth.spikes)
+                divergences += len(truth.divergences)
+                n += 1
+        rates = f" | {spikes / n:.2f} | {divergences / n:.2f} |" if n else " | - | - |"
+        print(f"| {LABELS[arm]} | " + " | ".join(cells) + rates)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--traces", default=str(TRACES))
@@ -68,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append(f"{run.final_loss:.3f}" + (extra if marks or skipped else ""))
             print(f"| {LABELS[arm]} | " + " | ".join(cells) + " |")
     print("\ns: a loss spike, D: a divergence (loss-based ground truth); n skipped: steps the arm skipped")
+    print_summary(all_runs, lrs)
     runs = [r for r in all_runs if seed_of(r.key) == 0]
     by = {(r.arm, r.lr): r for r in runs}
     arms = [a for a in ORDER if any(r.arm == a for r in runs)]
