@@ -173,10 +173,15 @@ class GradNormPlan:
             stacklevel=4,
         )
 
-    def compute(self, grad_scale: Tensor | None = None) -> tuple[NormResult, list[list[Tensor]]]:
+    def compute(
+        self, grad_scale: Tensor | None = None, extra: Tensor | None = None
+    ) -> tuple[NormResult, list[list[Tensor]]]:
         """Norms of the current grads and the grads themselves grouped for ``_foreach`` ops.
 
         ``grad_scale``: the loss scale still applied to the grads; the returned norms are unscaled.
+        ``extra``: other per-row sums, shaped ``(reducer.n_rows + 1, k, n_layers)``, that ride in the
+        grads' reduction (SUM, so not with the inf-norm) and are reduced in place; untouched without
+        a reducer.
         """
         present = tuple(p.grad is not None for p in self.params)
         layout = self._layout(present)
@@ -193,7 +198,7 @@ class GradNormPlan:
         else:
             per_tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         if self.reducer is not None:
-            result = self._reduced(per_tensor, layout, self.reducer)
+            result = self._reduced(per_tensor, layout, self.reducer, extra)
         else:
             result = self._local_result(per_tensor, layout)
         if grad_scale is not None:
@@ -226,11 +231,13 @@ class GradNormPlan:
             layers = _root(sums, p) if self.per_layer else None
         return NormResult(total, layers, self.layer_names)
 
-    def _reduced(self, per_tensor: Tensor, layout: _Layout, reducer: LayoutReducer) -> NormResult:
+    def _reduced(
+        self, per_tensor: Tensor, layout: _Layout, reducer: LayoutReducer, extra: Tensor | None = None
+    ) -> NormResult:
         """Distributed: pack [per-layer sums, per-layer non-finite counts] per row, reduce, combine.
 
         Finiteness comes from the counts, never from the reduced values (a MAX may drop a NaN).
-        A non-finite total is NaN on every rank.
+        A non-finite total is NaN on every rank. ``extra`` columns join the packed matrix (see ``compute``).
         """
         p = self.norm_type
         n = len(self.layer_names) if self.per_layer else 1
@@ -244,7 +251,13 @@ class GradNormPlan:
             else:
                 packed.index_add_(0, layout.scatter, torch.cat([_pow(per_tensor, p), bad, bad]))
         packed = packed.view(rows + 1, 2, n)
+        if extra is not None:
+            if p == math.inf:
+                raise ValueError("extra sums ride in a SUM reduction; the inf-norm reduces with MAX")
+            packed = torch.cat([packed, extra.to(packed).view(rows + 1, -1, n)], dim=1)
         reducer.reduce_rows(packed, p)
+        if extra is not None:
+            extra.copy_(packed[:, 2:].reshape(extra.shape))
         values, counts = packed[:rows, 0], packed[:rows, 1]
         layer_values = values.amax(0) if p == math.inf else values.sum(0)
         layer_bad = counts.sum(0)
