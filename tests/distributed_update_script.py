@@ -1,13 +1,13 @@
-"""Run by tests/test_update_ratio.py on 2 gloo processes: the update ratio under DDP and FSDP2.
+"""Run by tests/test_update_ratio.py on 2 gloo processes: the update ratio under DDP, FSDP2 and FSDP1.
 
     python tests/distributed_update_script.py 2 OUT_DIR PORT
 
-For DDP and FSDP2 (grad norm p = 2, where the update sums ride in the grad-norm all-reduce, and
-p = inf, where they get their own SUM): 7 guarded AdamW steps with ``update_ratio=True`` and
+For DDP, FSDP2 and FSDP1 (grad norm p = 2, where the update sums ride in the grad-norm all-reduce;
+FSDP2 also p = inf, where they get their own SUM): 7 guarded AdamW steps with ``update_ratio=True`` and
 ``log_every_n_steps=2``, a NaN in rank 1's loss at step 3 (skipped everywhere). Each rank records
 what its sink received and, as the reference, the same training by hand in one process (the
-mean of both ranks' losses, the weights copied before each step, norms after). The all-reduces
-of the run are counted with and without the update ratio.
+mean of both ranks' losses, the weights copied before each step, norms after). For DDP and
+FSDP2 the all-reduces of the run are counted with and without the update ratio.
 """
 
 from __future__ import annotations
@@ -116,6 +116,14 @@ def wrap(kind: str) -> nn.Module:
     net = Net()
     if kind == "ddp":
         return nn.parallel.DistributedDataParallel(net)
+    if kind.startswith("fsdp1"):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        orig = kind.endswith("orig")
+        cpu = torch.device("cpu")
+        for i, block in enumerate(net.blocks):
+            net.blocks[i] = FSDP(block, use_orig_params=orig, device_id=cpu)
+        return FSDP(net, use_orig_params=orig, device_id=cpu)
     from torch.distributed.fsdp import fully_shard
 
     for block in net.blocks:
@@ -159,14 +167,14 @@ def train(kind: str, norm_type: float, rank: int, update_ratio: bool) -> tuple[l
 def worker(rank: int, world: int) -> dict[str, Any]:
     ref = reference(world)
     results: dict[str, Any] = {}
-    for kind, norm_type in (("ddp", 2.0), ("fsdp2", 2.0), ("fsdp2", math.inf)):
+    cases = (("ddp", 2.0), ("fsdp2", 2.0), ("fsdp2", math.inf), ("fsdp1-orig", 2.0), ("fsdp1-flat", 2.0))
+    for kind, norm_type in cases:
         logged, with_ratio = train(kind, norm_type, rank, True)
-        _, without = train(kind, norm_type, rank, False)
-        results[f"{kind}|{norm_type}"] = {
-            "logged": logged,
-            "reference": ref,
-            "collectives": {"with": with_ratio, "without": without},
-        }
+        case: dict[str, Any] = {"logged": logged, "reference": ref}
+        if not kind.startswith("fsdp1"):
+            _, without = train(kind, norm_type, rank, False)
+            case["collectives"] = {"with": with_ratio, "without": without}
+        results[f"{kind}|{norm_type}"] = case
     return results
 
 

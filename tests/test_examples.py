@@ -101,3 +101,12 @@ def test_fabric_loop_example(tmp_path) -> None:
     rows, events = sk.sinks.read_jsonl(tmp_path / "stability.jsonl")
     assert any(e["event"] == "skipped" and e["step"] == 5 for e in events)
     assert any("stability/opt1/grad_norm/total" in r for r in rows)
+
+
+def test_update_ratio_example(tmp_path) -> None:
+    result = _load("update_ratio").main(["--steps", "40", "--out", str(tmp_path)])
+    sane, high = (result["runs"][lr] for lr in (3e-4, 3e-2))
+    assert list(sane["ratios"]) == list(range(5, 40, 5))  # the update of steps 4, 9, ... logged at 5, 10, ...
+    assert sane["ratios"][35] == 0.0 and high["ratios"][35] == 0.0  # step 34 was skipped
+    assert 1e-4 < sane["median"] < 3e-3 and high["median"] > 10 * sane["median"]
+    assert result["report"].stat().st_size > 30_000

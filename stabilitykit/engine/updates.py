@@ -55,18 +55,18 @@ class UpdateMonitor:
         update_at = [2 * r * n + layer for r, layer in zip(rows, layers, strict=True)]
         weight_at = [(2 * r + 1) * n + layer for r, layer in zip(rows, layers, strict=True)]
         self._index = torch.tensor(update_at + weight_at, dtype=torch.long, device=self.device)
-        sharded = any(is_dtensor(p) for p in self.params)
-        self._fixed = None if sharded else [[self.params[i].detach() for i in g] for g in self.groups]
+        sharded = any(is_dtensor(p) for p in self.params)  # a DTensor's local shard is taken afresh each time
+        self._fixed = None if sharded else [[self.params[i] for i in g] for g in self.groups]  # follows .data swaps
         self._before: list[list[Tensor]] | None = None
         self._sums: Tensor | None = None  # (n_rows, 2, n_layers): sums of ||Δw||² and ||w||² per row and layer
         self._step: int | None = None  # the optimizer step whose update ``_sums`` holds
         self._folded = False
 
     def _locals(self) -> list[list[Tensor]]:
-        """The parameters' local tensors (a DTensor's shard, taken afresh) per (device, dtype) group."""
+        """The parameters' local tensors (a DTensor's shard) per (device, dtype) group."""
         if self._fixed is not None:
             return self._fixed
-        return [[to_local(self.params[i]).detach() for i in g] for g in self.groups]
+        return [[to_local(self.params[i]) for i in g] for g in self.groups]
 
     @torch.no_grad()
     def snapshot(self, step: int) -> None:
