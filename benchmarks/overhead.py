@@ -12,6 +12,10 @@ hits every arm alike. Two tables:
 2. A whole training step of a small GPT (forward, backward, grad processing, fused AdamW step):
    bare, ``clip_grad_norm_``, StabilityGuard (JSONL logging every 10 steps), Lightning's
    ``grad_norm`` + clip, ZClip, and ``wandb.watch(log="gradients", log_freq=1)`` (offline) + clip.
+3. The update-to-weight ratio (``GradNormConfig(update_ratio=True)``): whole guarded steps with it
+   off and on, logging every 10 steps and every step; by position in the logging interval (the
+   measured step before a logging step, the logging step, the others) and on average.
+   ``--update-ratio-only`` runs just this table.
 
 This is a script, not a test: timings depend on the machine; the ratios are what to compare.
 """
@@ -181,6 +185,96 @@ def training_steps(args: argparse.Namespace) -> dict[str, float]:
         run.finish()
 
 
+def update_ratio_cost(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Table 3: guarded whole steps with the update ratio off and on, by position in the logging interval."""
+    tmp = tempfile.mkdtemp(prefix="sk-bench-")
+    data = char_batches(batch_size=8, block_size=64, vocab_size=256)
+    batches = [next(data) for _ in range(8)]
+    arms: dict[str, Callable[[int], None]] = {}
+    for every in (10, 1):
+        for on in (False, True):
+            model = tiny_gpt(n_layer=args.layers, n_embd=args.width, vocab_size=256, block_size=64)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            cfg = sk.StabilityConfig(
+                clip=sk.ClipConfig(mode="fixed", max_norm=1.0),
+                log_every_n_steps=every,
+                grad_norm=sk.GradNormConfig(update_ratio=on),
+            )
+            name = f"every {every}, update ratio {'on' if on else 'off'}"
+            sink = sk.sinks.JsonlSink(os.path.join(tmp, f"{every}-{on}.jsonl"))
+            guard = sk.StabilityGuard(model, opt, cfg, sinks=[sink])
+
+            def step(i: int, model: torch.nn.Module = model, guard: sk.StabilityGuard = guard) -> None:
+                x, y = batches[i % len(batches)]
+                guard.backward(model.loss(x, y))
+                guard.step()
+                guard.zero_grad()
+
+            arms[name] = step
+    window, warmup = 10, 1
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for i in range((args.rounds + warmup) * window):
+        for name, fn in arms.items():  # round-robin, one step each: every arm is at the same position
+            start = time.perf_counter()
+            fn(i)
+            times[name].append(time.perf_counter() - start)
+    out: dict[str, dict[str, float]] = {}
+    for name, samples in times.items():
+        kept = samples[warmup * window :]
+        at = {pos: [t for j, t in enumerate(kept) if j % window == pos] for pos in range(window)}
+        rest = [t for pos in range(1, window - 1) for t in at[pos]]
+        out[name] = {
+            "mean": statistics.fmean(kept) * 1e3,
+            "measured (pos 9)": _median_ms(at[window - 1]),
+            "logging (pos 0)": _median_ms(at[0]),
+            "other (median)": _median_ms(rest),
+        }
+    return out
+
+
+def update_monitor_cost(args: argparse.Namespace, rounds: int = 200) -> float:
+    """Median ms of the update ratio's own device work on one measured step: the parameter copy,
+    the norms after the optimizer step (not timed) and the per-layer ratios; what table 3's whole
+    steps add, without their noise."""
+    model = tiny_gpt(n_layer=args.layers, n_embd=args.width, vocab_size=256, block_size=64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    cfg = sk.StabilityConfig(grad_norm=sk.GradNormConfig(update_ratio=True))
+    engine = StabilityEngine(list(model.parameters()), cfg, model=model, fused=True)
+    monitor = engine.updates
+    assert monitor is not None
+    x, y = next(char_batches(batch_size=8, block_size=64, vocab_size=256))
+    model.loss(x, y).backward()
+    samples = []
+    for i in range(rounds + 5):
+        start = time.perf_counter()
+        monitor.snapshot(i)
+        middle = time.perf_counter()
+        opt.step()
+        resume = time.perf_counter()
+        monitor.measure()
+        values = monitor.values(i + 1)
+        assert values is not None
+        values.tolist()  # rides in the logging step's journal read: the copy itself is that read's
+        if i >= 5:
+            samples.append(middle - start + time.perf_counter() - resume)
+    return _median_ms(samples)
+
+
+def _update_table(result: dict[str, dict[str, float]]) -> None:
+    print("\n3. update ratio: whole guarded step, ms (interleaved; position in a 10-step window)")
+    columns = list(next(iter(result.values())))
+    print(f"{'arm':<32}" + "".join(f"{c:>18}" for c in columns))
+    for name, row in result.items():
+        print(f"{name:<32}" + "".join(f"{row[c]:>18.3f}" for c in columns))
+    for every in (10, 1):
+        off, on = result[f"every {every}, update ratio off"], result[f"every {every}, update ratio on"]
+        parts = [f"mean {100 * (on['mean'] / off['mean'] - 1):+.1f}%"]
+        if every > 1:
+            for c in ("measured (pos 9)", "logging (pos 0)", "other (median)"):
+                parts.append(f"{c} {on[c] - off[c]:+.3f} ms ({100 * (on[c] / off[c] - 1):+.1f}%)")
+        print(f"every {every}: update ratio on vs off: " + ", ".join(parts))
+
+
 def _table(title: str, result: dict[str, float], bases: list[str]) -> None:
     print(f"\n{title}")
     header = f"{'arm':<28}{'ms/step':>10}" + "".join(f"{'x ' + b:>24}" for b in bases)
@@ -196,12 +290,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--update-ratio-only", action="store_true", help="only table 3 (the update ratio's cost)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     n_params = sum(p.numel() for p in tiny_gpt(n_layer=args.layers, n_embd=args.width, vocab_size=256).parameters())
     size = f"GPT {args.layers}x{args.width} ({n_params / 1e6:.1f}M params)"
     print(f"torch {torch.__version__}, {args.threads} threads, {size}")
+    if args.update_ratio_only:
+        _update_table(update_ratio_cost(args))
+        print(f"update ratio's own work on a measured step (copy + norms + ratios): {update_monitor_cost(args):.3f} ms")
+        return
     g = grad_processing(args)
     _table("1. grad processing per step (median)", g, ["clip_grad_norm_"])
     t = training_steps(args)
@@ -212,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"stabilitykit per-tensor (AdaGC) vs clip_grad_norm_ alone (grad processing): {per_tensor:.3f}x")
     print(f"end-to-end step overhead vs a clip_grad_norm_ loop: {overhead:+.1f}%")
     print(f"wandb.watch(log='gradients', log_freq=1) step vs bare: {t['wandb.watch gradients'] / t['bare']:.2f}x")
+    _update_table(update_ratio_cost(args))
+    print(f"update ratio's own work on a measured step (copy + norms + ratios): {update_monitor_cost(args):.3f} ms")
 
 
 if __name__ == "__main__":

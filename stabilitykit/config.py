@@ -78,6 +78,15 @@ class GradNormConfig(_Strict):
     exclude: list[str] | None = Field(
         None, description="Regexes: layers whose name matches one are not logged per layer."
     )
+    update_ratio: bool = Field(
+        False,
+        description=(
+            "Also log the update-to-weight ratio ||Δw|| / ||w|| and the weight norm, per layer and in total, "
+            "on logging steps (the update of the optimizer step just before). Costs a copy of the "
+            "parameters (one parameter-sized buffer, in the parameters' dtype and device) held during "
+            "one optimizer step per logging interval, and no host sync."
+        ),
+    )
 
     @field_validator("norm_type", mode="before")
     @classmethod

@@ -12,7 +12,7 @@ from typing import Any
 __all__ = ["SECTIONS", "wandb_dashboard"]
 
 #: Section names, in order.
-SECTIONS = ("overview", "per-layer grad norms", "precision", "logits and attention")
+SECTIONS = ("overview", "per-layer grad norms", "precision", "logits and attention", "update ratio")
 
 
 def _imports() -> tuple[Any, Any]:
@@ -32,10 +32,11 @@ def wandb_dashboard(
     prefix: str = "stability",
     step_metric: str = "trainer/global_step",
 ) -> Any:
-    """A ``wandb_workspaces.workspaces.Workspace`` with the four stabilitykit sections.
+    """A ``wandb_workspaces.workspaces.Workspace`` with the stabilitykit sections (``SECTIONS``).
 
-    ``layers``: per-layer grad-norm names to chart one by one (``["blocks.0", ...]``); the
-    per-layer section always has one chart of every layer by regex.
+    ``layers``: per-layer names to chart one by one (``["blocks.0", ...]``), their grad norm and
+    their update ratio; the per-layer sections always have one chart of every layer by regex. The
+    update-ratio section charts what ``GradNormConfig(update_ratio=True)`` logs (closed by default).
     """
     ws, wr = _imports()
 
@@ -87,4 +88,18 @@ def wandb_dashboard(
             line("max attention logit", ["attention/max_logit"]),
         ],
     )
-    return ws.Workspace(entity=entity, project=project, name=name, sections=[overview, per_layer, precision, logits])
+    update_panels = [
+        line("update / weight ratio (total), rule of thumb ~1e-3", ["update_ratio"], log_y=True),
+        wr.LinePlot(
+            title="update / weight ratio of every layer",
+            x=step_metric,
+            metric_regex=f"^{prefix}/update_ratio/.*",
+            log_y=True,
+        ),
+        wr.LinePlot(title="weight norm of every layer", x=step_metric, metric_regex=f"^{prefix}/weight_norm/.*"),
+        line("weight norm (total)", ["weight_norm"]),
+    ]
+    update_panels += [line(f"update ratio: {layer}", [f"update_ratio/{layer}"], log_y=True) for layer in layers or []]
+    updates = ws.Section(name=SECTIONS[4], panels=update_panels)
+    sections = [overview, per_layer, precision, logits, updates]
+    return ws.Workspace(entity=entity, project=project, name=name, sections=sections)

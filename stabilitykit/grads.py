@@ -202,7 +202,10 @@ class GradNormPlan:
         )
 
     def compute(
-        self, grad_scale: Tensor | None = None, dtype: torch.dtype = torch.float32
+        self,
+        grad_scale: Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+        extra: Tensor | None = None,
     ) -> tuple[NormResult, list[list[Tensor]]]:
         """Norms of the current grads and the grads themselves grouped for ``_foreach`` ops.
 
@@ -210,6 +213,9 @@ class GradNormPlan:
         ``dtype``: where the norms accumulate. fp32 (the default, the fast path) overflows once a
         tensor's sum of squares passes ~3.4e38 (a norm above ~1.8e19); fp64 does not, at many times
         the cost on the CPU, so the engine uses it only to re-measure a step whose fp32 norm overflowed.
+        ``extra``: other per-row sums, shaped ``(reducer.n_rows + 1, k, n_layers)``, that ride in the
+        grads' reduction (SUM, so not with the inf-norm) and are reduced in place; untouched without
+        a reducer.
         """
         present = tuple(p.grad is not None for p in self.params)
         layout = self._layout(present)
@@ -227,7 +233,7 @@ class GradNormPlan:
         else:
             per_tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         if self.reducer is not None:
-            result = self._reduced(per_tensor, layout, self.reducer)
+            result = self._reduced(per_tensor, layout, self.reducer, extra)
         else:
             result = self._local_result(per_tensor, layout)
         if grad_scale is not None:
@@ -289,11 +295,13 @@ class GradNormPlan:
             result.tensor_norms, result.tensor_present = tensors
         return result
 
-    def _reduced(self, per_tensor: Tensor, layout: _Layout, reducer: LayoutReducer) -> NormResult:
+    def _reduced(
+        self, per_tensor: Tensor, layout: _Layout, reducer: LayoutReducer, extra: Tensor | None = None
+    ) -> NormResult:
         """Distributed: pack [per-layer sums, per-layer non-finite counts] per row, reduce, combine.
 
         Finiteness comes from the counts, never from the reduced values (a MAX may drop a NaN).
-        A non-finite total is NaN on every rank.
+        A non-finite total is NaN on every rank. ``extra`` columns join the packed matrix (see ``compute``).
         """
         p = self.norm_type
         n = len(self.layer_names) if self.per_layer else 1
@@ -311,7 +319,13 @@ class GradNormPlan:
             else:
                 packed.index_add_(0, layout.scatter, torch.cat(parts))
         matrix = packed.view(rows + 1, width)
+        if extra is not None:
+            if p == math.inf:
+                raise ValueError("extra sums ride in a SUM reduction; the inf-norm reduces with MAX")
+            matrix = torch.cat([matrix, extra.to(matrix).reshape(rows + 1, -1)], dim=1)
         reducer.reduce_rows(matrix, p)
+        if extra is not None:
+            extra.copy_(matrix[:, width:].reshape(extra.shape))
         packed = matrix[:, : 2 * n].reshape(rows + 1, 2, n)  # a view when there are no per-tensor columns
         values, counts = packed[:rows, 0], packed[:rows, 1]
         layer_values = values.amax(0) if p == math.inf else values.sum(0)

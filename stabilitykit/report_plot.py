@@ -1,7 +1,8 @@
 """``stabilitykit report``: one picture of a run from its JSONL log or a Lightning CSV log.
 
 Panels: loss; total grad norm (log scale) with the clip threshold; the grad-norm z-score with
-the warning line; a per-layer grad-norm heatmap (layers x steps). Skipped steps, spike warnings,
+the warning line; the update-to-weight ratio, total and per layer, when the run logged it
+(``GradNormConfig(update_ratio=True)``); a per-layer grad-norm heatmap (layers x steps). Skipped steps, spike warnings,
 loss spikes and alerts are marked on every line panel. Needs matplotlib (``plots`` extra).
 
 The log is read one line at a time into a bounded number of step bins per series (min, max and
@@ -37,7 +38,10 @@ _LINES = (
     "spikes/z_grad_norm",
     "spikes/max_z_grad_norm",
     "skipped/total",
+    "update_ratio",
 )
+#: The rule-of-thumb update/weight ratio per step drawn as a reference line (Adam-style optimizers).
+_RATIO_GUIDE = 1e-3
 _ANCHOR = "grad_norm/total"  # every metric row of the guard holds it: it tells the prefix
 _LINE_BINS = 4096  # per line series; per-layer series get a quarter of it
 _MAX_MARKS = 2000
@@ -159,6 +163,8 @@ class RunLog:
     prefix: str = "stability"
     lines: dict[str, _Bins] = field(default_factory=dict)
     layers: dict[str, _Bins] = field(default_factory=dict)
+    #: per-layer update/weight ratios (``update_ratio/<layer>``), when the run logged them
+    update_layers: dict[str, _Bins] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
     n_rows: int = 0
     first_step: int | None = None
@@ -174,9 +180,18 @@ class RunLog:
         return list(self.layers)
 
     @property
+    def has_update_ratio(self) -> bool:
+        """The run logged the update/weight ratio (total or per layer)."""
+        return "update_ratio" in self.lines or bool(self.update_layers)
+
+    def all_bins(self) -> list[_Bins]:
+        """Every series' bins."""
+        return [*self.lines.values(), *self.layers.values(), *self.update_layers.values()]
+
+    @property
     def binned(self) -> bool:
         """True when some series has more steps than bins (then each point stands for several steps)."""
-        return any(b.width > 1 for b in (*self.lines.values(), *self.layers.values()))
+        return any(b.width > 1 for b in self.all_bins())
 
 
 class _Builder:
@@ -207,6 +222,8 @@ class _Builder:
             return self.log.lines.setdefault(name, _Bins(self.bins))
         if name.startswith("grad_norm/"):
             return self.log.layers.setdefault(name[len("grad_norm/") :], _Bins(max(2, self.bins // 4)))
+        if name.startswith("update_ratio/"):
+            return self.log.update_layers.setdefault(name[len("update_ratio/") :], _Bins(max(2, self.bins // 4)))
         return None
 
     def add_row(self, row: dict[str, Any], step: int) -> None:
@@ -233,7 +250,7 @@ class _Builder:
             return
         log = self.log
         if log.n_rows % _CHUNK == _CHUNK - 1:
-            for bins in (*log.lines.values(), *log.layers.values()):
+            for bins in log.all_bins():
                 bins.fold()
         log.n_rows += 1
         if log.first_step is None or step < log.first_step:
@@ -249,7 +266,7 @@ class _Builder:
 
     def finish(self, what: str) -> RunLog:
         log = self.log
-        for bins in (*log.lines.values(), *log.layers.values()):
+        for bins in log.all_bins():
             bins.fold()
         if log.n_rows:
             return log
@@ -386,6 +403,26 @@ def _plot_series(ax: Any, bins: _Bins | None, positive: bool = False, **style: A
         ax.fill_between(steps, lo, hi, color=style.get("color"), alpha=0.2, lw=0, step="post")
 
 
+def _plot_update_ratio(ax: Any, run: RunLog) -> None:
+    """The update/weight ratio per step: the total in black, each layer a thin line (first layer purple,
+    last yellow), the 1e-3 rule of thumb dashed. A skipped step's 0 is not drawn (log scale); its mark is."""
+    from matplotlib import colormaps
+
+    names = list(run.update_layers)
+    cmap = colormaps["viridis"]
+    for i, name in enumerate(names):
+        color = cmap(i / max(1, len(names) - 1))
+        label = name if len(names) <= 8 else None
+        _plot_series(ax, run.update_layers[name], True, color=color, lw=0.7, alpha=0.8, label=label)
+    _plot_series(ax, run.lines.get("update_ratio"), True, color="black", lw=1.4, label="total")
+    ax.axhline(_RATIO_GUIDE, color="gray", lw=0.8, ls="--", label="1e-3 (rule of thumb)")
+    ax.set_yscale("log")
+    ax.set_ylabel("||Δw|| / ||w||")
+    colours = f"; {len(names)} layers, purple (first) to yellow (last)" if len(names) > 8 else ""
+    ax.set_title(f"update / weight ratio of the step before each logging step{colours}", fontsize=8)
+    ax.legend(loc="upper right", fontsize=7, ncol=2)
+
+
 def draw_report(
     log: str | os.PathLike[str] | RunLog,
     output: str | os.PathLike[str] = "report.png",
@@ -415,9 +452,14 @@ def report_figure(log: str | os.PathLike[str] | RunLog, title: str | None = None
 
     run = log if isinstance(log, RunLog) else load_run_log(log, prefix)
     layers = run.layer_names()
-    fig = Figure(figsize=(12, 13 if layers else 9))
-    axes = fig.subplots(4 if layers else 3, 1, sharex=False)
+    updates = run.has_update_ratio
+    fig = Figure(figsize=(12, 9 + (4 if layers else 0) + (3.5 if updates else 0)))
+    axes = fig.subplots(3 + updates + bool(layers), 1, sharex=False)
     ax_loss, ax_norm, ax_z = axes[0], axes[1], axes[2]
+    line_axes = [ax_loss, ax_norm, ax_z]
+    if updates:
+        line_axes.append(axes[3])
+        _plot_update_ratio(axes[3], run)
 
     loss = run.lines.get("loss")
     _plot_series(ax_loss, loss, color="tab:blue", lw=1.2)
@@ -456,7 +498,7 @@ def report_figure(log: str | os.PathLike[str] | RunLog, title: str | None = None
         marker, color, label = _MARKERS[kind]
         steps = _marks(steps)
         bottom = 0.0 if len(steps) <= _FULL_LINES else 0.96  # many marks: ticks at the top, not a red wall
-        for ax in (ax_loss, ax_norm, ax_z):
+        for ax in line_axes:
             ax.vlines(steps, bottom, 1, transform=ax.get_xaxis_transform(), color=color, lw=0.6, alpha=0.5)
         ax_loss.scatter(
             steps,
@@ -470,7 +512,7 @@ def report_figure(log: str | os.PathLike[str] | RunLog, title: str | None = None
         )
     if by_kind:
         ax_loss.legend(loc="upper right", fontsize=8)
-    for ax in (ax_loss, ax_norm, ax_z):
+    for ax in line_axes:
         ax.grid(True, alpha=0.3)
         ax.set_xlabel("step")
         if run.first_step is not None and run.last_step is not None and run.last_step > run.first_step:
@@ -478,7 +520,7 @@ def report_figure(log: str | os.PathLike[str] | RunLog, title: str | None = None
             ax.set_xlim(run.first_step - pad, run.last_step + pad)
 
     if layers:
-        ax_h = axes[3]
+        ax_h = axes[-1]
         width = max(b.width for b in run.layers.values())
         origin = min(b.origin for b in run.layers.values() if b.origin is not None)
         end = max((b.origin or 0) + b.used * b.width for b in run.layers.values())

@@ -116,3 +116,12 @@ def test_per_tensor_clipping_example_spares_the_healthy_tensors() -> None:
     fixed, per_tensor = results["global (fixed)"], results["per-tensor (AdaGC)"]
     assert fixed["others_kept"] < 0.05 and fixed["spiked_vs_usual"] > 5
     assert per_tensor["others_kept"] > 0.5 and per_tensor["spiked_vs_usual"] < 1.2
+
+
+def test_update_ratio_example(tmp_path) -> None:
+    result = _load("update_ratio").main(["--steps", "40", "--out", str(tmp_path)])
+    sane, high = (result["runs"][lr] for lr in (3e-4, 3e-2))
+    assert list(sane["ratios"]) == list(range(5, 40, 5))  # the update of steps 4, 9, ... logged at 5, 10, ...
+    assert sane["ratios"][35] == 0.0 and high["ratios"][35] == 0.0  # step 34 was skipped
+    assert 1e-4 < sane["median"] < 3e-3 and high["median"] > 10 * sane["median"]
+    assert result["report"].stat().st_size > 30_000

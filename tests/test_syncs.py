@@ -16,12 +16,14 @@ def _ours(counter) -> int:
     return sum(1 for site in counter.sites if "/stabilitykit/" in site and "/testing/" not in site)
 
 
+@pytest.mark.parametrize("update_ratio", [False, True])  # True: steps 4, 9, 14 copy the weights and measure
 @pytest.mark.parametrize("clip", ["fixed", "adaptive", "per_tensor_adaptive"])
-def test_fused_adamw_zero_syncs_off_logging_steps_one_on(clip: str) -> None:
+def test_fused_adamw_zero_syncs_off_logging_steps_one_on(clip: str, update_ratio: bool) -> None:
     model = sk.testing.tiny_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    cfg = sk.StabilityConfig(clip=sk.ClipConfig(mode=clip, warmup_steps=3), log_every_n_steps=5)
+    grad_norm = sk.GradNormConfig(update_ratio=update_ratio)
+    cfg = sk.StabilityConfig(clip=sk.ClipConfig(mode=clip, warmup_steps=3), log_every_n_steps=5, grad_norm=grad_norm)
     guard = sk.StabilityGuard(model, opt, cfg, scheduler=sched, sinks=[sk.sinks.ConsoleSink(stream=io.StringIO())])
     counts = []
     for i, (x, y) in enumerate(batches(15)):

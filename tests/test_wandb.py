@@ -90,13 +90,14 @@ def test_lightning_wandb_logger_and_sink_share_the_step_metric(tmp_path: Path) -
     assert [a["title"] for a in logged.alerts] == ["stabilitykit: nonfinite at step 3"]
 
 
-def test_dashboard_spec_builds_offline_with_the_four_sections() -> None:
+def test_dashboard_spec_builds_offline_with_the_five_sections() -> None:
     workspace = sk.wandb_dashboard("my-team", "my-project", layers=["blocks.0", "lm_head"])
     assert [s.name for s in workspace.sections] == [
         "overview",
         "per-layer grad norms",
         "precision",
         "logits and attention",
+        "update ratio",
     ]
     spec = workspace._to_model().model_dump(by_alias=True)
     assert spec["entity"] == "my-team" and spec["project"] == "my-project"

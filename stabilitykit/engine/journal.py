@@ -122,14 +122,15 @@ class Journal:
     def read(
         self, extras: list[Tensor] | None = None, current_step: int | None = None
     ) -> tuple[list[Row], list[float]]:
-        """Every row since the last read plus ``extras`` (0-d tensors) in ONE copy; the journal empties.
+        """Every row since the last read plus ``extras`` (0-d or 1-d tensors, flattened into the tail) in ONE
+        copy; the journal empties.
 
         ``current_step``: the step being decided now, whose row is therefore read on time.
         """
         n = len(self.infos)
         flat_rows = self.buffer[:n].flatten()
         if extras:
-            tail = torch.stack([t.detach().reshape(()).to(flat_rows) for t in extras])
+            tail = torch.cat([t.detach().reshape(-1).to(flat_rows) for t in extras])
             flat = torch.cat([flat_rows, tail]).tolist()
         else:
             flat = flat_rows.tolist()

@@ -24,6 +24,10 @@ The state machine of one step, in one place:
 
 Host syncs: none on a non-logging step when the optimizer is fused or skipping is off; one per
 step for other optimizers with skipping on; one per logging step.
+
+With ``GradNormConfig.update_ratio`` the step before each logging step copies the parameters at
+the end of ``evaluate`` and measures its update at the start of ``finish``; the logging step reads
+it with its journal (``engine/updates.py``), so it adds no sync.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from stabilitykit.engine.journal import COLUMNS, MAX_JOURNAL_ROWS, Journal, Row,
 from stabilitykit.engine.layers import build_layer_map
 from stabilitykit.engine.ledger import Divergence, Ledger
 from stabilitykit.engine.overflow import remeasure_overflow
+from stabilitykit.engine.updates import UpdateMonitor
 from stabilitykit.events import Event
 from stabilitykit.grads import GradNormPlan, apply_clip_coefficient, clip_coefficient
 from stabilitykit.hooks import HookManager
@@ -78,6 +83,7 @@ class StepDecision:
     rows: list[Row] = field(default_factory=list)  # journal rows the host read during this step
     loss_scale: float | None = None
     module_metrics: dict[str, float] = field(default_factory=dict)
+    update_metrics: dict[str, float] = field(default_factory=dict)  # update ratio and weight norms (logging steps)
 
 
 class StabilityEngine:
@@ -113,6 +119,7 @@ class StabilityEngine:
             per_tensor=self.config.clip.mode == "per_tensor_adaptive",
         )
         self.logged_layers = [i for i, n in enumerate(self.layer_names) if self._layer_logged(n)]
+        self.updates = UpdateMonitor(self.plan) if gcfg.update_ratio else None  # see engine/updates.py
         self.device = self.params[0].device
         self.step = 0  # optimizer steps attempted so far (skipped ones included)
         self.clip = make_clip_strategy(self.config.clip, self.device, len(self.params), gcfg.norm_type)
@@ -205,7 +212,8 @@ class StabilityEngine:
         cfg = self.config
         step = self.step
         logging = self.is_logging_step(step)
-        norms, grouped = self.plan.compute(grad_scale)
+        update_sums = self.updates.to_fold(step) if self.updates is not None else None
+        norms, grouped = self.plan.compute(grad_scale, extra=update_sums)
         total = norms.total
         finite = norms.finite if norms.finite is not None else torch.isfinite(total)
         loss = self._loss_sum  # the sum of what was backpropagated: with ``loss / accumulate`` the batch mean
@@ -261,6 +269,8 @@ class StabilityEngine:
             decision.skip_known = False
         if decision.skip_known and self._overflowed(decision):
             self._remeasure(decision, grouped, grad_scale, force_skip)
+        if self.updates is not None and self.is_logging_step(step + 1):
+            self.updates.snapshot(step)  # the parameters before this step's update, read at the next step
         return decision
 
     def _overflowed(self, decision: StepDecision) -> bool:
@@ -328,8 +338,14 @@ class StabilityEngine:
         if loss_scale is not None:
             names.append("scaler/scale")
             extras.append(loss_scale)
+        updates = self.updates if decision.logging else None
+        update = updates.values(decision.report.step) if updates is not None else None
+        if update is not None:
+            extras = [*extras, update]  # a vector: the update ratio and weight norms, read in the same copy
         rows, tail = self.journal.read(extras, current_step=decision.report.step)
-        values = dict(zip(names, tail, strict=True))
+        if updates is not None and update is not None:
+            decision.update_metrics = updates.named(tail[len(names) :], self.layer_names, self.logged_layers)
+        values = dict(zip(names, tail[: len(names)], strict=True))
         decision.loss_scale = values.pop("scaler/scale", None)
         decision.module_metrics = values
         decision.rows.extend(rows)
@@ -387,6 +403,8 @@ class StabilityEngine:
         """
         step = self.step
         self.step += 1
+        if self.updates is not None:
+            self.updates.measure()  # after the optimizer step: this step's update, if it was snapshotted
         self._mark_measure()
         divergence = self._fold(decision.rows, step, decision.module_metrics)
         if decision.logging:
@@ -459,6 +477,7 @@ class StabilityEngine:
             for event in self.ledger.fp16_events(last.step, decision.loss_scale, self.source_hint):
                 self.hooks.emit(event)
         metrics.update(decision.module_metrics)
+        metrics.update(decision.update_metrics)
         if self.ledger.spikes is not None:
             metrics.update(self.ledger.spikes.metrics())
         if self.per_layer:
@@ -515,4 +534,6 @@ class StabilityEngine:
             rule.load_state_dict(state["spike_rule"])
         self.step = int(state["step"])
         self.ledger, self.clip, self.journal, self.spike_rule = ledger, clip, journal, rule
+        if self.updates is not None:
+            self.updates.reset()
         self._mark_measure()

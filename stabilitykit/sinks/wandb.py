@@ -24,6 +24,14 @@ __all__ = ["ALERT_KINDS", "WandbSink"]
 #: Event kinds that raise a W&B alert by default.
 ALERT_KINDS = ("spike_alert", "nonfinite", "diverged", "fp16_warning")
 _LEVELS = {"diverged": "ERROR", "nonfinite": "WARN", "spike_alert": "WARN", "fp16_warning": "WARN"}
+_PER_LAYER_FAMILIES = ("grad_norm/", "update_ratio/", "weight_norm/")
+
+
+def _per_layer(key: str) -> bool:
+    """A per-layer key (``stability/grad_norm/blocks.0``), the first kind dropped above ``max_keys``."""
+    if key.count("/") > 2:
+        return True
+    return any(f in key for f in _PER_LAYER_FAMILIES) and not key.endswith(("grad_norm/total", "grad_norm/max"))
 
 
 class WandbSink:
@@ -33,7 +41,8 @@ class WandbSink:
     ``alert_wait_seconds`` between alerts of one kind). Every event is also logged as a marker
     metric ``stability/events/<kind>`` at the step it happened, for spike markers on charts.
     ``max_keys`` bounds the keys of one log call (per-layer norms beyond it are dropped, once
-    with a warning). ``buffer_size`` records are held while no run is active.
+    with a warning; weight norms first, then update ratios, then grad norms). ``buffer_size``
+    records are held while no run is active.
     """
 
     def __init__(
@@ -158,9 +167,7 @@ class WandbSink:
         """One logging step's metrics, with ``trainer/global_step = step``."""
         row = dict(metrics)
         if len(row) > self.max_keys:
-            keep = sorted(
-                row, key=lambda k: (k.count("/") > 2 or ("grad_norm/" in k and not k.endswith(("total", "max"))), k)
-            )
+            keep = sorted(row, key=lambda k: (_per_layer(k), k))  # per-layer last; grad norms kept longest
             row = {k: row[k] for k in keep[: self.max_keys]}
             if not self._trimmed_warned:
                 warnings.warn(
