@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -44,10 +45,16 @@ def _save(path: Path, state: dict[str, Any]) -> None:
 
 
 def train(workdir: str, steps: int = 300, resume: bool = False) -> dict[str, Any]:
-    """Train to ``steps`` (from the checkpoint when ``resume``); returns (and saves) the counters."""
+    """Train to ``steps`` (from the checkpoint when ``resume``); returns (and saves) the counters.
+
+    It first restores Python's SIGINT handler (a forkserver child starts with SIGINT ignored) and
+    then touches ``WORKDIR/started``, so a killer can time its signal from the training's start.
+    """
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     began = time.perf_counter()
     torch.set_num_threads(1)
     folder = Path(workdir)
+    (folder / "started").touch()
     ckpt = folder / "ckpt.pt"
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))

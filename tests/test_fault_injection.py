@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import random
 import signal
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,6 +42,10 @@ def _run(ctx: Any, workdir: Path, target: Any, args: tuple, kill_after: float | 
     proc = ctx.Process(target=target, args=args)
     proc.start()
     if kill_after is not None:
+        started = workdir / "started"  # the child's SIGINT handler is in place: time the kill from here
+        deadline = time.monotonic() + 60
+        while not started.exists() and proc.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
         proc.join(kill_after)
         if proc.is_alive():
             os.kill(proc.pid, sig)
