@@ -301,8 +301,7 @@ class QKClip:
                     f"expected ({lay.num_heads},) (one per query head)"
                 )
             group_size = lay.num_heads // lay.kv_heads
-            group_max = head_max.view(lay.kv_heads, group_size).amax(dim=1)
-            over = torch.isfinite(group_max) & (group_max > self.threshold)
+            group_max, over = self._groups_over(lay, head_max)
             if skip is not None:
                 over = over & ~skip
             eta = torch.where(over, torch.full_like(group_max, self.threshold) / group_max, 1.0)
@@ -318,6 +317,11 @@ class QKClip:
         if clipped:
             last["qk_clip/heads_clipped"] = torch.stack(clipped).sum().float()
         self._last = last
+
+    def _groups_over(self, lay: QKLayout, head_max: Tensor) -> tuple[Tensor, Tensor]:
+        """Per key-head group: the max logit over its query heads, and whether it is finite and above tau."""
+        group_max = head_max.view(lay.kv_heads, lay.num_heads // lay.kv_heads).amax(dim=1)
+        return group_max, torch.isfinite(group_max) & (group_max > self.threshold)
 
     def after(self, step_fn: Callable[[], Any], skip: Tensor, skipped: bool = False) -> Callable[[], Any]:
         """``step_fn`` followed by ``apply(skip)``: how a driver runs QK-clip right after its optimizer step.
@@ -379,9 +383,8 @@ class QKClip:
             if entry.running is None:
                 continue
             lay = entry.target.qk_clip_layout()
-            group_size = lay.num_heads // lay.kv_heads
-            group_max = entry.running.view(lay.kv_heads, group_size).amax(dim=1)
-            over.append((torch.isfinite(group_max) & (group_max > self.threshold)).sum() * group_size)
+            _, above = self._groups_over(lay, entry.running)
+            over.append(above.sum() * (lay.num_heads // lay.kv_heads))
             metrics[f"qk_clip/max_logit/{entry.name}"] = entry.running.amax()
         metrics["qk_clip/heads_clipped"] = torch.stack(over).sum().float()
         return metrics
