@@ -20,6 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from tests.distributed_models import ResidualNet
+from tests.distributed_models import wrap as wrap_net
+
 ITERS = 7
 NAN_AT = 3
 SPIKE_AT = 5
@@ -28,27 +31,8 @@ SPIKED = "blocks.1.fc.weight"
 WIDTH, HIDDEN, CLASSES, PER_RANK = 8, 16, 4, 6
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(WIDTH, HIDDEN)
-        self.proj = nn.Linear(HIDDEN, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.proj(torch.tanh(self.fc(x)))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList([Block() for _ in range(2)])
-        self.head = nn.Linear(WIDTH, CLASSES)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+def make_net() -> ResidualNet:
+    return ResidualNet(WIDTH, HIDDEN, 2, CLASSES)
 
 
 def batch(rank: int, it: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +105,7 @@ def full_params(model: nn.Module) -> dict[str, list[float]]:
 
 def train_reference(norm_type: float) -> dict[str, Any]:
     """One process, both ranks' batches at once (the mean loss DDP and FSDP average to)."""
-    model = Net()
+    model = make_net()
 
     def loss_of(it: int) -> torch.Tensor:
         x0, y0 = batch(0, it)
@@ -132,22 +116,7 @@ def train_reference(norm_type: float) -> dict[str, Any]:
 
 
 def wrap(kind: str) -> nn.Module:
-    net = Net()
-    if kind == "ddp":
-        return nn.parallel.DistributedDataParallel(net)
-    if kind == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        cpu = torch.device("cpu")
-        for i, block in enumerate(net.blocks):
-            net.blocks[i] = FSDP(block, use_orig_params=True, device_id=cpu)
-        return FSDP(net, use_orig_params=True, device_id=cpu)
-    from torch.distributed.fsdp import fully_shard
-
-    for block in net.blocks:
-        fully_shard(block)
-    fully_shard(net)
-    return net
+    return wrap_net(make_net(), kind)
 
 
 def collectives(rank: int) -> dict[str, int]:

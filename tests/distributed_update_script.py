@@ -21,32 +21,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.distributed_models import ResidualNet
+from tests.distributed_models import wrap as wrap_net
+
 STEPS = 7
 EVERY = 2
 NAN_STEP = 3
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(13, 29)
-        self.proj = nn.Linear(29, 13)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.proj(torch.tanh(self.fc(x)))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList([Block() for _ in range(3)])
-        self.head = nn.Linear(13, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+def make_net() -> ResidualNet:
+    return ResidualNet(13, 29, 3, 5)
 
 
 def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
@@ -84,7 +68,7 @@ def hand_metrics(before: dict[str, torch.Tensor], model: nn.Module) -> dict[str,
 
 def reference(world: int) -> list[dict[str, float]]:
     """One process: the mean of every rank's loss, the NaN step skipped; metrics of the steps before logging steps."""
-    model = Net()
+    model = make_net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     out = []
     for step in range(STEPS):
@@ -113,23 +97,9 @@ class Capture:
 
 
 def wrap(kind: str) -> nn.Module:
-    net = Net()
-    if kind == "ddp":
-        return nn.parallel.DistributedDataParallel(net)
-    if kind.startswith("fsdp1"):
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        orig = kind.endswith("orig")
-        cpu = torch.device("cpu")
-        for i, block in enumerate(net.blocks):
-            net.blocks[i] = FSDP(block, use_orig_params=orig, device_id=cpu)
-        return FSDP(net, use_orig_params=orig, device_id=cpu)
-    from torch.distributed.fsdp import fully_shard
-
-    for block in net.blocks:
-        fully_shard(block)
-    fully_shard(net)
-    return net
+    """``"fsdp1-orig"`` / ``"fsdp1-flat"``: FSDP1 with / without ``use_orig_params``; else ``"ddp"`` or FSDP2."""
+    fsdp1 = kind.startswith("fsdp1")
+    return wrap_net(make_net(), "fsdp1" if fsdp1 else kind, use_orig_params=kind.endswith("orig"))
 
 
 def train(kind: str, norm_type: float, rank: int, update_ratio: bool) -> tuple[list[dict[str, Any]], int]:
