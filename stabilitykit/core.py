@@ -12,6 +12,7 @@ step is over.
 from __future__ import annotations
 
 import functools
+import types
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 
 from stabilitykit.buffers import BufferGuard, running_stat_buffers
 from stabilitykit.config import StabilityConfig
-from stabilitykit.engine import StabilityEngine, StepDecision, is_fused
+from stabilitykit.engine import StabilityEngine, StepDecision, StepGate, is_fused
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NaNTracer, NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
 from stabilitykit.precision import PrecisionChoice, apply_precision_config
@@ -127,6 +128,10 @@ def optimizer_params(optimizer: Any) -> list[Tensor]:
     return params
 
 
+class _StepSkipped(Exception):
+    """Raised from a guarded closure to stop the optimizer before its update (a skip the host knows)."""
+
+
 class DriverCore:
     """One guarded optimizer: the engine plus what every driver needs around it."""
 
@@ -171,6 +176,8 @@ class DriverCore:
         self.tracer: NaNTracer | None = None
         self._trace_left = 0
         self._undo: list[Callable[[], None]] = []
+        self._routes: dict[int, Callable[[], None]] = {}  # optimizer id -> undo of its routed step
+        self._in_closure_step = False
         self._trace_for(self.engine.step)
 
     # ------------------------------------------------------------------ micro-batches
@@ -204,8 +211,11 @@ class DriverCore:
         ``replay`` recomputes this batch's loss (forward only); with ``nan_trace.mode="on_nonfinite"``
         a skipped step is replayed once to name where it went non-finite (one sync per step).
         ``log_step``: the step number sinks see for this step (a framework's global step).
+        Inside a step whose closure already decided (a closure evaluated twice), that decision stands.
         """
         if self.decision is not None:
+            if self._in_closure_step:
+                return self.decision
             self.finish()
         grad_scale = self.scaler.grads_scale(self.optimizer, self.engine.fused)
         decision = self.engine.evaluate(
@@ -268,37 +278,76 @@ class DriverCore:
         return self.last_report
 
     # ------------------------------------------------------------------ wrapping framework objects
-    def wrap_optimizer_step(self, optimizer: Any) -> Callable[[], None]:
-        """Route ``optimizer.step`` through this core until the returned function is called.
+    def run_closure_step(self, step_fn: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any]) -> Any:
+        """Run ``step_fn(guarded_closure)``: the optimizer calls the closure itself, as it would without us.
 
-        The wrapper lives on the instance (never in ``optimizer.state_dict()``); undoing restores
-        exactly what was there before (an instance attribute such as an LR scheduler's patch, or none).
-        A ``closure`` runs first (it computes the grads and the decision), as Lightning expects.
+        The grads are final when the closure returns (Lightning measures them in its
+        ``on_before_optimizer_step``, inside the closure). The first return of the closure decides
+        the step: a skip the host knows stops the optimizer right there (before its update), a skip
+        still on the device goes to a fused optimizer's ``found_inf``. An optimizer that evaluates
+        its closure again in the same step (a SAM-style two-pass step) gets each evaluation's real
+        result; only the first is measured, clipped and decides. An optimizer that never calls its
+        closure is left to notice that itself (Lightning raises).
+        """
+        gate: StepGate | None = None
+        result: Any = None
+
+        def guarded() -> Any:
+            nonlocal gate, result
+            result = closure()
+            if gate is None and self.decision is not None:
+                gate = self.engine.open_step(self.decision, self.optimizer)
+                if gate.skip_now:
+                    raise _StepSkipped
+            return result
+
+        self._in_closure_step = True
+        try:
+            return step_fn(guarded)
+        except _StepSkipped:
+            return result
+        finally:
+            self._in_closure_step = False
+            if gate is not None:
+                gate.close()
+
+    def wrap_optimizer_step(self, optimizer: Any) -> Callable[[], None]:
+        """Route ``optimizer.step`` through this core (once: a second call returns the same undo).
+
+        The wrapper is a bound method on the instance, so torch's LR schedulers built later (they
+        need ``optimizer.step.__func__``) and anyone who wraps it after us keep working; it never
+        reaches ``optimizer.state_dict()``. Without a step in flight it just runs the step. Undoing
+        restores exactly what was there before (an instance attribute such as an LR scheduler's
+        patch, or none); the undo runs at ``release()``.
         """
         target = unwrap_optimizer(optimizer)
+        installed = self._routes.get(id(target))
+        if installed is not None:
+            return installed
         had_own = "step" in vars(target)
         previous = vars(target).get("step")
         original = target.step
         core = self
 
-        @functools.wraps(original)
-        def step(*args: Any, closure: Any = None, **kwargs: Any) -> Any:
+        @functools.wraps(getattr(original, "__func__", original))
+        def step(_optimizer: Any, *args: Any, closure: Any = None, **kwargs: Any) -> Any:
             if closure is None:
                 return core.run_optimizer_step(lambda: original(*args, **kwargs))
-            result = closure()
-            out = core.run_optimizer_step(lambda: original(*args, closure=lambda: result, **kwargs))
-            return result if out is None else out
+            return core.run_closure_step(lambda guarded: original(*args, closure=guarded, **kwargs), closure)
 
-        target.step = step
+        bound = types.MethodType(step, target)
+        target.step = bound
 
         def undo() -> None:
-            if vars(target).get("step") is not step:
-                return  # someone wrapped it again on top: leave theirs alone
+            self._routes.pop(id(target), None)
+            if vars(target).get("step") is not bound:
+                return  # someone wrapped it again on top: leave theirs alone (ours then just runs the step)
             if had_own:
                 target.step = previous
             else:
                 del target.step
 
+        self._routes[id(target)] = undo
         self._undo.append(undo)
         return undo
 

@@ -108,6 +108,8 @@ class StabilityGuard:
         self.schedulers = _as_list(scheduler)
         self.scheduler = scheduler
         self._pending_losses: list[Tensor] = []  # several optimizers: losses not yet claimed by a step
+        # each optimizer's step is routed through its core once, for the guard's life (undone by close())
+        self._unroute = [self._route_step(core) for core in self.cores]
 
     @property
     def engine(self) -> StabilityEngine:
@@ -201,11 +203,7 @@ class StabilityGuard:
             core.record_loss(loss)
         self._pending_losses = []
         core.evaluate(replay=replay)
-        undo = self._route_step(core)
-        try:
-            self._optimizer_step(core, update_scaler)
-        finally:
-            undo()
+        self._optimizer_step(core, update_scaler)
         if not core.should_hold_scheduler():
             for scheduler in self._schedulers_of(core):
                 scheduler.step()
@@ -214,7 +212,7 @@ class StabilityGuard:
         return report
 
     def _route_step(self, core: DriverCore) -> Callable[[], None]:
-        """Route the optimizer's step through ``core`` for one call; returns the undo."""
+        """Route the optimizer's step through ``core`` (installed once, at construction); returns the undo."""
         return core.wrap_optimizer_step(core.optimizer)
 
     def _optimizer_step(self, core: DriverCore, update_scaler: bool) -> None:
@@ -284,7 +282,10 @@ class StabilityGuard:
             core.load_state_dict(core_state)
 
     def close(self) -> None:
-        """Process the steps since the last logging step, remove tracing hooks and close the sinks."""
+        """Process the steps since the last logging step, remove tracing hooks and wrappers, close the sinks."""
+        for undo in self._unroute:
+            undo()
+        self._unroute = []
         for core in self.cores:
             core.close()
         self.hooks.close()

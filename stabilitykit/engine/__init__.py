@@ -6,7 +6,7 @@ Nothing here knows Lightning, Hugging Face or W&B; drivers reach it through ``st
 from stabilitykit.engine.journal import Journal, Row, RowInfo
 from stabilitykit.engine.layers import LayerMap, build_layer_map, clean_name, layer_names_for, unwrap_model
 from stabilitykit.engine.ledger import Counters, Divergence, Ledger
-from stabilitykit.engine.step import StabilityEngine, StepDecision, is_fused
+from stabilitykit.engine.step import StabilityEngine, StepDecision, StepGate, is_fused
 
 __all__ = [
     "Counters",
@@ -18,6 +18,7 @@ __all__ = [
     "RowInfo",
     "StabilityEngine",
     "StepDecision",
+    "StepGate",
     "build_layer_map",
     "clean_name",
     "is_fused",

@@ -56,7 +56,7 @@ from stabilitykit.nn.qk_clip import QKClip
 from stabilitykit.report import StepReport
 from stabilitykit.spike_skip import SpikeSkipRule
 
-__all__ = ["StabilityEngine", "StepDecision", "is_fused"]
+__all__ = ["StabilityEngine", "StepDecision", "StepGate", "is_fused"]
 
 
 def is_fused(optimizer: Any | None) -> bool:
@@ -84,6 +84,36 @@ class StepDecision:
     loss_scale: float | None = None
     module_metrics: dict[str, float] = field(default_factory=dict)
     update_metrics: dict[str, float] = field(default_factory=dict)  # update ratio and weight norms (logging steps)
+
+
+class StepGate:
+    """One optimizer step's skip, applied around the step (see ``StabilityEngine.open_step``)."""
+
+    def __init__(self, decision: StepDecision, fused_optimizer: Any | None, qk_clip: QKClip | None) -> None:
+        self.decision = decision
+        self.skip_now = decision.skip_known is True
+        self._qk_clip = qk_clip
+        self._optimizer = None
+        self._previous: Tensor | None = None
+        if not self.skip_now and decision.skip_known is None and fused_optimizer is not None:
+            self._optimizer = fused_optimizer
+            self._previous = getattr(fused_optimizer, "found_inf", None)
+            flag = decision.skip.to(torch.float32)
+            previous = self._previous
+            fused_optimizer.found_inf = flag if previous is None else torch.maximum(previous, flag.to(previous))
+
+    def close(self) -> None:
+        """The step ran (or was skipped): restore ``found_inf``, then QK-clip on a step that was taken."""
+        optimizer, self._optimizer = self._optimizer, None
+        if optimizer is not None:
+            if self._previous is None:
+                del optimizer.found_inf
+            else:
+                optimizer.found_inf = self._previous
+        qk_clip, self._qk_clip = self._qk_clip, None
+        if qk_clip is not None:
+            skip = self.decision.skip
+            qk_clip.apply(skip=torch.ones_like(skip) if self.skip_now else skip)
 
 
 class StabilityEngine:
@@ -368,29 +398,26 @@ class StabilityEngine:
             if hasattr(module, "measure_metrics"):
                 module.measure_metrics = logging
 
-    def apply(self, decision: StepDecision, step_fn: Callable[[], Any], optimizer: Any | None = None) -> Any:
-        """Run the optimizer step unless this step is skipped; fused optimizers skip on the device.
+    def open_step(self, decision: StepDecision, optimizer: Any | None = None) -> StepGate:
+        """Prepare the optimizer step for ``decision``; ``close()`` the gate after the step (or instead of it).
 
-        A fused optimizer gets the skip OR-ed into ``found_inf`` (GradScaler's own flag, when it set
-        one, is kept and restored afterwards, so GradScaler's bookkeeping is untouched). QK-clip
-        (``config.qk_clip``) rescales right after the optimizer step, and nothing on a skipped step.
+        A skip the host knows: ``skip_now`` is true and the optimizer step must not run. A skip still
+        on the device, with a fused optimizer: OR-ed into ``found_inf`` until ``close()`` (GradScaler's
+        own flag, when it set one, is kept and restored, so its bookkeeping is untouched). QK-clip
+        (``config.qk_clip``) rescales at ``close()``, and nothing on a skipped step.
         """
-        if self.qk_clip is not None:
-            step_fn = self.qk_clip.after(step_fn, decision.skip, skipped=decision.skip_known is True)
-        if decision.skip_known is True:
+        return StepGate(decision, optimizer if self.fused else None, self.qk_clip)
+
+    def apply(self, decision: StepDecision, step_fn: Callable[[], Any], optimizer: Any | None = None) -> Any:
+        """Run the optimizer step unless this step is skipped; fused optimizers skip on the device."""
+        gate = self.open_step(decision, optimizer)
+        if gate.skip_now:
+            gate.close()
             return None
-        if decision.skip_known is None and optimizer is not None and self.fused:
-            previous = getattr(optimizer, "found_inf", None)
-            flag = decision.skip.to(torch.float32)
-            optimizer.found_inf = flag if previous is None else torch.maximum(previous, flag.to(previous))
-            try:
-                return step_fn()
-            finally:
-                if previous is None:
-                    del optimizer.found_inf
-                else:
-                    optimizer.found_inf = previous
-        return step_fn()
+        try:
+            return step_fn()
+        finally:
+            gate.close()
 
     def hold_scheduler(self, decision: StepDecision) -> bool:
         """True when the LR scheduler must not advance this step (skipped now, or skips learned late)."""

@@ -323,23 +323,6 @@ class QKClip:
         group_max = head_max.view(lay.kv_heads, lay.num_heads // lay.kv_heads).amax(dim=1)
         return group_max, torch.isfinite(group_max) & (group_max > self.threshold)
 
-    def after(self, step_fn: Callable[[], Any], skip: Tensor, skipped: bool = False) -> Callable[[], Any]:
-        """``step_fn`` followed by ``apply(skip)``: how a driver runs QK-clip right after its optimizer step.
-
-        ``skipped``: the host already knows the step is skipped (``step_fn`` will not run): the
-        step's maxima are dropped now and nothing is rescaled.
-        """
-        if skipped:
-            self.apply(skip=torch.ones((), dtype=torch.bool, device=skip.device))
-            return step_fn
-
-        def step_then_clip() -> Any:
-            result = step_fn()
-            self.apply(skip=skip)
-            return result
-
-        return step_then_clip
-
     @staticmethod
     def _row_factors(lay: QKLayout, mode: str, rows_q: Tensor, rows_k: Tensor) -> list[tuple[Tensor, Tensor]]:
         """(local tensor, broadcastable factor) for each distinct weight and bias of the layout."""
