@@ -27,6 +27,7 @@ __all__ = [
     "clip_coefficient",
     "clip_grad_norm_",
     "grad_norms",
+    "norm_dtype",
 ]
 
 #: Added to the total norm before dividing, exactly as ``torch.nn.utils.clip_grad_norm_`` does.
@@ -75,6 +76,17 @@ class _Layout:
     #: per-tensor plans only: the parameter index of each present grad (group order), and which parameters have one
     positions: Tensor | None = None
     present: Tensor | None = None
+
+
+def norm_dtype(requested: torch.dtype, grad_dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    """Where norms accumulate: ``requested`` (fp32 by default), or fp64 when any grad is fp64.
+
+    ``_foreach_norm`` refuses to narrow (an fp64 grad measured in fp32), and an fp64 model is
+    measured at its own precision; the whole step then accumulates in fp64 (one dtype to combine).
+    """
+    if requested != torch.float64 and torch.float64 in grad_dtypes:
+        return torch.float64
+    return requested
 
 
 def _pow(values: Tensor, p: float) -> Tensor:
@@ -224,6 +236,7 @@ class GradNormPlan:
         if not grouped:
             self._warn_empty()
         p = self.norm_type
+        dtype = norm_dtype(dtype, [grads[0].dtype for grads in measure if grads])
         pieces = [
             torch.stack(torch._foreach_norm(grads, p, dtype=dtype)).to(layout.device)  # type: ignore[arg-type]
             for grads in measure

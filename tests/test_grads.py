@@ -129,3 +129,34 @@ def test_invalid_arguments() -> None:
         sk.clip_grad_norm_([p], -1.0)
     with pytest.raises(ValueError, match="norm_type"):
         sk.clip_grad_norm_([p], 1.0, norm_type=0)
+
+
+def test_float64_grads_are_measured_in_float64_beside_fp32_and_bf16() -> None:
+    """fp64 grads (alone or mixed with fp32/bf16) are measured in fp64: torch's narrowing error is gone."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8).double(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2).to(torch.bfloat16)
+    )
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = model[1](model[0](x.double()).float()).to(torch.bfloat16)
+        return model[2](h).float()
+
+    forward(torch.randn(16, 4)).pow(2).mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    reference = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]))
+    norms = sk.grad_norms(model)
+    assert norms["total"].dtype == torch.float64
+    torch.testing.assert_close(norms["total"], reference, rtol=1e-12, atol=0)
+    before = [g.clone() for g in grads]
+    total = sk.clip_grad_norm_(model.parameters(), 0.01)
+    torch.testing.assert_close(total, reference, rtol=1e-12, atol=0)
+    for g, b in zip(grads, before, strict=True):
+        torch.testing.assert_close(g, (b.double() * (0.01 / (reference + 1e-6))).to(b.dtype))
+
+    only64 = torch.nn.Linear(3, 3).double()
+    only64(torch.randn(5, 3, dtype=torch.float64)).sum().backward()
+    guard = sk.StabilityGuard(only64, torch.optim.AdamW(only64.parameters()), sk.StabilityConfig(log_every_n_steps=1))
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in only64.parameters()]))
+    report = guard.step()
+    assert report.grad_norm.dtype == torch.float64 and torch.equal(report.grad_norm, expected)

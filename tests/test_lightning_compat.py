@@ -193,3 +193,20 @@ def test_the_step_wrapper_is_installed_once() -> None:
     assert hasattr(optimizer.step, "__func__")  # a bound method, as torch's LR schedulers need
     guard.close()
     assert "step" not in vars(optimizer)
+
+
+def test_double_precision_trains_and_measures_in_float64(tmp_path: Path) -> None:
+    """Lightning's ``test_double_precision``: ``precision="64-true"`` crashed on the first step."""
+    seen: list[torch.Tensor] = []
+
+    class Reference(pl.Callback):
+        def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            seen.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+    callback = StabilityCallback(sk.StabilityConfig(clip=sk.ClipConfig(mode="off"), log_every_n_steps=1))
+    trainer = _trainer(tmp_path, [Reference(), callback], max_steps=3, precision="64-true")
+    trainer.fit(NoSchedulerBoring())
+    report = callback.cores[0].last_report
+    assert report is not None and report.grad_norm.dtype == torch.float64
+    assert torch.equal(report.grad_norm, seen[-1].to(report.grad_norm))
