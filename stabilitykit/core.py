@@ -230,13 +230,15 @@ class DriverCore:
         self.decision = decision
         trace = self.config.nan_trace
         replaying = trace.mode == "on_nonfinite" and trace.replay and replay is not None
-        if decision.skip_known is None and (replaying or self._step_creates_state()):
+        if decision.pending and (replaying or self._step_creates_state()):
             self.engine.resolve(decision)  # one sync: the replay, or state a skipped step must not create
-        if replaying and decision.skip_known and decision.report.reason != "bad_batch":
+        if replaying and decision.skipped_now and decision.report.reason != "bad_batch":
             assert replay is not None
             self._replay(replay, decision.report.step)
-        if decision.skip_known is not False:
-            self.buffers.restore(decision.skip if decision.skip_known is None else True)
+        if decision.pending:
+            self.buffers.restore(decision.skip)  # on the device: restored where the skip flag is set
+        elif decision.skipped_now:
+            self.buffers.restore(True)
         self._trace_source(decision)
         return decision
 
@@ -262,7 +264,7 @@ class DriverCore:
         if self.decision is None:
             return False
         if self._hold is None:
-            self._hold = self.engine.hold_scheduler(self.decision)
+            self._hold = self.engine.consume_scheduler_hold(self.decision)
         return self._hold
 
     def finish(self) -> StepReport | None:
@@ -386,7 +388,7 @@ class DriverCore:
 
     def _after_step(self, decision: StepDecision) -> None:
         if self.config.nan_trace.mode == "on_nonfinite":
-            if decision.skip_known:
+            if decision.skipped_now:
                 self._trace_left = TRACE_AFTER_NONFINITE
             else:
                 self._trace_left = max(0, self._trace_left - 1)
@@ -394,7 +396,7 @@ class DriverCore:
 
     def _trace_source(self, decision: StepDecision) -> None:
         """On a skip the host saw, hand the tracer's first non-finite module to this step's events."""
-        if self.tracer is not None and self.tracer.attached and decision.skip_known:
+        if self.tracer is not None and self.tracer.attached and decision.skipped_now:
             found = self.tracer.first
             if found is not None:
                 self.last_nonfinite = found

@@ -26,6 +26,7 @@ pipeline group) and the stage totals are summed over it, as torchtitan does.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,14 +36,64 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
+    "RECORD_COLLECTIVES_ENV",
+    "AgreedStep",
     "LayoutReducer",
+    "agree_step",
     "all_ranks_agree",
+    "all_reduce",
+    "clear_recorded_collectives",
     "is_distributed",
+    "mark_collective_step",
+    "recorded_collectives",
     "reduce_groups_for",
     "reducer_for",
     "to_local",
     "world_size",
 ]
+
+
+# --------------------------------------------------------------------------- the one place collectives run
+
+#: Set to 1 to record every collective stabilitykit runs, per rank (``recorded_collectives()``).
+RECORD_COLLECTIVES_ENV = "STABILITYKIT_RECORD_COLLECTIVES"
+_RECORDING = os.environ.get(RECORD_COLLECTIVES_ENV, "") not in ("", "0")
+_recorded: list[str] = []
+_step_label: int | None = None
+
+
+def mark_collective_step(step: int) -> None:
+    """Label the collectives that follow with the optimizer step the engine is deciding."""
+    global _step_label
+    _step_label = step
+
+
+def recorded_collectives() -> list[str]:
+    """This rank's collectives since the last clear, in order, one line each:
+    ``"<step> all_reduce <op> <dtype>[<numel>] ranks=<ranks>"``. Empty unless
+    ``STABILITYKIT_RECORD_COLLECTIVES=1`` was set before stabilitykit was imported.
+
+    Every rank must hold the same list: tests compare them across ranks.
+    """
+    return list(_recorded)
+
+
+def clear_recorded_collectives() -> None:
+    """Forget what ``recorded_collectives`` holds."""
+    _recorded.clear()
+
+
+def all_reduce(tensor: Tensor, op: Any, group: Any | None = None) -> None:
+    """``dist.all_reduce`` in place: every collective of stabilitykit's step goes through here.
+
+    Callers run it unconditionally on every rank of ``group``; whether extra work follows is decided
+    from its result (already agreed), never from a value one rank holds alone.
+    """
+    if _RECORDING:
+        ranks = "world" if group is None or group is dist.group.WORLD else f"group of {len(_ranks(group))}"
+        name = str(op).rsplit(".", 1)[-1]
+        _recorded.append(f"{_step_label} all_reduce {name} {str(tensor.dtype)[6:]}[{tensor.numel()}] ranks={ranks}")
+    dist.all_reduce(tensor, op=op, group=group)
 
 
 def is_distributed() -> bool:
@@ -211,11 +262,11 @@ class LayoutReducer:
         for g, group in enumerate(self.groups):
             rows = self.rows_of_group[g]
             if len(rows) == total_rows:
-                dist.all_reduce(packed, op=op, group=group)
+                all_reduce(packed, op, group)
                 continue
             index = self._rows_index(g, packed.device)
             part = packed.index_select(0, index)
-            dist.all_reduce(part, op=op, group=group)
+            all_reduce(part, op, group)
             packed.index_copy_(0, index, part)
 
     def reduce_total(self, pair: Tensor, norm_type: float) -> None:
@@ -223,11 +274,11 @@ class LayoutReducer:
         already), then both over ``extra_group`` (pipeline stages). A count stays > 0 under SUM or MAX."""
         if self.separate_world_count:
             count = pair[1:].clone()
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            all_reduce(count, dist.ReduceOp.MAX)
             pair[1:] = count
         if self.extra_group is not None:
             op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-            dist.all_reduce(pair, op=op, group=self.extra_group)
+            all_reduce(pair, op, self.extra_group)
 
 
 def reducer_for(
@@ -298,5 +349,41 @@ def all_ranks_agree(flag: Tensor, group: Any | None = None) -> Tensor:
     as_int = flag.to(torch.int32).reshape(1)
     if dist.get_backend(group) == "nccl" and as_int.device.type != "cuda":  # pragma: no cover - GPU only
         as_int = as_int.cuda()
-    dist.all_reduce(as_int, op=dist.ReduceOp.MAX, group=group)
+    all_reduce(as_int, dist.ReduceOp.MAX, group)
     return as_int.to(flag.device).reshape(()).bool()
+
+
+@dataclass
+class AgreedStep:
+    """One step's verdict inputs, identical on every rank (0-d device tensors)."""
+
+    total: Tensor  # the largest total any rank measured; NaN if any rank's was NaN, inf if any was inf
+    grads_finite: Tensor  # every grad finite on every rank
+    loss_finite: Tensor  # every rank's loss finite
+    bad_batch: Tensor  # the data guard flagged a micro-batch on some rank
+    spike: Tensor  # the skip-on-spike rule fired on some rank
+
+
+def agree_step(
+    total: Tensor, grads_finite: Tensor, loss_finite: Tensor, bad_batch: Tensor, spike: Tensor, group: Any | None = None
+) -> AgreedStep:
+    """Make a step's verdict inputs identical on every rank with ONE MAX all-reduce (no host sync).
+
+    Runs on every rank at every step (with one process it returns its inputs). Under DDP grads are
+    replicas and each rank measures them alone, so a fault on one rank (a bit flip, a per-rank
+    grad) would otherwise give ranks different norms, clip coefficients and decisions. Flags travel
+    as numbers and a NaN total as a separate flag: gloo's MAX drops a NaN from a non-zero rank.
+    """
+    if not is_distributed():
+        return AgreedStep(total, grads_finite, loss_finite, bad_batch, spike)
+    dtype = total.dtype
+    flags = torch.stack([~grads_finite, ~loss_finite, bad_batch, spike, torch.isnan(total)]).to(dtype)
+    value = torch.where(torch.isfinite(total), total, torch.full_like(total, math.inf)).reshape(1)
+    packed = torch.cat([flags, value])
+    if dist.get_backend(group) == "nccl" and packed.device.type != "cuda":  # pragma: no cover - GPU only
+        packed = packed.cuda()
+    all_reduce(packed, dist.ReduceOp.MAX, group)
+    packed = packed.to(total.device)
+    raised = packed[:5] > 0
+    agreed_total = torch.where(raised[4], torch.full_like(total, math.nan), packed[5])
+    return AgreedStep(agreed_total, ~raised[0], ~raised[1], raised[2], raised[3])

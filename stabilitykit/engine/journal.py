@@ -1,9 +1,9 @@
 """The device journal: one row of named columns per optimizer step, read to the host in one copy.
 
-A row holds ``total`` (pre-clip norm), ``loss``, ``skip`` (1 skipped, +2 when the data guard
-forced it, +4 when skip-on-spike did), ``coef`` (clip coefficient), ``threshold`` and then one
-norm per layer. Rows stay on the device until a logging step (or a step whose decision the host
-must know now) reads them.
+A row holds ``total`` (pre-clip norm), ``loss``, ``code`` (the step's decision code, see
+``engine/decision.py``: 0 taken, else why it was skipped), ``coef`` (clip coefficient),
+``threshold`` and then one norm per layer. Rows stay on the device until a logging step (or a
+step whose decision the host must know now) reads them.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stabilitykit.report import pack_code
+from stabilitykit.engine.decision import BAD_BATCH, BAD_GRAD, BAD_LOSS, OVERFLOW, REMOTE, SKIP, SPIKE
 
-__all__ = ["COLUMNS", "MAX_JOURNAL_ROWS", "Journal", "Row", "RowInfo"]
+__all__ = ["COLUMNS", "MAX_JOURNAL_ROWS", "Journal", "Row", "RowInfo", "upgrade_v1_rows"]
 
 #: The scalar columns of a row, in order; the per-layer norms follow.
-COLUMNS = ("total", "loss", "skip", "coef", "threshold")
-TOTAL, LOSS, SKIP, COEF, THRESHOLD = range(len(COLUMNS))
+COLUMNS = ("total", "loss", "code", "coef", "threshold")
+TOTAL, LOSS, CODE, COEF, THRESHOLD = range(len(COLUMNS))
 #: Rows kept on the device between reads. A log cadence above this reads the journal early (one sync).
 MAX_JOURNAL_ROWS = 1024
 
@@ -45,7 +45,7 @@ class Row:
     loss: float | None
     coef: float
     threshold: float
-    code: int  # packed reason code (0: not skipped), see stabilitykit.report
+    code: int  # the decision code (0: taken), see engine/decision.py
     layers: list[float] = field(default_factory=list)
     on_time: bool = False  # read before its own optimizer and scheduler step (so the skip was applied there)
     folded: bool = False
@@ -53,7 +53,7 @@ class Row:
     @property
     def skipped(self) -> bool:
         """The step was skipped."""
-        return bool(self.code & 1)
+        return bool(self.code & SKIP)
 
 
 class Journal:
@@ -76,7 +76,7 @@ class Journal:
     def write(self, info: RowInfo, scalars: list[Tensor], layer_norms: Tensor | None) -> None:
         """Append one row from 0-d device tensors (no sync)."""
         row = self.buffer[len(self.infos)]
-        torch.stack(scalars, out=row[: len(COLUMNS)])
+        torch.stack([t.to(row) for t in scalars], out=row[: len(COLUMNS)])
         if layer_norms is not None:
             row[len(COLUMNS) :].copy_(layer_norms)
         self.infos.append(info)
@@ -91,15 +91,7 @@ class Journal:
 
     def _decode(self, values: list[float], info: RowInfo) -> Row:
         total, loss = values[TOTAL], values[LOSS]
-        flags = round(values[SKIP])  # 1 skipped, +2 the data guard forced it, +4 skip-on-spike
-        code = pack_code(
-            skipped=bool(flags & 1),
-            grad_finite=math.isfinite(total),
-            loss_finite=not info.has_loss or math.isfinite(loss),
-            scaler_active=info.scaler_active,
-            bad_batch=bool(flags & 2),
-            spike=bool(flags & 4),
-        )
+        code = round(values[CODE])
         return Row(
             info.step,
             total,
@@ -154,3 +146,25 @@ class Journal:
                 raise ValueError("engine state holds a journal of another shape (log cadence or layers changed)")
             self.buffer[: len(infos)].copy_(rows.to(self.buffer))
         self.infos = infos
+
+
+def upgrade_v1_rows(rows: Tensor, infos: list[dict[str, Any]]) -> Tensor:
+    """Unread rows saved by state version 1 (a ``skip`` column of flags: 1 skipped, +2 bad batch,
+    +4 spike) with the decision code in that column instead, as the host rule of that version read them."""
+    out = rows.clone()
+    for i, info in enumerate(infos):
+        flags = round(float(rows[i, CODE]))
+        code = 0
+        if flags & 1:
+            grad_bad = not math.isfinite(float(rows[i, TOTAL]))
+            loss_bad = bool(info.get("has_loss")) and not math.isfinite(float(rows[i, LOSS]))
+            if flags & 2:
+                code = SKIP | BAD_BATCH
+            elif flags & 4 and not (grad_bad or loss_bad):
+                code = SKIP | SPIKE
+            else:
+                code = SKIP | (BAD_GRAD | (OVERFLOW if info.get("scaler_active") else 0) if grad_bad else 0)
+                code |= BAD_LOSS if loss_bad else 0
+                code |= REMOTE if code == SKIP else 0
+        out[i, CODE] = code
+    return out

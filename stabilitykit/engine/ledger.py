@@ -16,10 +16,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from stabilitykit.config import StabilityConfig
+from stabilitykit.engine.decision import OVERFLOW, SKIP, reason_from_code
 from stabilitykit.engine.fp16 import Fp16Monitor
 from stabilitykit.engine.journal import Row
 from stabilitykit.events import Event, TrainingDivergedError
-from stabilitykit.report import OVERFLOW, SKIP, reason_from_code
 from stabilitykit.spikes import SpikeMonitor
 
 __all__ = ["Counters", "Divergence", "Ledger"]
@@ -123,9 +123,10 @@ class Ledger:
         row.folded = True
         return events, divergence
 
-    def hold_scheduler(self, skip_known: bool | None) -> bool:
-        """True when the LR scheduler must not advance this step (skipped now, or skips learned late)."""
-        if skip_known:
+    def consume_scheduler_hold(self, skipped_now: bool) -> bool:
+        """Whether the LR scheduler must not advance this step: skipped now, or a step of scheduler debt
+        (a skip learned late), which this call pays off. Call it once per step."""
+        if skipped_now:
             return True
         if self.scheduler_debt > 0:
             self.scheduler_debt -= 1

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from stabilitykit.distributed import all_ranks_agree
+from stabilitykit.distributed import agree_step
 from stabilitykit.engine.clipping import ClipStrategy
 from stabilitykit.grads import CLIP_EPS, GradNormPlan, apply_clip_coefficient
 
@@ -43,17 +43,18 @@ def remeasure_overflow(
     """Measure in fp64; if every grad and the loss are finite (on every rank), clip and return the
     numbers, else None (the skip stands). Syncs: the verdict is read on the host (a rare path)."""
     norms, _ = plan.compute(grad_scale, dtype=torch.float64)
-    finite = norms.finite if norms.finite is not None else torch.isfinite(norms.total)
-    skip = ~finite if loss is None else ~(finite & torch.isfinite(loss))
-    if force_skip is not None:
-        skip = skip | force_skip
-    if sync_ranks:
-        skip = all_ranks_agree(skip)
-    if bool(skip):
+    grads_finite = norms.finite if norms.finite is not None else torch.isfinite(norms.total)
+    loss_finite = torch.isfinite(loss) if loss is not None else torch.ones_like(grads_finite)
+    bad_batch = force_skip if force_skip is not None else torch.zeros_like(grads_finite)
+    total, finite, loss_finite, bad_batch = norms.total, grads_finite, loss_finite, bad_batch
+    if sync_ranks:  # every rank is here (the caller's branch was taken from agreed values)
+        agreed = agree_step(norms.total, grads_finite, loss_finite, bad_batch, torch.zeros_like(grads_finite))
+        total, finite, loss_finite, bad_batch = agreed.total, agreed.grads_finite, agreed.loss_finite, agreed.bad_batch
+    if bool(~finite | ~loss_finite | bad_batch):
         return None  # a NaN or Inf is really there
-    total32 = norms.total.clamp(max=torch.finfo(torch.float32).max).float()
+    total32 = total.clamp(max=torch.finfo(torch.float32).max).float()
     threshold, active = clip.threshold(total32, finite)
-    coef = torch.where(active, torch.clamp(threshold.double() / (norms.total + CLIP_EPS), max=1.0).float(), 1.0)
+    coef = torch.where(active, torch.clamp(threshold.double() / (total + CLIP_EPS), max=1.0).float(), 1.0)
     apply_clip_coefficient(grouped, coef)
     layers = norms.layer_norms.float() if norms.layer_norms is not None else None
-    return Remeasured(norms.total.float(), layers, coef, threshold)
+    return Remeasured(total.float(), layers, coef, threshold)

@@ -4,23 +4,30 @@ A driver (through ``stabilitykit.core.DriverCore``) calls, once per optimizer st
 grads are final:
 
 1. ``record_loss(loss)`` for each micro-batch (optional),
-2. ``decision = evaluate(...)``: one fused norm pass, clipping in place, the skip flag on the
-   device, and one journal row (see ``journal.py``),
-3. ``apply(decision, step_fn, optimizer)``: the optimizer step, or the skip,
-4. ``hold_scheduler(decision)`` before stepping an LR scheduler,
+2. ``decision = evaluate(...)``, top to bottom: one fused norm pass (``grads.GradNormPlan``); the
+   verdict inputs agreed across ranks in ONE all-reduce (``distributed.agree_step``, every rank,
+   every step); the decision code (``decision.decide``); clipping in place (``clipping.py``); one
+   journal row (``journal.py``); the host reads the row now only where it must (below),
+3. ``gate = open_step(decision, optimizer)``, the optimizer step unless ``gate.skip_now``, then
+   ``gate.close()`` (``gate.py``; ``apply`` does the three),
+4. ``consume_scheduler_hold(decision)`` before stepping an LR scheduler,
 5. ``finish(decision)``: rows the host read are folded into the ledger (events, counters,
-   divergence) and, on logging steps, the metrics go to the sinks.
+   divergence) and, on logging steps, the metrics (``metrics.py``) go to the sinks.
 
-The state machine of one step, in one place:
+What the host knows of a step is explicit (``decision.outcome``):
 
-* The host KNOWS the skip decision at the step when it read the row then: a logging step (the
-  journal is read in ``evaluate``), a non-fused optimizer with skipping on (it cannot skip on the
-  device, so it pays one read, as GradScaler does), or a driver that asked (``resolve``).
-  Then a skip means: the optimizer step is not called and the scheduler is held this step.
-* Otherwise the decision stays on the device (``skip_known is None``): a fused optimizer skips
-  through ``found_inf``; the scheduler steps; at the next read the ledger learns of the skip and
-  records one step of scheduler debt, paid by holding the scheduler on the next steps.
-* With skipping off and no data guard, nothing is ever skipped (``skip_known is False``).
+* ``Known(code)``: the host read the row at this step: a logging step (the journal is read in
+  ``evaluate``), a non-fused optimizer with skipping on (it cannot skip on the device, so it pays
+  one read, as GradScaler does), or a driver that asked (``resolve``). A skip then means: the
+  optimizer step is not called and the scheduler is held this step.
+* ``PENDING``: the code stays on the device; a fused optimizer skips through ``found_inf``; the
+  scheduler steps; at the next read the ledger learns of the skip and records one step of
+  scheduler debt, paid by holding the scheduler on the next steps.
+* With skipping off and no data guard nothing is ever skipped: ``TAKEN`` without a read.
+
+Every branch the host takes on a step (a read, the fp64 re-measure of an overflow) depends only on
+the configuration, the step number and values agreed across ranks, so every rank runs the same
+collectives in the same order.
 
 Host syncs: none on a non-logging step when the optimizer is fused or skipping is off; one per
 step for other optimizers with skipping on; one per logging step.
@@ -33,24 +40,26 @@ it with its journal (``engine/updates.py``), so it adds no sync.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.distributed import all_ranks_agree, is_distributed, reducer_for
-from stabilitykit.engine.clipping import PerTensorClip, make_clip_strategy
-from stabilitykit.engine.journal import COLUMNS, MAX_JOURNAL_ROWS, Journal, Row, RowInfo
+from stabilitykit.distributed import AgreedStep, agree_step, is_distributed, mark_collective_step, reducer_for
+from stabilitykit.engine.clipping import ClipStrategy, PerTensorClip, make_clip_strategy
+from stabilitykit.engine.decision import TAKEN, StepDecision, decide
+from stabilitykit.engine.gate import StepGate
+from stabilitykit.engine.journal import MAX_JOURNAL_ROWS, Journal, Row, RowInfo
 from stabilitykit.engine.layers import build_layer_map
 from stabilitykit.engine.ledger import Divergence, Ledger
+from stabilitykit.engine.metrics import MetricNames
 from stabilitykit.engine.overflow import remeasure_overflow
 from stabilitykit.engine.updates import UpdateMonitor
 from stabilitykit.events import Event
-from stabilitykit.grads import GradNormPlan, apply_clip_coefficient, clip_coefficient
+from stabilitykit.grads import GradNormPlan, NormResult, apply_clip_coefficient, clip_coefficient
 from stabilitykit.hooks import HookManager
 from stabilitykit.nn.qk_clip import QKClip
 from stabilitykit.report import StepReport
@@ -73,47 +82,13 @@ def is_fused(optimizer: Any | None) -> bool:
 
 
 @dataclass
-class StepDecision:
-    """What ``evaluate`` decided for one optimizer step."""
+class _Parts:
+    """The engine's stateful parts, built fresh by ``StabilityEngine._fresh_parts`` (construction and load)."""
 
-    report: StepReport
-    skip: Tensor  # 0-d bool on the device
-    skip_known: bool | None  # True/False when the host read it, None while it is on the device only
-    logging: bool = False
-    rows: list[Row] = field(default_factory=list)  # journal rows the host read during this step
-    loss_scale: float | None = None
-    module_metrics: dict[str, float] = field(default_factory=dict)
-    update_metrics: dict[str, float] = field(default_factory=dict)  # update ratio and weight norms (logging steps)
-
-
-class StepGate:
-    """One optimizer step's skip, applied around the step (see ``StabilityEngine.open_step``)."""
-
-    def __init__(self, decision: StepDecision, fused_optimizer: Any | None, qk_clip: QKClip | None) -> None:
-        self.decision = decision
-        self.skip_now = decision.skip_known is True
-        self._qk_clip = qk_clip
-        self._optimizer = None
-        self._previous: Tensor | None = None
-        if not self.skip_now and decision.skip_known is None and fused_optimizer is not None:
-            self._optimizer = fused_optimizer
-            self._previous = getattr(fused_optimizer, "found_inf", None)
-            flag = decision.skip.to(torch.float32)
-            previous = self._previous
-            fused_optimizer.found_inf = flag if previous is None else torch.maximum(previous, flag.to(previous))
-
-    def close(self) -> None:
-        """The step ran (or was skipped): restore ``found_inf``, then QK-clip on a step that was taken."""
-        optimizer, self._optimizer = self._optimizer, None
-        if optimizer is not None:
-            if self._previous is None:
-                del optimizer.found_inf
-            else:
-                optimizer.found_inf = self._previous
-        qk_clip, self._qk_clip = self._qk_clip, None
-        if qk_clip is not None:
-            skip = self.decision.skip
-            qk_clip.apply(skip=torch.ones_like(skip) if self.skip_now else skip)
+    ledger: Ledger
+    clip: ClipStrategy | PerTensorClip | None
+    spike_rule: SpikeSkipRule | None
+    journal: Journal
 
 
 class StabilityEngine:
@@ -148,21 +123,20 @@ class StabilityEngine:
             reducer=reducer_for(self.params, model, extra_group),
             per_tensor=self.config.clip.mode == "per_tensor_adaptive",
         )
-        self.logged_layers = [i for i, n in enumerate(self.layer_names) if self._layer_logged(n)]
+        self.names = MetricNames(self.config, self.layer_names)
         self.updates = UpdateMonitor(self.plan) if gcfg.update_ratio else None  # see engine/updates.py
         self.device = self.params[0].device
+        self.rank = torch.distributed.get_rank() if is_distributed() else None
         self.step = 0  # optimizer steps attempted so far (skipped ones included)
-        self.clip = make_clip_strategy(self.config.clip, self.device, len(self.params), gcfg.norm_type)
-        scfg = self.config.skip
-        self.spike_rule = (
-            SpikeSkipRule(scfg.spike_z, scfg.spike_alpha, scfg.spike_warmup_steps, self.device, scfg.spike_on_loss)
-            if scfg.spike
-            else None
+        parts = self._fresh_parts()
+        self.ledger, self.clip, self.spike_rule, self.journal = (
+            parts.ledger,
+            parts.clip,
+            parts.spike_rule,
+            parts.journal,
         )
-        rank = torch.distributed.get_rank() if is_distributed() else None
-        self.ledger = Ledger(self.config, self.layer_names if self.per_layer else [], fused, rank)
-        capacity = min(self.config.log_every_n_steps or 1, MAX_JOURNAL_ROWS)
-        self.journal = Journal(capacity, len(self.layer_names) if self.per_layer else 0, self.device)
+        #: Whether anything can ever skip a step (configuration only, so the same on every rank).
+        self.can_skip = self.config.skip.nonfinite or self.config.data.mode == "skip" or self.spike_rule is not None
         self._false = torch.zeros((), dtype=torch.bool, device=self.device)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
         self._nan = torch.full((), math.nan, dtype=torch.float32, device=self.device)
@@ -180,13 +154,29 @@ class StabilityEngine:
             self.metric_sources.append(self.qk_clip)
         self._mark_measure()
 
+    def _fresh_parts(self) -> _Parts:
+        """The stateful parts, new: the one place they are built (at construction and to load a state)."""
+        cfg = self.config
+        scfg = cfg.skip
+        rule = None
+        if scfg.spike:
+            rule = SpikeSkipRule(
+                scfg.spike_z, scfg.spike_alpha, scfg.spike_warmup_steps, self.device, scfg.spike_on_loss
+            )
+        capacity = min(cfg.log_every_n_steps or 1, MAX_JOURNAL_ROWS)
+        return _Parts(
+            ledger=Ledger(cfg, self.layer_names if self.per_layer else [], self.fused, self.rank),
+            clip=make_clip_strategy(cfg.clip, self.device, len(self.params), cfg.grad_norm.norm_type),
+            spike_rule=rule,
+            journal=Journal(capacity, len(self.layer_names) if self.per_layer else 0, self.device),
+        )
+
     # ----------------------------------------------------------------------------- helpers
 
-    def _layer_logged(self, name: str) -> bool:
-        gcfg = self.config.grad_norm
-        if gcfg.include and not any(re.search(p, name) for p in gcfg.include):
-            return False
-        return not (gcfg.exclude and any(re.search(p, name) for p in gcfg.exclude))
+    @property
+    def logged_layers(self) -> list[int]:
+        """Indices of the layers whose norms are logged (``GradNormConfig.include`` / ``exclude``)."""
+        return self.names.logged_layers
 
     def is_logging_step(self, step: int | None = None) -> bool:
         """True when ``step`` (default: the coming one) copies metrics to the host."""
@@ -195,8 +185,7 @@ class StabilityEngine:
 
     def key(self, name: str) -> str:
         """The full metric name: ``<prefix>/<name>``."""
-        prefix = self.config.metric_prefix
-        return f"{prefix}/{name}" if prefix else name
+        return self.names.key(name)
 
     @property
     def counters(self) -> Any:
@@ -232,81 +221,104 @@ class StabilityEngine:
         loss_scale: Tensor | None = None,
         force_skip: Tensor | None = None,
     ) -> StepDecision:
-        """Measure, clip and decide this step; its numbers go into the device journal.
+        """Measure, agree, decide, clip and record this step; the host reads it now only where it must.
 
         ``grad_scale``: the loss scale still applied to the grads (fused optimizer + fp16), so norms
         are reported unscaled. ``scaler_active``: a GradScaler is in use, so a non-finite grad is an
         fp16 overflow. ``loss_scale``: the GradScaler's scale, logged on logging steps.
         ``force_skip``: a 0-d device bool (the data guard's verdict) that skips the step when true.
         """
-        cfg = self.config
         step = self.step
-        logging = self.is_logging_step(step)
+        mark_collective_step(step)
         update_sums = self.updates.to_fold(step) if self.updates is not None else None
         norms, grouped = self.plan.compute(grad_scale, extra=update_sums)
-        total = norms.total
-        finite = norms.finite if norms.finite is not None else torch.isfinite(total)
         loss = self._loss_sum  # the sum of what was backpropagated: with ``loss / accumulate`` the batch mean
         self._loss_sum = None
-        skip = self._false
-        all_finite = finite & torch.isfinite(loss) if loss is not None else finite
-        if cfg.skip.nonfinite:
-            skip = ~all_finite
-        if force_skip is not None:
-            skip = skip | force_skip
-        spike = self.spike_rule.decide(total, loss, all_finite) if self.spike_rule is not None else None
-        if spike is not None:
-            skip = skip | spike
-        can_skip = cfg.skip.nonfinite or force_skip is not None or spike is not None
-        if can_skip and cfg.skip.sync_ranks:
-            skip = all_ranks_agree(skip)
-        skip_column = skip.float()
-        if force_skip is not None:
-            skip_column = skip_column + 2 * force_skip.float()
-        if spike is not None:
-            skip_column = skip_column + 4 * spike.float()
-
-        coef, threshold = self._one, self._nan
-        if isinstance(self.clip, PerTensorClip):  # AdaGC: one coefficient per tensor; coef = post / pre total
-            clipped = self.clip.clip_tensors(norms, all_finite & ~skip)  # a skipped step leaves the EMAs alone
-            coef, threshold = clipped.coef, clipped.threshold
-            self.plan.scale_tensors(grouped, clipped.coefs)
-        elif self.clip is not None:
-            threshold, active = self.clip.threshold(total, finite)
-            coef = torch.where(active, clip_coefficient(total, threshold, finite), 1.0)
-            apply_clip_coefficient(grouped, coef)
-
-        scalars = [total, loss if loss is not None else self._nan, skip_column, coef, threshold]
-        self.journal.write(RowInfo(step, loss is not None, scaler_active), scalars, norms.layer_norms)
+        here, agreed = self._verdict(norms, loss, force_skip)
+        code = decide(
+            self.config.skip.nonfinite,
+            here.grads_finite,
+            here.loss_finite,
+            agreed.grads_finite,
+            agreed.loss_finite,
+            agreed.bad_batch,
+            agreed.spike,
+            scaler_active,
+        )
+        skip = code > 0
+        coef, threshold = self._clip(norms, grouped, agreed, skip)
+        layer_norms = norms.layer_norms
+        self.journal.write(
+            RowInfo(step, loss is not None, scaler_active),
+            [agreed.total, self._or_nan(loss), code, coef, threshold],
+            layer_norms,
+        )
         report = StepReport(
             step=step,
-            grad_norm=total,
+            grad_norm=agreed.total,
             clip_coef=coef,
             skipped=skip,
             loss=loss,
-            layer_norms=norms.layer_norms,
+            layer_norms=layer_norms,
             layer_names=self.layer_names,
             scaler_active=scaler_active,
-            bad_batch=force_skip,
-            spike=spike,
+            code=code,
         )
-        decision = StepDecision(report=report, skip=skip, skip_known=None, logging=logging)
-        if logging or self.journal.full:
+        decision = StepDecision(report=report, skip=skip, code=code, logging=self.is_logging_step(step))
+        if decision.logging or self.journal.full:
             self._read_journal(decision, loss_scale)
-        elif can_skip and not self.fused:
+        elif self.can_skip and not self.fused:
             self.resolve(decision)  # the one sync a non-fused optimizer pays to skip
-        elif not can_skip:
-            decision.skip_known = False
-        if decision.skip_known and self._overflowed(decision):
+        elif not self.can_skip:
+            decision.settle(TAKEN.code)
+        if decision.skipped_now and self._overflowed(decision):
             self._remeasure(decision, grouped, grad_scale, force_skip)
         if self.updates is not None and self.is_logging_step(step + 1):
             self.updates.snapshot(step)  # the parameters before this step's update, read at the next step
         return decision
 
+    def _or_nan(self, value: Tensor | None) -> Tensor:
+        return value if value is not None else self._nan
+
+    def _verdict(
+        self, norms: NormResult, loss: Tensor | None, force_skip: Tensor | None
+    ) -> tuple[AgreedStep, AgreedStep]:
+        """This rank's verdict inputs, and the same made identical on every rank (one all-reduce).
+
+        Skip-on-spike decides on this rank's numbers (it may see another loss than its peers); its
+        flag is agreed with the rest.
+        """
+        grads_finite = norms.finite if norms.finite is not None else torch.isfinite(norms.total)
+        loss_finite = torch.isfinite(loss) if loss is not None else ~self._false
+        bad_batch = force_skip if force_skip is not None else self._false
+        spike = self._false
+        if self.spike_rule is not None:
+            spike = self.spike_rule.decide(norms.total, loss, grads_finite & loss_finite)
+        here = AgreedStep(norms.total, grads_finite, loss_finite, bad_batch, spike)
+        if not self.config.skip.sync_ranks:
+            return here, here
+        return here, agree_step(norms.total, grads_finite, loss_finite, bad_batch, spike)
+
+    def _clip(
+        self, norms: NormResult, grouped: list[list[Tensor]], agreed: AgreedStep, skip: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Clip the grads in place from the agreed norm; returns (coefficient, threshold) as device tensors."""
+        if isinstance(self.clip, PerTensorClip):  # AdaGC: one coefficient per tensor; coef = post / pre total
+            all_finite = agreed.grads_finite & agreed.loss_finite
+            clipped = self.clip.clip_tensors(norms, all_finite & ~skip)  # a skipped step leaves the EMAs alone
+            self.plan.scale_tensors(grouped, clipped.coefs)
+            return clipped.coef, clipped.threshold
+        if self.clip is None:
+            return self._one, self._nan
+        threshold, active = self.clip.threshold(agreed.total, agreed.grads_finite)
+        coef = torch.where(active, clip_coefficient(agreed.total, threshold, agreed.grads_finite), 1.0)
+        apply_clip_coefficient(grouped, coef)
+        return coef, threshold
+
     def _overflowed(self, decision: StepDecision) -> bool:
         """The host read a skip with a non-finite norm while clipping is on: maybe an fp32 overflow of finite grads.
 
-        Only the globally reduced total decides, so every rank takes the same branch (across ranks an
+        The row's total is agreed across ranks, so every rank takes the same branch (across ranks an
         overflow arrives as NaN, like a real NaN, so both are re-measured). With skip-on-spike on,
         such a step is skipped as a spike anyway; an fp16 overflow has Inf grads and stays skipped.
         """
@@ -333,29 +345,21 @@ class StabilityEngine:
             return
         report.grad_norm, report.clip_coef, report.layer_norms = found.total, found.coef, found.layer_norms
         report.skipped = decision.skip = self._false
+        report.code = decision.code = torch.zeros_like(decision.code)
         row = decision.rows[-1]
         row.total, row.coef, row.threshold, row.code = float(found.total), float(found.coef), float(found.threshold), 0
         row.layers = found.layer_norms.tolist() if found.layer_norms is not None else []
-        self._know(decision, row)
-        self.journal.rewrite_last(self._row_scalars(report, found.threshold), found.layer_norms)
-
-    def _row_scalars(self, report: StepReport, threshold: Tensor) -> list[Tensor]:
-        """The journal's scalar columns for ``report`` (see ``journal.COLUMNS``)."""
-        loss = report.loss if report.loss is not None else self._nan
-        return [report.grad_norm, loss, report.skipped.float(), report.clip_coef, threshold]
+        decision.settle(0)
+        scalars = [found.total, self._or_nan(report.loss), decision.code, found.coef, found.threshold]
+        self.journal.rewrite_last(scalars, found.layer_norms)
 
     def resolve(self, decision: StepDecision) -> bool:
         """Read this step's decision now (one sync); the skip is then applied and reported at once."""
-        if decision.skip_known is not None:
-            return decision.skip_known
-        row = self.journal.read_last()
-        decision.rows.append(row)
-        self._know(decision, row)
-        return bool(decision.skip_known)
-
-    def _know(self, decision: StepDecision, row: Row) -> None:
-        decision.report._code_value = row.code
-        decision.skip_known = row.skipped
+        if decision.pending:
+            row = self.journal.read_last()
+            decision.rows.append(row)
+            decision.settle(row.code)
+        return decision.skipped_now
 
     def _read_journal(self, decision: StepDecision, loss_scale: Tensor | None = None) -> None:
         """Copy the journal rows since the last read to the host: the logging step's one sync."""
@@ -379,8 +383,8 @@ class StabilityEngine:
         decision.loss_scale = values.pop("scaler/scale", None)
         decision.module_metrics = values
         decision.rows.extend(rows)
-        if rows and rows[-1].step == decision.report.step and decision.skip_known is None:
-            self._know(decision, rows[-1])
+        if rows and rows[-1].step == decision.report.step and decision.pending:
+            decision.settle(rows[-1].code)
 
     def _module_metrics(self) -> dict[str, Tensor]:
         """Device tensors from ``stability_metrics()`` modules; a key several modules share keeps the max."""
@@ -399,29 +403,23 @@ class StabilityEngine:
                 module.measure_metrics = logging
 
     def open_step(self, decision: StepDecision, optimizer: Any | None = None) -> StepGate:
-        """Prepare the optimizer step for ``decision``; ``close()`` the gate after the step (or instead of it).
-
-        A skip the host knows: ``skip_now`` is true and the optimizer step must not run. A skip still
-        on the device, with a fused optimizer: OR-ed into ``found_inf`` until ``close()`` (GradScaler's
-        own flag, when it set one, is kept and restored, so its bookkeeping is untouched). QK-clip
-        (``config.qk_clip``) rescales at ``close()``, and nothing on a skipped step.
-        """
+        """The gate around the optimizer step (``gate.py``): no step when ``skip_now``; ``close()`` after."""
         return StepGate(decision, optimizer if self.fused else None, self.qk_clip)
 
     def apply(self, decision: StepDecision, step_fn: Callable[[], Any], optimizer: Any | None = None) -> Any:
         """Run the optimizer step unless this step is skipped; fused optimizers skip on the device."""
         gate = self.open_step(decision, optimizer)
-        if gate.skip_now:
-            gate.close()
-            return None
         try:
-            return step_fn()
+            return None if gate.skip_now else step_fn()
         finally:
             gate.close()
 
-    def hold_scheduler(self, decision: StepDecision) -> bool:
-        """True when the LR scheduler must not advance this step (skipped now, or skips learned late)."""
-        return self.ledger.hold_scheduler(decision.skip_known)
+    def consume_scheduler_hold(self, decision: StepDecision) -> bool:
+        """Whether the LR scheduler must not advance this step (skipped now, or a skip learned late).
+
+        Not a query: a hold for a late-learned skip is paid off (call once per step).
+        """
+        return self.ledger.consume_scheduler_hold(decision.skipped_now)
 
     def finish(self, decision: StepDecision, log_step: int | None = None) -> StepReport:
         """Host-side bookkeeping after the step: the ledger, events, sinks, then the divergence check.
@@ -480,43 +478,24 @@ class StabilityEngine:
             self._diverged(divergence, raise_error=False)
 
     def _log_metrics(self, decision: StepDecision, step: int) -> None:
-        """The logging step's metrics, from the rows just read, to every sink."""
+        """The logging step's metrics, from the rows just read, to every sink (names: ``metrics.py``)."""
         c = self.ledger.counters
         last = decision.rows[-1]
-        metrics: dict[str, float] = {
-            "grad_norm/total": last.total,
-            "grad_norm/max": c.max_norm_recent,
-            "skipped/total": c.skipped_total,
-            "skipped/recent": c.skipped_recent,
-            "skipped/consecutive": c.consecutive,
-            "nonfinite/total": c.nonfinite_total,
-        }
-        if last.loss is not None:
-            metrics["loss"] = last.loss
-        if self.clip is not None:
-            metrics["clip/coef"] = last.coef
-            metrics["clip/threshold"] = last.threshold
-            metrics["clip/clipped_total"] = c.clipped_total
-            metrics["clip/clipped_recent"] = c.clipped_recent
+        scaler = None
         if decision.loss_scale is not None:
-            metrics["scaler/scale"] = decision.loss_scale
-            metrics["scaler/overflow_rate"] = self.ledger.fp16.rate(last.step)
+            scaler = {"scaler/scale": decision.loss_scale, "scaler/overflow_rate": self.ledger.fp16.rate(last.step)}
             for event in self.ledger.fp16_events(last.step, decision.loss_scale, self.source_hint):
                 self.hooks.emit(event)
-        metrics.update(decision.module_metrics)
-        metrics.update(decision.update_metrics)
+        extra = [decision.module_metrics, decision.update_metrics]
         if self.ledger.spikes is not None:
-            metrics.update(self.ledger.spikes.metrics())
-        if self.per_layer:
-            for i in self.logged_layers:
-                metrics[f"grad_norm/{self.layer_names[i]}"] = last.layers[i]
+            extra.append(self.ledger.spikes.metrics())
+        named = self.names.build(last, c, self.clip is not None, scaler, extra)
         if c.clipped_recent:
             count = c.clipped_recent
             self.hooks.emit(
                 Event("clipped", step, f"{count} step(s) clipped since the last logging step", {"count": count})
             )
         c.reset_recent()
-        named = {self.key(k): float(v) for k, v in metrics.items()}
         self.last_host_metrics = dict(named)
         self.hooks.log_metrics(named, step)
 
@@ -536,7 +515,7 @@ class StabilityEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned (tensors move to this engine's device).
 
-        Everything is loaded into fresh objects first and swapped in only when all of it loaded, so
+        Everything is loaded into fresh parts first and swapped in only when all of it loaded, so
         a state that does not fit leaves the engine exactly as it was.
         """
         saved_layers = list(state.get("layer_names", self.layer_names))
@@ -545,22 +524,20 @@ class StabilityEngine:
                 "engine state was saved for other layers: "
                 f"{saved_layers[:3]}... vs {self.layer_names[:3]}... (different model or grouping)"
             )
-        ledger = Ledger(self.config, self.ledger.layer_names, self.fused, self.ledger.rank)
-        ledger.load_state_dict(state["ledger"])
-        clip = make_clip_strategy(self.config.clip, self.device, len(self.params), self.config.grad_norm.norm_type)
-        if clip is not None and state.get("clip"):
-            clip.load_state_dict(state["clip"])
-        journal = Journal(self.journal.capacity, self.journal.width - len(COLUMNS), self.device)
-        journal.load_state_dict(state.get("journal", {}))
-        rule = self.spike_rule
-        if rule is not None and state.get("spike_rule"):
-            scfg = self.config.skip
-            rule = SpikeSkipRule(
-                scfg.spike_z, scfg.spike_alpha, scfg.spike_warmup_steps, self.device, scfg.spike_on_loss
-            )
-            rule.load_state_dict(state["spike_rule"])
+        parts = self._fresh_parts()
+        parts.ledger.load_state_dict(state["ledger"])
+        if parts.clip is not None and state.get("clip"):
+            parts.clip.load_state_dict(state["clip"])
+        parts.journal.load_state_dict(state.get("journal", {}))
+        if parts.spike_rule is not None and state.get("spike_rule"):
+            parts.spike_rule.load_state_dict(state["spike_rule"])
         self.step = int(state["step"])
-        self.ledger, self.clip, self.journal, self.spike_rule = ledger, clip, journal, rule
+        self.ledger, self.clip, self.spike_rule, self.journal = (
+            parts.ledger,
+            parts.clip,
+            parts.spike_rule,
+            parts.journal,
+        )
         if self.updates is not None:
             self.updates.reset()
         self._mark_measure()

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from stabilitykit.distributed import is_dtensor, to_local
+from stabilitykit.distributed import all_reduce, is_dtensor, to_local
 from stabilitykit.grads import GradNormPlan
 
 __all__ = ["UpdateMonitor"]
@@ -117,7 +117,7 @@ class UpdateMonitor:
         layer = sums[0] if reducer is None else sums[: reducer.n_rows].sum(0)  # every row's shards, summed
         total = layer.sum(1)
         if reducer is not None and reducer.extra_group is not None:
-            dist.all_reduce(total, group=reducer.extra_group)  # pipeline stages: each holds its own layers
+            all_reduce(total, dist.ReduceOp.SUM, reducer.extra_group)  # pipeline stages: each holds its own layers
         layer_norms, total_norms = layer.sqrt(), total.sqrt()
         ratios = _ratio(torch.cat([total_norms[:1], layer_norms[0]]), torch.cat([total_norms[1:], layer_norms[1]]))
         return torch.cat([ratios[:1], total_norms[1:], ratios[1:], layer_norms[1]])

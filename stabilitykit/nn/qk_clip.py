@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from stabilitykit.distributed import is_distributed, is_dtensor, to_local
+from stabilitykit.distributed import all_reduce, is_distributed, is_dtensor, to_local
 
 if TYPE_CHECKING:
     from stabilitykit.config import QKClipConfig
@@ -275,7 +275,7 @@ class QKClip:
             return maxima
         packed = torch.cat(chosen)
         packed = torch.where(torch.isnan(packed), math.inf, packed)  # a NaN must survive MAX on every backend
-        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+        all_reduce(packed, dist.ReduceOp.MAX, group)
         parts = iter(packed.split([m.numel() for m in chosen]))
         return [next(parts) if r else m for m, r in zip(maxima, reduce, strict=True)]
 
