@@ -156,7 +156,14 @@ class DriverCore:
         self.model = model
         self.optimizer = unwrap_optimizer(optimizer)
         params = optimizer_params(self.optimizer)
+        if not params:
+            raise ValueError(
+                f"stabilitykit has nothing to guard: {type(self.optimizer).__name__} holds no parameters "
+                "(check what configure_optimizers / your optimizer was given)"
+            )
         check_supported(model, self.optimizer, params)
+        self._param_count = self._count_params()
+        self._state_checked: tuple[int, tuple[bool, ...]] | None = None
         self.hooks = hooks or HookManager()
         self.scaler = ScalerAdapter(scaler)
         self.engine = engine_cls(
@@ -217,6 +224,7 @@ class DriverCore:
             if self._in_closure_step:
                 return self.decision
             self.finish()
+        self._follow_param_groups()
         grad_scale = self.scaler.grads_scale(self.optimizer, self.engine.fused)
         decision = self.engine.evaluate(
             grad_scale=grad_scale,
@@ -242,16 +250,35 @@ class DriverCore:
         self._trace_source(decision)
         return decision
 
+    def _count_params(self) -> int:
+        return sum(len(group["params"]) for group in self.optimizer.param_groups)
+
+    def _follow_param_groups(self) -> None:
+        """A param group added since the last step (Lightning's ``BaseFinetuning``, ``add_param_group``):
+        the engine measures the optimizer's new set from this step on. Frozen parameters are in the
+        set from the start, so unfreezing one (``requires_grad`` flipped) needs nothing here."""
+        count = self._count_params()
+        if count != self._param_count:
+            params = optimizer_params(self.optimizer)
+            check_supported(self.model, self.optimizer, params)
+            self.engine.follow_params(params)
+            self._param_count = count
+
     def _step_creates_state(self) -> bool:
         """A fused step on the device would create optimizer state (a first momentum buffer) for some
         parameter: a skipped step must not leave it behind, so the host decides this step (one sync;
-        only until every parameter with a grad has state, usually the first step)."""
+        only until every parameter with a grad has state, usually the first step). Checked again
+        only when the state or the set of parameters with grads changes."""
         if not self.engine.fused:
             return False
         state = self.optimizer.state
-        if len(state) >= len(self.engine.params):
+        key = (len(state), self.engine.plan.present)
+        if key == self._state_checked:
             return False
-        return any(p.grad is not None and not state.get(p) for p in self.engine.params)
+        creates = any(p.grad is not None and not state.get(p) for p in self.engine.params)
+        if not creates:
+            self._state_checked = key
+        return creates
 
     def run_optimizer_step(self, step_fn: Callable[[], Any]) -> Any:
         """Run the optimizer step for the step in flight, or skip it (no step in flight: just run it)."""

@@ -140,6 +140,8 @@ class GradNormPlan:
         self.per_tensor = per_tensor
         self._local = any(is_dtensor(q) for q in self.params)
         self._layouts: dict[tuple[bool, ...], _Layout] = {}
+        #: which parameters had a grad in the last ``compute()`` (plan order)
+        self.present: tuple[bool, ...] = ()
         self._current: _Layout | None = None  # the layout of the last ``compute()``
         self._warned_empty = False
 
@@ -230,6 +232,7 @@ class GradNormPlan:
         a reducer.
         """
         present = tuple(p.grad is not None for p in self.params)
+        self.present = present
         layout = self._layout(present)
         self._current = layout
         measure, grouped = self._grouped(layout)

@@ -15,6 +15,7 @@ Every wrapper is undone at fit end, on an exception and at teardown. Requires th
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -107,6 +108,14 @@ class StabilityCallback(Callback):
         if not trainer.optimizers:
             raise ValueError("StabilityCallback needs an optimizer: configure_optimizers returned none")
         self._release()
+        if all(type(opt).__name__ == "_MockOptimizer" for opt in trainer.optimizers):
+            warnings.warn(
+                "StabilityCallback: configure_optimizers returned None, so this fit has no optimizer step to "
+                "guard; the callback does nothing (return an optimizer from configure_optimizers to use it)",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
         config = self.config
         if "log_every_n_steps" not in config.model_fields_set:
             every = max(1, trainer.log_every_n_steps)  # type: ignore[attr-defined]

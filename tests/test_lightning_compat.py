@@ -210,3 +210,110 @@ def test_double_precision_trains_and_measures_in_float64(tmp_path: Path) -> None
     report = callback.cores[0].last_report
     assert report is not None and report.grad_norm.dtype == torch.float64
     assert torch.equal(report.grad_norm, seen[-1].to(report.grad_norm))
+
+
+class Backbone(BoringModel):
+    """BoringModel split into a backbone and a head; a NaN in the backbone's grad at ``nan_step``."""
+
+    def __init__(self, nan_step: int | None = None, fused: bool = False) -> None:
+        super().__init__()
+        self.backbone = torch.nn.Linear(32, 32)
+        self.nan_step, self.fused = nan_step, fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(torch.relu(self.backbone(x)))
+
+    def on_after_backward(self) -> None:
+        if self.trainer.global_step == self.nan_step and self.backbone.weight.grad is not None:
+            self.backbone.weight.grad[0, 0] = float("nan")
+
+    def configure_optimizers(self) -> Any:
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(trainable, lr=0.05, fused=self.fused)
+
+
+class UnfreezeAt(BaseFinetuning):
+    """Lightning's documented flow: freeze the backbone at setup, unfreeze it into a new param group."""
+
+    def __init__(self, epoch: int) -> None:
+        super().__init__()
+        self.epoch = epoch
+
+    def freeze_before_training(self, pl_module: Any) -> None:
+        self.freeze(pl_module.backbone)
+
+    def finetune_function(self, pl_module: Any, current_epoch: int, optimizer: Any) -> None:
+        if current_epoch == self.epoch:
+            self.unfreeze_and_add_param_group(pl_module.backbone, optimizer, train_bn=True)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_backbone_unfrozen_mid_fit_is_guarded(tmp_path: Path, fused: bool) -> None:
+    """Lightning's ``BaseFinetuning``: a NaN grad in a parameter unfrozen after the fit started is skipped."""
+    module = Backbone(nan_step=6, fused=fused)
+    callback = StabilityCallback(NO_CLIP)
+    trainer = _trainer(tmp_path, [UnfreezeAt(epoch=1), callback], max_epochs=2, max_steps=-1, limit_train_batches=4)
+    trainer.fit(module)
+    assert trainer.global_step == 8
+    assert len(trainer.optimizers[0].param_groups) == 2
+    assert torch.isfinite(module.backbone.weight).all()
+    callback.cores[0].flush()
+    assert callback.engine is not None and callback.engine.skipped_total == 1
+    assert "backbone" in callback.engine.layer_names
+
+
+class BackboneOnly(Backbone):
+    """The optimizer holds only the backbone, which is frozen when the fit starts."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.backbone.parameters(), lr=0.1)
+
+
+def test_everything_frozen_at_the_start_is_not_an_error(tmp_path: Path) -> None:
+    """Lightning's ``test_finetuning_callback_warning`` flow: every guarded parameter frozen at fit start."""
+
+    class FreezeThenTrain(BaseFinetuning):
+        def freeze_before_training(self, pl_module: Any) -> None:
+            self.freeze(pl_module.backbone)
+
+        def finetune_function(self, pl_module: Any, current_epoch: int, optimizer: Any) -> None:
+            if current_epoch == 1:
+                self.make_trainable(pl_module.backbone)
+
+    module = BackboneOnly(nan_step=4)
+    callback = StabilityCallback(NO_CLIP)
+    trainer = _trainer(tmp_path, [FreezeThenTrain(), callback], max_epochs=2, max_steps=-1, limit_train_batches=3)
+    with pytest.warns(RuntimeWarning, match="no parameter has a gradient"):
+        trainer.fit(module)
+    callback.cores[0].flush()
+    engine = callback.engine
+    assert engine is not None and engine.step == 6 and engine.skipped_total == 1  # the NaN after unfreezing
+    assert torch.isfinite(module.backbone.weight).all() and engine.counters.max_norm > 0
+
+
+def test_no_optimizer_steps_aside_with_a_warning(tmp_path: Path) -> None:
+    class NoOptimizer(BoringModel):
+        def configure_optimizers(self) -> None:
+            return None
+
+    with pytest.warns(UserWarning, match="configure_optimizers returned None"):
+        _trainer(tmp_path, [StabilityCallback(NO_CLIP)], max_steps=2).fit(NoOptimizer())
+
+
+def test_a_param_group_added_in_a_plain_loop_is_guarded() -> None:
+    torch.manual_seed(0)
+    head, extra = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=0.1)
+    guard = sk.StabilityGuard(None, optimizer, sk.StabilityConfig(log_every_n_steps=1))  # type: ignore[arg-type]
+    for i in range(4):
+        if i == 2:
+            optimizer.add_param_group({"params": list(extra.parameters())})
+        loss = extra(head(torch.randn(8, 4))).pow(2).mean()
+        guard.backward(loss)
+        if i == 3:
+            extra.weight.grad[0, 0] = float("inf")
+        before = extra.weight.detach().clone()
+        report = guard.step()
+        guard.zero_grad()
+    assert bool(report.skipped) and torch.equal(extra.weight, before)
+    assert guard.engine.plan.present.count(True) == 4

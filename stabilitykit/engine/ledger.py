@@ -79,6 +79,15 @@ class Ledger:
         self.spikes = SpikeMonitor(config.spikes, layer_names) if config.spikes.enabled else None
         self.fp16 = Fp16Monitor(config.fp16)
 
+    def carry_over(self, previous: Ledger, spikes: bool) -> None:
+        """Take ``previous``'s counters, scheduler debt and fp16 monitor (and its spike monitor when
+        ``spikes``): the same run, measured over a new set of parameters."""
+        self.counters = previous.counters
+        self.scheduler_debt = previous.scheduler_debt
+        self.fp16 = previous.fp16
+        if spikes:
+            self.spikes = previous.spikes
+
     def fold(
         self, row: Row, source: Any | None = None, signals: dict[str, float] | None = None
     ) -> tuple[list[Event], Divergence | None]:

@@ -107,34 +107,11 @@ class StabilityEngine:
         self.config = config or StabilityConfig()
         self.hooks = hooks or HookManager()
         self.fused = fused
-        self.params = [p for p in params if p.requires_grad]
-        if not self.params:
-            raise ValueError("StabilityEngine needs at least one parameter that requires grad")
-        gcfg = self.config.grad_norm
-        layers = build_layer_map(self.params, model, gcfg.grouping, names)
-        self.param_names = layers.param_names
-        self.layer_names = layers.layer_names
-        self.per_layer = gcfg.per_layer
-        self.plan = GradNormPlan(
-            self.params,
-            layers.layer_of if self.per_layer else None,
-            self.layer_names if self.per_layer else None,
-            norm_type=gcfg.norm_type,
-            reducer=reducer_for(self.params, model, extra_group),
-            per_tensor=self.config.clip.mode == "per_tensor_adaptive",
-        )
-        self.names = MetricNames(self.config, self.layer_names)
-        self.updates = UpdateMonitor(self.plan) if gcfg.update_ratio else None  # see engine/updates.py
-        self.device = self.params[0].device
+        self._model, self._names, self._extra_group = model, names, extra_group
+        self._bind_params(params)
         self.rank = torch.distributed.get_rank() if is_distributed() else None
         self.step = 0  # optimizer steps attempted so far (skipped ones included)
-        parts = self._fresh_parts()
-        self.ledger, self.clip, self.spike_rule, self.journal = (
-            parts.ledger,
-            parts.clip,
-            parts.spike_rule,
-            parts.journal,
-        )
+        self._install(self._fresh_parts())
         #: Whether anything can ever skip a step (configuration only, so the same on every rank).
         self.can_skip = self.config.skip.nonfinite or self.config.data.mode == "skip" or self.spike_rule is not None
         self._false = torch.zeros((), dtype=torch.bool, device=self.device)
@@ -153,6 +130,60 @@ class StabilityEngine:
         if self.qk_clip is not None and self.config.module_metrics:
             self.metric_sources.append(self.qk_clip)
         self._mark_measure()
+
+    def _bind_params(self, params: Sequence[nn.Parameter | Tensor]) -> None:
+        """Measure ``params`` (every parameter the optimizer holds, frozen ones too: a parameter without
+        a grad this step simply drops out of the pass): their layers, the norm plan, metric names."""
+        self.params = list(params)
+        if not self.params:
+            raise ValueError(
+                "stabilitykit has nothing to guard: the optimizer holds no parameters (check what "
+                "configure_optimizers / your optimizer was given)"
+            )
+        gcfg = self.config.grad_norm
+        layers = build_layer_map(self.params, self._model, gcfg.grouping, self._names)
+        self.param_names = layers.param_names
+        self.layer_names = layers.layer_names
+        self.per_layer = gcfg.per_layer
+        self.plan = GradNormPlan(
+            self.params,
+            layers.layer_of if self.per_layer else None,
+            self.layer_names if self.per_layer else None,
+            norm_type=gcfg.norm_type,
+            reducer=reducer_for(self.params, self._model, self._extra_group),
+            per_tensor=self.config.clip.mode == "per_tensor_adaptive",
+        )
+        self.names = MetricNames(self.config, self.layer_names)
+        self.updates = UpdateMonitor(self.plan) if gcfg.update_ratio else None  # see engine/updates.py
+        self.device = self.params[0].device
+
+    def follow_params(self, params: Sequence[nn.Parameter | Tensor]) -> None:
+        """The optimizer's parameters changed (a param group added mid-run, as Lightning's
+        ``BaseFinetuning`` does): measure the new set from the next step on.
+
+        The steps so far are folded first (one sync, only when the set changes). Counters, scheduler
+        debt, the fp16 monitor, clipping and skip-on-spike statistics carry over; the spike monitor
+        carries over when the layers are the same, else starts afresh (the norm's scale changed);
+        per-tensor clipping state starts afresh (it is per parameter).
+        """
+        self.flush()
+        if self._names is not None and len(self._names) != len(params):
+            self._names = None  # names given for the old set: name the new one from the model
+        old = _Parts(self.ledger, self.clip, self.spike_rule, self.journal)
+        old_layers = self.layer_names
+        self._bind_params(params)
+        parts = self._fresh_parts()
+        parts.ledger.carry_over(old.ledger, spikes=self.layer_names == old_layers)
+        if not isinstance(old.clip, PerTensorClip):
+            parts.clip = old.clip
+        parts.spike_rule = old.spike_rule
+        self._install(parts)
+        self.qk_clip = QKClip.from_config(self.config.qk_clip, self._model, self.params)
+
+    def _install(self, parts: _Parts) -> None:
+        """Swap ``parts`` in (all at once, after they were built and loaded)."""
+        self.ledger, self.clip = parts.ledger, parts.clip
+        self.spike_rule, self.journal = parts.spike_rule, parts.journal
 
     def _fresh_parts(self) -> _Parts:
         """The stateful parts, new: the one place they are built (at construction and to load a state)."""
@@ -532,12 +563,7 @@ class StabilityEngine:
         if parts.spike_rule is not None and state.get("spike_rule"):
             parts.spike_rule.load_state_dict(state["spike_rule"])
         self.step = int(state["step"])
-        self.ledger, self.clip, self.spike_rule, self.journal = (
-            parts.ledger,
-            parts.clip,
-            parts.spike_rule,
-            parts.journal,
-        )
+        self._install(parts)
         if self.updates is not None:
             self.updates.reset()
         self._mark_measure()
