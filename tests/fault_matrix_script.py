@@ -101,10 +101,17 @@ def cells(world: int, which: str) -> list[Cell]:
 # --------------------------------------------------------------------------- layouts
 
 
+_MESHES: dict[tuple[Any, ...], Any] = {}
+
+
 def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """One mesh per shape for the whole run: each new mesh makes process groups (and their threads)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    key = (shape, names)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _MESHES[key]
 
 
 def _tp(net: ResidualNet, mesh: Any) -> None:
