@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from stabilitykit import __version__
+
 __all__ = ["main"]
 
 
@@ -71,6 +73,7 @@ def _report(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stabilitykit`` console script."""
     parser = argparse.ArgumentParser(prog="stabilitykit", description="Training stability tools.")
+    parser.add_argument("--version", action="version", version=f"stabilitykit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     prec = sub.add_parser("precision", help="layer-wise error of bf16/fp16/TF32 against an fp32 reference")
@@ -84,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rep = sub.add_parser("report", help="one picture of a run: loss, grad norm, z-score, skips, per-layer heatmap")
     rep.add_argument("log", help="the guard's JSONL log or a Lightning CSVLogger metrics.csv")
-    rep.add_argument("-o", "--output", default="report.png")
+    rep.add_argument("-o", "--output", default="report.png", help="the PNG to write (default: report.png)")
     rep.add_argument("--title", default=None)
     rep.add_argument("--prefix", default=None, help="the run's metric_prefix (found in the log when not given)")
     rep.set_defaults(func=_report)

@@ -6,6 +6,7 @@ field's name instead of being silently ignored.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
@@ -38,6 +39,19 @@ class _Strict(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown_fields(cls, data: Any) -> Any:
+        """A misspelled field names the closest real one (``max_nrom`` -> did you mean ``max_norm``?)."""
+        if isinstance(data, Mapping):
+            known = set(cls.model_fields)
+            for key in data:
+                if isinstance(key, str) and key not in known:
+                    close = difflib.get_close_matches(key, sorted(known), n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else f"; fields: {', '.join(sorted(known))}"
+                    raise ValueError(f"{cls.__name__} has no field {key!r}{hint}")
+        return data
 
 
 def _check_norm_type(value: float) -> float:
@@ -117,6 +131,16 @@ class GradNormConfig(_Strict):
 
 class ClipConfig(_Strict):
     """Gradient clipping: off, a fixed max_norm, an adaptive global threshold, or per-tensor adaptive (AdaGC)."""
+
+    @field_validator("max_norm", mode="before")
+    @classmethod
+    def _zero_means_off_elsewhere(cls, value: Any) -> Any:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+            raise ValueError(
+                "max_norm=0 is how nanoGPT and the Hugging Face Trainer say 'no clipping'; here that is "
+                "ClipConfig(mode='off')"
+            )
+        return value
 
     mode: Literal["off", "fixed", "adaptive", "per_tensor_adaptive"] = Field(
         "off",
@@ -373,6 +397,8 @@ class StabilityConfig(_Strict):
     def from_file(cls, path: str | Path) -> StabilityConfig:
         """Load a config from a ``.json``, ``.yaml`` or ``.yml`` file."""
         path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"stabilitykit config file not found: {path}")
         text = path.read_text()
         if path.suffix in {".yaml", ".yml"}:
             try:

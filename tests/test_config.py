@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -53,3 +54,25 @@ def test_guard_accepts_a_mapping() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = sk.StabilityGuard(model, opt, {"clip": {"mode": "fixed", "max_norm": 2.0}})
     assert guard.config.clip.max_norm == 2.0
+
+
+def test_errors_a_newcomer_makes_name_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no field 'max_nrom'; did you mean 'max_norm'"):
+        sk.StabilityConfig.from_mapping({"clip": {"mode": "fixed", "max_nrom": 2.0}})
+    with pytest.raises(ValueError, match=r"max_norm=0 .*ClipConfig\(mode='off'\)"):
+        sk.StabilityConfig(clip=sk.ClipConfig(max_norm=0))
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(FileNotFoundError) as info:
+        sk.StabilityConfig.from_file(missing)
+    assert str(info.value) == f"stabilitykit config file not found: {missing}"
+
+
+def test_cli_version_and_report_output_default(capsys: pytest.CaptureFixture[str]) -> None:
+    from stabilitykit.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"stabilitykit {sk.__version__}"
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    assert "(default: report.png)" in capsys.readouterr().out
