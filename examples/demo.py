@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     elapsed = time.perf_counter() - start
     guard.close()
 
-    summary = guard.summary()
+    summary = guard.summary().to_dict()
     summary.update(first_loss=first_loss, last_loss=last_loss, elapsed_s=elapsed, log=str(log_path))
     kinds = sorted({e.kind for e in events})
     print("stabilitykit demo: tiny GPT, CPU")

@@ -28,6 +28,7 @@ from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NaNTracer, NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
 from stabilitykit.precision import PrecisionChoice, configure_tf32, select_precision, set_determinism
 from stabilitykit.report import StepReport
+from stabilitykit.run_log import RunSummary
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,7 @@ __all__ = [
     "StabilityConfig",
     "StabilityEngine",
     "StabilityGuard",
+    "RunSummary",
     "StepReport",
     "TrainingDivergedError",
     "__version__",

@@ -28,6 +28,7 @@ from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NaNTracer, NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
 from stabilitykit.precision import PrecisionChoice, apply_precision_config
 from stabilitykit.report import StepReport
+from stabilitykit.run_log import RunSummary
 from stabilitykit.scaler import ScalerAdapter
 from stabilitykit.schedule import hold_scheduler, release_scheduler
 from stabilitykit.state import STATE_VERSION, validate_state
@@ -449,6 +450,15 @@ class DriverCore:
             self.engine.source_hint = record
 
     # ------------------------------------------------------------------ state
+    def summary(self) -> RunSummary:
+        """This optimizer's totals (reads the steps since the last logging step first: one sync)."""
+        self.flush()
+        c = self.engine.counters
+        source = str(self.last_nonfinite) if self.last_nonfinite is not None else None
+        return RunSummary(
+            self.engine.step, c.skipped_total, c.clipped_total, c.max_norm, c.nonfinite_total, nonfinite_source=source
+        )
+
     def flush(self) -> None:
         """Fold the steps since the last logging step now (one sync)."""
         self.engine.flush()

@@ -13,6 +13,7 @@ and how the framework's optimizer steps.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NaNTracer, NonFiniteRecord
 from stabilitykit.precision import PrecisionChoice
 from stabilitykit.report import StepReport
+from stabilitykit.run_log import RunSummary
 from stabilitykit.sinks.base import Sink
 
 __all__ = ["StabilityGuard", "optimizer_params"]
@@ -110,6 +112,7 @@ class StabilityGuard:
         self._pending_losses: list[Tensor] = []  # several optimizers: losses not yet claimed by a step
         # each optimizer's step is routed through its core once, for the guard's life (undone by close())
         self._unroute = [self._route_step(core) for core in self.cores]
+        self._closed = False
 
     @property
     def engine(self) -> StabilityEngine:
@@ -240,29 +243,17 @@ class StabilityGuard:
         """Skipped steps as of the host's last look (exact on logging steps and for non-fused optimizers)."""
         return self.core.engine.skipped_total
 
-    def summary(self) -> dict[str, Any]:
-        """Totals for a run summary (reads the steps since the last logging step first: one sync).
+    def summary(self) -> RunSummary:
+        """The run's totals (reads the steps since the last logging step first: one sync).
 
-        With several optimizers the first optimizer's totals, plus ``"optimizers"``: one entry each.
+        With several optimizers the first optimizer's totals, with ``optimizers``: one entry each.
+        Readable by key too (``guard.summary()["skipped"]``); ``.line()`` is the end-of-run line.
         """
-        rows = []
-        for core in self.cores:
-            core.flush()
-            c = core.engine.counters
-            rows.append(
-                {
-                    "steps": core.engine.step,
-                    "skipped": c.skipped_total,
-                    "clipped": c.clipped_total,
-                    "max_grad_norm": c.max_norm,
-                    "nonfinite_steps": c.nonfinite_total,
-                }
-            )
-        out: dict[str, Any] = dict(rows[0])
-        out["nonfinite_source"] = str(self.last_nonfinite) if self.last_nonfinite is not None else None
+        rows = [core.summary() for core in self.cores]
+        first = rows[0]
         if len(rows) > 1:
-            out["optimizers"] = rows
-        return out
+            first = dataclasses.replace(first, optimizers=tuple(rows))
+        return first
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -286,6 +277,9 @@ class StabilityGuard:
         for undo in self._unroute:
             undo()
         self._unroute = []
+        if not self._closed:
+            self.summary().log()  # the run's one line: steps, skips, clips, max norm, first NaN source
+        self._closed = True
         for core in self.cores:
             core.close()
         self.hooks.close()

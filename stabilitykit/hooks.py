@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from stabilitykit.events import EVENT_KINDS, Event
+from stabilitykit.run_log import EventLog
 from stabilitykit.sinks.base import Sink
 
 __all__ = ["HookManager"]
@@ -21,13 +22,15 @@ class HookManager:
     ``on(kind, fn)`` registers ``fn(event)`` for one event kind (or ``"*"`` for all). Sinks get
     ``log_metrics`` on logging steps and ``log_event`` for events; a sink that raises is disabled
     with one warning so a failing logger never stops training. User hooks are user code: their
-    exceptions propagate (raise from a hook to stop training on purpose).
+    exceptions propagate (raise from a hook to stop training on purpose). Skips, divergence and
+    alerts also go to Python's ``logging`` (``run_log.EventLog``; ``log_events=False``: not).
     """
 
-    def __init__(self, sinks: Iterable[Sink] | None = None) -> None:
+    def __init__(self, sinks: Iterable[Sink] | None = None, log_events: bool = True) -> None:
         self._hooks: dict[str, list[EventHook]] = defaultdict(list)
         self.sinks: list[Any] = list(sinks or [])
         self.disabled: dict[int, str] = {}
+        self.event_log: EventLog | None = EventLog() if log_events else None
 
     def on(self, kind: str, fn: EventHook) -> EventHook:
         """Call ``fn(event)`` for every event of ``kind`` ("*": every event). Returns ``fn``."""
@@ -63,6 +66,8 @@ class HookManager:
 
     def emit(self, event: Event) -> None:
         """Send one event to the hooks registered for its kind, to "*" hooks, then to the sinks."""
+        if self.event_log is not None:
+            self.event_log(event)
         for fn in [*self._hooks.get(event.kind, []), *self._hooks.get("*", [])]:
             fn(event)
         for sink in self.sinks:

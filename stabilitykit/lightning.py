@@ -158,6 +158,8 @@ class StabilityCallback(Callback):
         for core in self.cores:
             core.finish()
             core.flush()
+        if self.cores:
+            self.cores[0].summary().log()
         self._release()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

@@ -82,7 +82,12 @@ def train(workdir: str, steps: int = 300, resume: bool = False) -> dict[str, Any
     finally:
         guard.close()
     seconds = time.perf_counter() - began
-    result = {"resumed_from": resumed_from, "at_resume": at_resume, "final": guard.summary(), "seconds": seconds}
+    result = {
+        "resumed_from": resumed_from,
+        "at_resume": at_resume,
+        "final": guard.summary().to_dict(),
+        "seconds": seconds,
+    }
     (folder / "result.json").write_text(json.dumps(result))
     return result
 

@@ -249,6 +249,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             self.core.finish()
             self.core.flush()
             self._write_events()
+            self.core.summary().log()
         self._release()
 
     def _release(self) -> None:

@@ -1,0 +1,115 @@
+"""Skips are never silent: notable events on Python's ``logging``, and a one-line summary at the end.
+
+Every ``HookManager`` hands each event to an ``EventLog``: skips, data-guard refusals, divergence,
+rollbacks and spike alerts are written at WARNING to the logger ``"stabilitykit"``, on rank zero
+only and rate-limited (the first ``first`` of a run, then at most one per ``every`` steps with the
+count of those left out). Drivers write ``RunSummary.line()`` at INFO when a run ends
+(``guard.close()``, the Lightning callback's fit end, the HF callback's train end).
+
+The logger gets a stderr handler of its own unless something already configured one (as Lightning
+and transformers do for theirs); silence it with ``logging.getLogger("stabilitykit").setLevel(...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from stabilitykit.events import Event
+
+__all__ = ["LOGGER", "EventLog", "RunSummary"]
+
+LOGGER = logging.getLogger("stabilitykit")
+if not LOGGER.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    LOGGER.addHandler(_handler)
+    LOGGER.setLevel(logging.INFO)
+
+#: Event kinds written to the log (a skip's ``nonfinite`` twin is folded into its ``skipped`` line).
+LOGGED_KINDS = frozenset({"skipped", "bad_batch", "diverged", "rollback", "spike_alert"})
+
+
+def _rank_zero() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+class EventLog:
+    """Writes notable events to the ``stabilitykit`` logger, rank zero only, rate-limited."""
+
+    def __init__(self, first: int = 20, every: int = 100) -> None:
+        self.first, self.every = first, every
+        self.written = 0
+        self.suppressed = 0
+        self._last_step: int | None = None
+
+    def __call__(self, event: Event) -> None:
+        if event.kind not in LOGGED_KINDS or not _rank_zero():
+            return
+        due = self.written < self.first or self._last_step is None or event.step - self._last_step >= self.every
+        if event.kind == "diverged":
+            due = True  # always said
+        if not due:
+            self.suppressed += 1
+            return
+        message = f"{event.message}{self._where(event)}"
+        if self.suppressed:
+            message += f" ({self.suppressed} similar message(s) left out since step {self._last_step})"
+            self.suppressed = 0
+        LOGGER.warning(message)
+        self.written += 1
+        self._last_step = event.step
+
+    @staticmethod
+    def _where(event: Event) -> str:
+        details = event.details or {}
+        module, phase, layer = details.get("module"), details.get("phase"), details.get("layer")
+        if event.kind != "skipped":
+            return ""
+        if module:
+            return f" (first non-finite value: {phase} of {module})"
+        if layer:
+            return f" (first non-finite layer in backward order: {layer})"
+        return ""
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """A run's totals (``guard.summary()``); readable by key too (``summary["skipped"]``)."""
+
+    steps: int
+    skipped: int
+    clipped: int
+    max_grad_norm: float
+    nonfinite_steps: int
+    nonfinite_source: str | None = None
+    optimizers: tuple[RunSummary, ...] = ()
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (JSON-ready)."""
+        return asdict(self)
+
+    def line(self) -> str:
+        """One line for the end of a run."""
+        norm = f"{self.max_grad_norm:.4g}" if math.isfinite(self.max_grad_norm) else str(self.max_grad_norm)
+        text = (
+            f"{self.steps} steps, {self.skipped} skipped, {self.clipped} clipped, max grad norm {norm}, "
+            f"{self.nonfinite_steps} non-finite"
+        )
+        if self.nonfinite_source:
+            text += f"; first non-finite: {self.nonfinite_source}"
+        return text
+
+    def log(self) -> None:
+        """Write ``line()`` to the ``stabilitykit`` logger (INFO, rank zero only)."""
+        if _rank_zero():
+            LOGGER.info("run summary: %s", self.line())
