@@ -393,21 +393,30 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
     model: nn.Module | None = None,
     extra_group: Any | None = None,
 ) -> Tensor:
     """Clip grads to a global norm in place and return the pre-clip total norm (fp32, on device).
 
-    Same result as ``torch.nn.utils.clip_grad_norm_`` on finite grads, but a NaN/Inf total
-    leaves the grads untouched instead of spreading NaN into every grad. The norm is the true
-    global one under DDP, FSDP1 (every sharding strategy, hybrid included), FSDP2/HSDP and tensor
-    parallel (DTensor grads on any mesh); under torch.distributed a non-finite grad on any rank
-    makes the total NaN on every rank. For FSDP1 pass the wrapped module as ``parameters`` or
-    ``model`` (its parameters alone raise ``ValueError``: their shards cannot be told apart).
-    ``extra_group``: a process group to sum over as well, e.g. the pipeline-parallel group.
-    The result is fp32 even for fp16/bf16 grads (torch returns the grads' dtype). Every rank
-    must call it (it may all-reduce), including a rank without grads.
+    A drop-in for ``torch.nn.utils.clip_grad_norm_`` (same positional arguments and keywords;
+    ``foreach`` is accepted and ignored: the pass is always fused), with the same result on finite
+    grads, but a NaN/Inf total leaves the grads untouched instead of spreading NaN into every grad.
+    ``error_if_nonfinite=True`` raises torch's own error text. The norm is the true global one
+    under DDP, FSDP1 (every sharding strategy, hybrid included), FSDP2/HSDP and tensor parallel
+    (DTensor grads on any mesh); under torch.distributed a non-finite grad on any rank makes the
+    total NaN on every rank. For FSDP1 pass the wrapped module as ``parameters`` or ``model=``
+    (its parameters alone raise ``ValueError``: their shards cannot be told apart).
+    ``extra_group``: a process group to sum over as well, e.g. the pipeline-parallel group. The
+    result is fp32 (fp64 with fp64 grads) even for fp16/bf16 grads (torch returns the grads' dtype).
+    Every rank must call it (it may all-reduce), including a rank without grads.
     """
+    if foreach is not None and not isinstance(foreach, bool):
+        raise TypeError(
+            f"clip_grad_norm_'s fifth argument is torch's foreach (None or a bool), got {type(foreach).__name__}; "
+            "pass the wrapped module as model=..."
+        )
     if max_norm <= 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
     if isinstance(parameters, nn.Module):
@@ -417,7 +426,11 @@ def clip_grad_norm_(
     plan = GradNormPlan(params, norm_type=float(norm_type), reducer=reducer_for(params, model, extra_group))
     result, grouped = plan.compute()
     if error_if_nonfinite and not bool(result.finite):
-        raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped.")
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`"
+        )
     apply_clip_coefficient(grouped, clip_coefficient(result.total, max_norm, result.finite))
     return result.total
 

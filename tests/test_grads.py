@@ -160,3 +160,28 @@ def test_float64_grads_are_measured_in_float64_beside_fp32_and_bf16() -> None:
     expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in only64.parameters()]))
     report = guard.step()
     assert report.grad_norm.dtype == torch.float64 and torch.equal(report.grad_norm, expected)
+
+
+@pytest.mark.parametrize("foreach", [None, False, True])
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf])
+def test_clip_grad_norm_is_a_drop_in_for_torchs(foreach: bool | None, norm_type: float) -> None:
+    """PyTorch's own ``test_clip_grad_norm`` calls, with ``foreach=`` and ``error_if_nonfinite=``."""
+    torch.manual_seed(0)
+    ours, theirs = torch.nn.Linear(10, 10), torch.nn.Linear(10, 10)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(4, 10)
+    for model in (ours, theirs):
+        model(x).pow(2).sum().backward()
+    got = sk.clip_grad_norm_(ours.parameters(), 0.5, norm_type, False, foreach)
+    want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5, norm_type, False, foreach)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+    ours.weight.grad[0, 0] = math.inf
+    pattern = rf"The total norm of order {norm_type} for gradients from `parameters` is non-finite"
+    with pytest.raises(RuntimeError, match=pattern):
+        sk.clip_grad_norm_(ours.parameters(), 0.5, norm_type, error_if_nonfinite=True, foreach=foreach)
+    with pytest.raises(RuntimeError, match=pattern):
+        torch.nn.utils.clip_grad_norm_(ours.parameters(), 0.5, norm_type, error_if_nonfinite=True, foreach=foreach)
+    with pytest.raises(TypeError, match="model="):
+        sk.clip_grad_norm_(ours.parameters(), 0.5, 2.0, False, ours)  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from typing import Any
@@ -93,10 +94,12 @@ def test_tuple_outputs_modules_called_twice_and_user_variants() -> None:
         variants={
             "bf16": "bf16",
             "half_context": Variant("half_context", lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
+            "same": contextlib.nullcontext,  # a context-manager class: an instance per run
             **swapped,
         },
         progress=False,
     )
+    assert all(r["rms_rel"] == 0 for r in report.variants["same"]["forward"])
     forward = [r["module"] for r in report.variants["bf16"]["forward"]]
     assert forward == ["shared", "shared#1", "split"]
     assert report.variants["half_context"]["forward"][0]["rms_rel"] > 0

@@ -114,7 +114,8 @@ class Ledger:
             c.last_bad_step, c.last_bad_reason, c.last_bad_layer = row.step, reason_from_code(row.code), layer
             if not row.on_time and self.fused:
                 self.scheduler_debt += 1  # the scheduler already stepped past this skip
-            events.extend(self._skip_events(row.step, row.code, layer, source))
+            late = not row.on_time and self.fused
+            events.extend(self._skip_events(row.step, row.code, layer, source, late))
             limit = self.config.skip.max_consecutive
             if limit is not None and c.consecutive >= limit and not row.code & OVERFLOW:
                 divergence = Divergence(row.step, c.consecutive, layer, reason_from_code(row.code))
@@ -149,7 +150,9 @@ class Ledger:
                 return self.layer_names[i] if i < len(self.layer_names) else None
         return None
 
-    def _skip_events(self, step: int, code: int, layer: str | None, source: Any | None) -> list[Event]:
+    def _skip_events(
+        self, step: int, code: int, layer: str | None, source: Any | None, late: bool = False
+    ) -> list[Event]:
         reason = reason_from_code(code | SKIP) or "nonfinite_grad"
         where = f" (first non-finite layer in backward order: {layer})" if layer else ""
         details: dict[str, Any] = {"reason": reason, "layer": layer}
@@ -171,7 +174,14 @@ class Ledger:
             first = Event("nonfinite", step, "another rank saw a non-finite value; every rank skips", details)
         else:
             first = Event("nonfinite", step, f"non-finite {reason.split('_', 1)[1]}{where}", details)
-        return [first, Event("skipped", step, f"step {step} skipped: {reason}", details)]
+        skipped = f"step {step} skipped: {reason}"
+        if late:
+            details["learned_late"] = True
+            skipped += (
+                " (skipped on the device by the fused optimizer; its LR scheduler stepped once and is held one "
+                "step to catch up)"
+            )
+        return [first, Event("skipped", step, skipped, details)]
 
     def fp16_events(self, step: int, scale: float, source: Any | None = None) -> list[Event]:
         """The fp16 monitor's verdict at a logging step (names where the first overflow came from)."""

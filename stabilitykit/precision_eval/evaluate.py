@@ -83,6 +83,8 @@ def _as_variant(name: str, spec: Any, device_type: str) -> Variant:
         return spec
     if spec is None or isinstance(spec, str):
         return _builtin(spec or name, device_type)
+    if isinstance(spec, type) and hasattr(spec, "__enter__"):
+        return Variant(name, context=spec)  # a context-manager class: a new instance per run
     if hasattr(spec, "__enter__"):
         return Variant(name, lambda: spec)
     if callable(spec):
