@@ -50,6 +50,21 @@ def scheduler_target(scheduler: Any) -> Any:
     return unwrap_optimizer(optimizer) if optimizer is not None else None
 
 
+def _refuse_accumulating(optimizers: Sequence[Any]) -> None:
+    """An Accelerate optimizer accumulating over several micro-batches steps only on the last one; the
+    plain guard would count every micro-batch as a step and measure partial grads."""
+    for opt in optimizers:
+        state = getattr(opt, "gradient_state", None)
+        steps = getattr(state, "num_steps", 1) if state is not None else 1
+        if steps > 1:
+            raise TypeError(
+                f"{type(opt).__name__} accumulates gradients over {steps} micro-batches "
+                "(accelerator.accumulate), which StabilityGuard would count as separate steps with partial "
+                "grads: use stabilitykit.integrations.AccelerateGuard(accelerator, model, optimizer, config), "
+                "which follows accelerator.sync_gradients"
+            )
+
+
 class StabilityGuard:
     """Keeps a plain training loop finite: clipping, skip-the-batch, metrics and events.
 
@@ -62,6 +77,9 @@ class StabilityGuard:
     cadence) and metrics under ``<metric_prefix>/opt<i>``; ``scheduler`` may be a list too, each
     scheduler held with the optimizer it drives.
     """
+
+    #: Whether this driver follows a framework's gradient accumulation (AccelerateGuard does).
+    follows_accumulation = False
 
     def __init__(
         self,
@@ -81,6 +99,8 @@ class StabilityGuard:
         optimizers = _as_list(optimizer)
         if not optimizers:
             raise ValueError("StabilityGuard needs an optimizer; got an empty list")
+        if not self.follows_accumulation:
+            _refuse_accumulating(optimizers)
         base = coerce_config(config)
         many = len(optimizers) > 1
         self.cores: list[DriverCore] = []

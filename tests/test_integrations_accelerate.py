@@ -201,3 +201,16 @@ def test_fused_adamw_behind_accelerated_optimizer_costs_no_sync_off_logging_step
                     guard.zero_grad()
         counts.append(counter.count)
     assert counts[1:] == [0, 0, 0], counter.sites
+
+
+def test_the_plain_guard_refuses_an_accumulating_accelerate_optimizer() -> None:
+    """Inside ``accelerator.accumulate`` the plain guard would count micro-batches as steps: refused by name."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = torch.nn.Linear(4, 2)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="AccelerateGuard"):
+        sk.StabilityGuard(model, optimizer)
+    guard = AccelerateGuard(accelerator, model, optimizer)  # follows sync_gradients
+    guard.close()

@@ -87,6 +87,8 @@ class AccelerateGuard(StabilityGuard):
     ``log_to_trackers``: also send metrics to ``accelerator.log`` (the trackers of ``init_trackers``).
     """
 
+    follows_accumulation = True
+
     def __init__(
         self,
         accelerator: Accelerator,
