@@ -5,6 +5,7 @@ log_history at logging_steps, state across save_steps + resume_from_checkpoint."
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,10 @@ def _run(
     return trainer, callback, state_at
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"trainer_state.json holds {name}, which strict JSON parsers reject")
+
+
 class _StopAt(TrainerCallback):
     def __init__(self, step: int) -> None:
         self.step = step
@@ -201,9 +206,25 @@ def test_nan_skipped_bitwise_scheduler_held_logged_and_resumed_exactly(tmp_path:
     _run(tmp_path / "part", poison, max_steps=5, optim=optim)
     checkpoint = tmp_path / "part" / "checkpoint-4"
     assert (checkpoint / "trainer_state.json").exists()
+    json.loads((checkpoint / "trainer_state.json").read_text(), parse_constant=_refuse_constant)  # strict JSON
     resumed, resumed_cb, _ = _run(tmp_path / "part", poison, max_steps=8, resume=str(checkpoint), optim=optim)
     assert resumed_cb.engine.step == 8
     assert resumed_cb.engine.skipped_total == 1, "the skip before the checkpoint survives the resume"
     for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(p, q), f"{name} differs after resume"
     assert resumed.lr_scheduler.last_epoch == 7
+
+
+def test_checkpoint_state_is_strict_json_and_resumes(tmp_path: Path) -> None:
+    """Unread journal rows (clipping off: a NaN threshold) are saved as strict JSON, and load back."""
+    args = _args(tmp_path, max_steps=4, logging_steps=3, save_strategy="steps", save_steps=4)
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=_dataset())
+    callback = stabilize(trainer, sk.StabilityConfig(clip=sk.ClipConfig(mode="off")))
+    trainer.train()
+    text = (tmp_path / "checkpoint-4" / "trainer_state.json").read_text()
+    json.loads(text, parse_constant=_refuse_constant)
+    assert '"nan"' in text  # the unread row's threshold, as a string
+    resumed = Trainer(model=tiny_llama(), args=_args(tmp_path, max_steps=5, logging_steps=3), train_dataset=_dataset())
+    resumed_cb = stabilize(resumed, sk.StabilityConfig(clip=sk.ClipConfig(mode="off")))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert resumed_cb.engine.step == 5 and callback.engine.step == 4

@@ -58,12 +58,19 @@ _NOT_LOGGED = ("precision",)
 
 
 # ---------------------------------------------------------------------- state as JSON
+def _json_float(x: float) -> float | str:
+    """A float strict JSON can hold: non-finite values as "nan", "inf", "-inf" (``json`` would write NaN)."""
+    return x if math.isfinite(x) else str(x)
+
+
 def to_json(value: Any) -> Any:
-    """The core's state as JSON values (tensors become tagged lists; every float32 survives exactly)."""
+    """The core's state as strict JSON values (tensors become tagged lists; every float32 survives
+    exactly; NaN and infinities become the strings "nan", "inf", "-inf", never JSON's invalid NaN)."""
     if isinstance(value, Tensor):
         t = value.detach().cpu()
+        data = t.float().reshape(-1).tolist() if t.is_floating_point() else t.reshape(-1).tolist()
         return {
-            "__tensor__": t.float().reshape(-1).tolist() if t.is_floating_point() else t.reshape(-1).tolist(),
+            "__tensor__": [_json_float(x) for x in data] if t.is_floating_point() else data,
             "dtype": str(t.dtype).removeprefix("torch."),
             "shape": list(t.shape),
         }
@@ -71,6 +78,8 @@ def to_json(value: Any) -> Any:
         return {str(k): to_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [to_json(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"__float__": str(value)}
     return value
 
 
@@ -79,7 +88,10 @@ def from_json(value: Any, device: torch.device | None = None) -> Any:
     if isinstance(value, Mapping):
         if "__tensor__" in value:
             dtype = getattr(torch, value["dtype"])
-            return torch.tensor(value["__tensor__"], dtype=dtype, device=device).reshape(value["shape"])
+            data = [float(x) if isinstance(x, str) else x for x in value["__tensor__"]]
+            return torch.tensor(data, dtype=dtype, device=device).reshape(value["shape"])
+        if "__float__" in value:
+            return float(value["__float__"])
         return {k: from_json(v, device) for k, v in value.items()}
     if isinstance(value, list):
         return [from_json(v, device) for v in value]
