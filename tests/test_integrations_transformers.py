@@ -228,3 +228,16 @@ def test_checkpoint_state_is_strict_json_and_resumes(tmp_path: Path) -> None:
     resumed_cb = stabilize(resumed, sk.StabilityConfig(clip=sk.ClipConfig(mode="off")))
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
     assert resumed_cb.engine.step == 5 and callback.engine.step == 4
+
+
+def test_an_event_after_the_last_logging_step_keeps_the_run_summary_last(tmp_path: Path) -> None:
+    """A NaN near the end: its events join the final entry, which still holds ``train_loss``."""
+    model = tiny_llama()
+    trainer = Trainer(
+        model=model, args=_args(tmp_path, max_steps=5, logging_steps=2), train_dataset=_dataset(),
+        callbacks=[Poison(model, 4)],
+    )  # fmt: skip
+    stabilize(trainer, sk.StabilityConfig())
+    trainer.train()
+    last = trainer.state.log_history[-1]
+    assert "train_loss" in last and last["stability/events/skipped_step"] == 4.0

@@ -260,7 +260,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         if self.core is not None:
             self.core.finish()
             self.core.flush()
-            self._write_events()
+            self._write_events(at_end=state)
             self.core.summary().log()
         self._release()
 
@@ -362,11 +362,13 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         self.core.finish()
         self._write_events(merge=bool(control.should_log))
 
-    def _write_events(self, merge: bool = False) -> None:
+    def _write_events(self, merge: bool = False, at_end: TrainerState | None = None) -> None:
         """Each event as ``<prefix>/events/<kind>`` (and ``..._step``, the 0-based optimizer step).
 
         On a step the Trainer logs, they join its log entry (a log call of our own would reset
-        ``control.should_log`` and drop the Trainer's); otherwise they are a log entry of their own.
+        ``control.should_log`` and drop the Trainer's); at the end of training they join the run's
+        summary entry (``log_history[-1]`` keeps ``train_loss``); otherwise they are a log entry of
+        their own.
         """
         events, self.logs.events = self.logs.events, []
         events = [e for e in events if e.kind not in _NOT_LOGGED]
@@ -386,6 +388,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             entry[f"{key}_step"] = float(event.step)
         if merge:
             self.logs.metrics.update(entry)
+        elif at_end is not None and at_end.log_history:
+            at_end.log_history[-1].update(entry)  # after the run's summary entry: join it, never follow it
         else:
             trainer.log(entry)
 
