@@ -241,3 +241,13 @@ def test_an_event_after_the_last_logging_step_keeps_the_run_summary_last(tmp_pat
     trainer.train()
     last = trainer.state.log_history[-1]
     assert "train_loss" in last and last["stability/events/skipped_step"] == 4.0
+
+
+def test_console_lines_carry_no_per_layer_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The Trainer's printed log lines stay short; log_history (and every report_to) keeps every key."""
+    trainer = Trainer(model=tiny_llama(), args=_args(tmp_path, max_steps=2, logging_steps=1), train_dataset=_dataset())
+    stabilize(trainer, sk.StabilityConfig())
+    trainer.train()
+    printed = capsys.readouterr().out
+    assert "stability/grad_norm/total" in printed and "stability/grad_norm/model.layers.0" not in printed
+    assert any("stability/grad_norm/model.layers.0" in row for row in trainer.state.log_history)

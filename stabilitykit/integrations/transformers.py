@@ -242,6 +242,9 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         self._undo.append(self._wrap(accelerator, "backward", self._backward_route(accelerator)))
         self._undo.append(self._wrap(accelerator, "clip_grad_norm_", self._clip_route(accelerator)))
         self._undo.append(self._wrap(trainer, "log", self._log_route(trainer)))
+        for printer in trainer.callback_handler.callbacks:  # the console: no per-layer keys
+            if type(printer).__name__ in ("ProgressCallback", "PrinterCallback"):
+                self._undo.append(self._wrap(printer, "on_log", self._console_route()))
 
     def _saved_in(self, state: TrainerState) -> dict[str, Any] | None:
         stored: Any = state.stateful_callbacks or {}
@@ -267,6 +270,23 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
     def _release(self) -> None:
         while self._undo:
             self._undo.pop()()
+
+    def _console_route(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """The Trainer's console printers get each log entry without the per-layer keys (every
+        ``report_to`` integration still gets them)."""
+        prefix = f"{self.config.metric_prefix}/".lstrip("/")
+        per_layer = tuple(f"{prefix}{family}/" for family in ("grad_norm", "update_ratio", "weight_norm"))
+        kept = {f"{prefix}grad_norm/total", f"{prefix}grad_norm/max"}
+
+        def route(original: Callable[..., Any]) -> Callable[..., Any]:
+            def on_log(*args: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+                if logs is not None:
+                    logs = {k: v for k, v in logs.items() if k in kept or not k.startswith(per_layer)}
+                return original(*args, logs=logs, **kwargs)
+
+            return on_log
+
+        return route
 
     @staticmethod
     def _wrap(owner: Any, name: str, route: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
