@@ -24,7 +24,7 @@ from torch import Tensor
 
 from stabilitykit.config import StabilityConfig
 from stabilitykit.core import DriverCore, coerce_config, unwrap_optimizer
-from stabilitykit.engine import StabilityEngine
+from stabilitykit.engine import StabilityEngine, TrainerAlignedEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NonFiniteRecord
 from stabilitykit.precision import PrecisionChoice
@@ -130,7 +130,14 @@ class StabilityCallback(Callback):
             if many:
                 cfg = config.model_copy(update={"metric_prefix": f"{config.metric_prefix}/opt{i}".strip("/")})
             core = DriverCore(
-                pl_module, optimizer, cfg, self.hooks, scaler=scaler, tracing=i == 0, apply_precision=i == 0
+                pl_module,
+                optimizer,
+                cfg,
+                self.hooks,
+                scaler=scaler,
+                tracing=i == 0,
+                apply_precision=i == 0,
+                engine_cls=TrainerAlignedEngine,  # Lightning's logging rows: global steps n-1, 2n-1, ...
             )
             self.cores.append(core)
         if self._pending_state is not None:

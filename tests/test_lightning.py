@@ -40,11 +40,20 @@ def _trainer(tmp_path: Path, callbacks: list, **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(callbacks=callbacks, **defaults)
 
 
+class SelfLogging(GPTModule):
+    """Logs its own loss with ``self.log``, as LightningModules do."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_nan_step_is_skipped_and_metrics_reach_the_logger(tmp_path: Path, fused: bool) -> None:
     callback = StabilityCallback(CFG)
     snap = StateAt(7)
-    module = GPTModule(fused=fused, poison={7: float("nan")}, scheduler=True)
+    module = SelfLogging(fused=fused, poison={7: float("nan")}, scheduler=True)
     trainer = _trainer(tmp_path, [callback, snap])
     trainer.fit(module, gpt_dataloader())
     snap.assert_unchanged()
@@ -56,8 +65,10 @@ def test_nan_step_is_skipped_and_metrics_reach_the_logger(tmp_path: Path, fused:
     assert sched.last_epoch == 19  # 20 steps, one skipped
     rows = list(csv.DictReader((Path(trainer.logger.log_dir) / "metrics.csv").open()))
     logged = [r for r in rows if r.get("stability/grad_norm/total")]
-    assert [int(r["step"]) for r in logged] == [0, 5, 10, 15]
-    assert float(logged[2]["stability/skipped/total"]) == 1.0
+    assert [int(r["step"]) for r in logged] == [4, 9, 14, 19]  # Lightning's own logging rows
+    own = [int(r["step"]) for r in rows if r.get("train_loss")]
+    assert own == [4, 9, 14, 19], "the stability metrics share rows with the module's own self.log"
+    assert float(logged[0]["stability/skipped/total"]) == 0.0 and float(logged[1]["stability/skipped/total"]) == 1.0
     assert "stability/grad_norm/model.blocks.0" in rows[0]
 
 

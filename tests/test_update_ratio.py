@@ -233,19 +233,20 @@ def test_lightning_trainer_jsonl_and_wandb_logger(tmp_path: Path, fused: bool) -
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(GPTModule(fused=fused, poison={5: math.nan}), gpt_dataloader(10))
+    trainer.fit(GPTModule(fused=fused, poison={4: math.nan}), gpt_dataloader(10))
     run_dir = Path(logger.experiment.dir).parent
     wandb.finish()
     hand = {s: hand_metrics(weights.before[s], weights.after[s], _lightning_layer) for s in weights.after}
     rows, _ = read_jsonl(tmp_path / "run.jsonl")
     from_wandb = [r for r in WandbRunFile.read(run_dir).history if f"{PREFIX}/grad_norm/total" in r]
-    assert [r["step"] for r in rows] == [r["trainer/global_step"] for r in from_wandb] == [0, 3, 6, 9]
-    for row, wrow in zip(rows[1:], from_wandb[1:], strict=True):
+    # Lightning's own logging rows (global steps 2, 5, 8 with log_every_n_steps=3)
+    assert [r["step"] for r in rows] == [r["trainer/global_step"] for r in from_wandb] == [2, 5, 8]
+    for row, wrow in zip(rows, from_wandb, strict=True):
         step = row["step"]
         assert_matches(_logged(row), hand[step - 1], f"jsonl step {step}")
         assert_matches(_logged(wrow), hand[step - 1], f"wandb step {step}")
-    assert "update_ratio/model.blocks.0" in _logged(rows[1])
-    assert _logged(rows[2])["update_ratio"] == 0.0 and hand[5]["update_ratio"] == 0.0  # step 5 was skipped
+    assert "update_ratio/model.blocks.0" in _logged(rows[0])
+    assert _logged(rows[1])["update_ratio"] == 0.0 and hand[4]["update_ratio"] == 0.0  # step 4 was skipped
 
 
 def test_report_draws_the_update_ratio_panel_and_old_logs_still_draw(tmp_path: Path) -> None:

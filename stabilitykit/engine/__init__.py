@@ -3,6 +3,7 @@
 Nothing here knows Lightning, Hugging Face or W&B; drivers reach it through ``stabilitykit.core``.
 """
 
+from stabilitykit.engine.cadence import TrainerAlignedEngine
 from stabilitykit.engine.journal import Journal, Row, RowInfo
 from stabilitykit.engine.layers import LayerMap, build_layer_map, clean_name, layer_names_for, unwrap_model
 from stabilitykit.engine.ledger import Counters, Divergence, Ledger
@@ -19,6 +20,7 @@ __all__ = [
     "StabilityEngine",
     "StepDecision",
     "StepGate",
+    "TrainerAlignedEngine",
     "build_layer_map",
     "clean_name",
     "is_fused",

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from stabilitykit.config import StabilityConfig
 from stabilitykit.core import DriverCore, coerce_config
-from stabilitykit.engine import StabilityEngine
+from stabilitykit.engine import StabilityEngine, TrainerAlignedEngine
 from stabilitykit.events import Event
 from stabilitykit.grads import CLIP_EPS, apply_clip_coefficient, clip_coefficient
 from stabilitykit.hooks import HookManager
@@ -99,22 +99,6 @@ def from_json(value: Any, device: torch.device | None = None) -> Any:
 
 
 # ---------------------------------------------------------------------- the Trainer's cadence
-class TrainerAlignedEngine(StabilityEngine):
-    """The engine, logging at the Trainer's logging steps.
-
-    The Trainer logs after global steps ``n, 2n, ...`` (and 1 with ``logging_first_step``); the
-    engine's 0-based step ``s`` ends with global step ``s + 1``.
-    """
-
-    log_first_step = False
-
-    def is_logging_step(self, step: int | None = None) -> bool:
-        """True when the step ending with global step ``step + 1`` is one the Trainer logs."""
-        s = self.step if step is None else step
-        every = self.config.log_every_n_steps or 1
-        return (s + 1) % every == 0 or (self.log_first_step and s == 0)
-
-
 class _FirstStepEngine(TrainerAlignedEngine):
     log_first_step = True
 
