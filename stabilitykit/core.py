@@ -390,7 +390,7 @@ class DriverCore:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned: validated as a whole first, then loaded all at once."""
-        validate_state(state)
+        validate_state(state, reference=self.state_dict())
         self.engine.load_state_dict(dict(state["engine"]))
         self._trace_left = int(state.get("trace_left", 0))
         self._trace_for(self.engine.step)
