@@ -105,7 +105,7 @@ class Ledger:
             c.last_bad_step, c.last_bad_reason, c.last_bad_layer = row.step, reason_from_code(row.code), layer
             if not row.on_time and self.fused:
                 self.scheduler_debt += 1  # the scheduler already stepped past this skip
-            events.extend(self._skip_events(row.step, row.code, layer, source))
+            events.extend(self._skip_events(row.step, row.code, layer, source, row.total))
             limit = self.config.skip.max_consecutive
             if limit is not None and c.consecutive >= limit and not row.code & OVERFLOW:
                 divergence = Divergence(row.step, c.consecutive, layer, reason_from_code(row.code))
@@ -139,7 +139,9 @@ class Ledger:
                 return self.layer_names[i] if i < len(self.layer_names) else None
         return None
 
-    def _skip_events(self, step: int, code: int, layer: str | None, source: Any | None) -> list[Event]:
+    def _skip_events(
+        self, step: int, code: int, layer: str | None, source: Any | None, total: float = math.nan
+    ) -> list[Event]:
         reason = reason_from_code(code | SKIP) or "nonfinite_grad"
         where = f" (first non-finite layer in backward order: {layer})" if layer else ""
         details: dict[str, Any] = {"reason": reason, "layer": layer}
@@ -159,6 +161,15 @@ class Ledger:
             first = Event("spike_warning", step, f"step {step} skipped as a spike (skip-on-spike){where}", details)
         elif reason == "nonfinite_on_other_rank":
             first = Event("nonfinite", step, "another rank saw a non-finite value; every rank skips", details)
+        elif reason == "nonfinite_grad" and total == math.inf and source is None:
+            # +inf, not NaN: the fp32 norm overflowed (finite grads above ~1.8e19 in norm, or an Inf grad)
+            details["overflowed_fp32"] = True
+            where = where.replace("first non-finite layer", "first layer to overflow")
+            message = (
+                f"grad norm overflowed fp32{where}: the grads are too large for an fp32 norm (above about 1.8e19) "
+                "or hold an Inf"
+            )
+            first = Event("nonfinite", step, message, details)
         else:
             first = Event("nonfinite", step, f"non-finite {reason.split('_', 1)[1]}{where}", details)
         return [first, Event("skipped", step, f"step {step} skipped: {reason}", details)]
