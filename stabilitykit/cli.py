@@ -6,9 +6,9 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 __all__ = ["main"]
 
@@ -17,7 +17,7 @@ class _UsageError(Exception):
     """A command-line argument the command cannot use: one line on stderr and exit status 2."""
 
 
-def _load_factory(spec: str) -> Callable[[], Any]:
+def _load_factory(spec: str) -> Any:
     """``package.module:function`` -> the function (the working directory is importable)."""
     if ":" not in spec:
         raise _UsageError(f"--model must look like package.module:function, got {spec!r}")
@@ -37,7 +37,7 @@ def _load_factory(spec: str) -> Callable[[], Any]:
             f"--model {spec}: {module_name}.{attr} is a {type(factory).__name__}, not a function returning "
             "(model, batch, loss_fn)"
         )
-    return cast("Callable[[], Any]", factory)
+    return factory
 
 
 def _parse_variants(text: str) -> list[str]:
