@@ -251,11 +251,14 @@ def _match_tensors(section: str, saved: Mapping[str, Any] | None, ours: Mapping[
         missing = sorted(set(ours) - set(saved))
         extra = sorted(set(saved) - set(ours))
         what = f"missing {missing}" if missing else f"unexpected {extra}"
-        raise _Invalid(section, f"{what}: this guard's {section} state has keys {sorted(ours)} (another mode?)")
+        raise _Invalid(
+            section, f"{what}: this guard's {section} state has keys {sorted(ours)} (saved with another mode?)"
+        )
     for key, tensor in saved.items():
         expected = ours[key]
         if tuple(tensor.shape) != tuple(expected.shape):
             raise _Invalid(
                 f"{section}.{key}",
-                f"a tensor of shape {tuple(expected.shape)} expected, got {tuple(tensor.shape)}",
+                f"a tensor of shape {tuple(expected.shape)} expected, got {tuple(tensor.shape)} "
+                "(saved for another model or number of parameter tensors?)",
             )
