@@ -15,36 +15,79 @@ from stabilitykit import __version__
 __all__ = ["main"]
 
 
+class _UsageError(Exception):
+    """A command-line argument the command cannot use: one line on stderr and exit status 2."""
+
+
 def _load_factory(spec: str) -> Any:
     """``package.module:function`` -> the function (the working directory is importable)."""
     if ":" not in spec:
-        raise SystemExit(f"--model must look like package.module:function, got {spec!r}")
+        raise _UsageError(f"--model must look like package.module:function, got {spec!r}")
     module_name, attr = spec.split(":", 1)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise SystemExit(f"--model {spec}: cannot import {module_name!r}: {exc}") from exc
+        raise _UsageError(f"--model {spec}: cannot import {module_name!r}: {exc}") from exc
     try:
-        return getattr(module, attr)
+        factory = getattr(module, attr)
     except AttributeError as exc:
-        raise SystemExit(f"--model {spec}: {module_name} has no attribute {attr!r}") from exc
+        raise _UsageError(f"--model {spec}: {module_name} has no attribute {attr!r}") from exc
+    if not callable(factory):
+        raise _UsageError(
+            f"--model {spec}: {module_name}.{attr} is a {type(factory).__name__}, not a function returning "
+            "(model, batch, loss_fn)"
+        )
+    return factory
+
+
+def _parse_variants(text: str) -> list[str]:
+    """The comma-separated built-in variant names of ``--variants``, checked before any model is built."""
+    from stabilitykit.precision_eval.evaluate import BUILTIN_VARIANTS
+
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if not names:
+        raise _UsageError(f"--variants names no variant (got {text!r}): use {', '.join(BUILTIN_VARIANTS)}")
+    for name in names:
+        if name not in BUILTIN_VARIANTS:
+            raise _UsageError(f"--variants: unknown built-in variant {name!r}: use {', '.join(BUILTIN_VARIANTS)}")
+    return names
 
 
 def _precision(args: argparse.Namespace) -> int:
+    """Run the report; a --model, --variants or --out it cannot use is one line on stderr and exit status 2."""
+    try:
+        return _run_precision(args)
+    except _UsageError as exc:
+        print(f"stabilitykit precision: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_precision(args: argparse.Namespace) -> int:
     from stabilitykit.precision_eval import evaluate
 
+    variants = _parse_variants(args.variants)
+    if args.max_elements < 1:
+        raise _UsageError(f"--max-elements must be at least 1, got {args.max_elements}")
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # before the (slow) evaluation, not after it
+    except OSError as exc:
+        raise _UsageError(f"--out {out}: cannot create the folder: {exc}") from exc
     built = _load_factory(args.model)()
     if not (isinstance(built, tuple) and len(built) == 3):
-        raise SystemExit(f"--model {args.model}: the factory must return (model, batch, loss_fn)")
+        raise _UsageError(
+            f"--model {args.model}: the factory must return (model, batch, loss_fn), got {type(built).__name__}"
+        )
     model, batch, loss_fn = built
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     report = evaluate(model, batch, loss_fn, variants=variants, max_elements=args.max_elements, seed=args.seed)
-    out = Path(args.out)
     report.print(per_layer=args.per_layer)
-    json_path = report.save_json(out / "precision.json")
-    png_path = report.plot(out / "precision.png")
+    try:
+        json_path = report.save_json(out / "precision.json")
+        png_path = report.plot(out / "precision.png")
+    except OSError as exc:
+        raise _UsageError(f"--out {out}: cannot write the report: {exc}") from exc
     print(f"wrote {json_path} and {png_path}")
     return 0
 

@@ -395,19 +395,66 @@ class StabilityConfig(_Strict):
 
     @classmethod
     def from_file(cls, path: str | Path) -> StabilityConfig:
-        """Load a config from a ``.json``, ``.yaml`` or ``.yml`` file."""
+        """Load a config from a ``.yaml``/``.yml``, ``.json`` or ``.toml`` file (TOML: Python 3.11+ or tomli).
+
+        A file that cannot be read or parsed is a ``ValueError`` naming the file (and the line, for a
+        syntax error); another extension is refused by name.
+        """
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"stabilitykit config file not found: {path}")
-        text = path.read_text()
-        if path.suffix in {".yaml", ".yml"}:
-            try:
-                import yaml
-            except ImportError as exc:  # pragma: no cover - pyyaml is a core dependency
-                raise ImportError("reading YAML configs needs pyyaml: pip install pyyaml") from exc
-            data = yaml.safe_load(text) or {}
-        else:
-            data = json.loads(text)
+        reader = _CONFIG_READERS.get(path.suffix.lower())
+        if reader is None:
+            raise ValueError(
+                f"{path}: cannot read a config from a {path.suffix or 'extensionless'!r} file; "
+                "use .yaml, .yml, .json or .toml"
+            )
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+        data = reader(path, text)
         if not isinstance(data, Mapping):
             raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
         return cls.from_mapping(data)
+
+
+def _read_yaml(path: Path, text: str) -> Any:
+    try:
+        import yaml
+    except ImportError as exc:  # pragma: no cover - pyyaml is a core dependency
+        raise ImportError("reading YAML configs needs pyyaml: pip install pyyaml") from exc
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ValueError(f"{path}: invalid YAML{where}: {problem}") from None
+
+
+def _read_json(path: Path, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+
+
+def _read_toml(path: Path, text: str) -> Any:
+    try:
+        import tomllib  # Python 3.11+
+    except ImportError:
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ImportError:
+            raise ImportError(
+                f"{path}: reading TOML configs needs Python 3.11+ (tomllib) or the tomli package: pip install tomli"
+            ) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:  # its message ends "(at line L, column C)"
+        raise ValueError(f"{path}: invalid TOML: {exc}") from None
+
+
+#: Config file readers by (lower-case) extension.
+_CONFIG_READERS = {".yaml": _read_yaml, ".yml": _read_yaml, ".json": _read_json, ".toml": _read_toml}

@@ -39,7 +39,7 @@ TRACE_AFTER_NONFINITE = 10
 
 
 def coerce_config(config: Any) -> StabilityConfig:
-    """A ``StabilityConfig`` from a config, a mapping, a YAML/JSON path, or None (defaults).
+    """A ``StabilityConfig`` from a config, a mapping, a YAML/JSON/TOML path, or None (defaults).
 
     Anything else is a ``TypeError`` that names what was passed, so a wrong argument fails here
     and not deep inside the first step.
@@ -53,7 +53,7 @@ def coerce_config(config: Any) -> StabilityConfig:
     if isinstance(config, (str, Path)):
         return StabilityConfig.from_file(config)
     raise TypeError(
-        f"config must be a stabilitykit.StabilityConfig, a mapping, or a path to a YAML/JSON file; got "
+        f"config must be a stabilitykit.StabilityConfig, a mapping, or a path to a YAML/JSON/TOML file; got "
         f"{type(config).__name__}. Sections such as ClipConfig go inside one: "
         "StabilityConfig(clip=ClipConfig(...))"
     )
@@ -63,17 +63,50 @@ _WARNED: set[str] = set()
 
 
 def _warn_contradictions(config: StabilityConfig) -> None:
-    """Settings that can never take effect: say so once per process."""
-    skip = config.skip
-    can_skip = skip.nonfinite or config.data.mode == "skip" or skip.spike
-    if "max_consecutive" in skip.model_fields_set and skip.max_consecutive is not None and not can_skip:
-        message = (
-            "stabilitykit: SkipConfig(max_consecutive=...) has no effect with SkipConfig(nonfinite=False) and no "
-            "other skip source (DataGuardConfig(mode='skip')): nothing is ever skipped, so nothing can diverge"
-        )
+    """Settings that can never take effect: say so once per process.
+
+    Only fields the user set count (``model_fields_set``): a default never warns.
+    """
+    for message in _contradictions(config):
         if message not in _WARNED:
             _WARNED.add(message)
             warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def _contradictions(config: StabilityConfig) -> list[str]:
+    """One message per setting the rest of ``config`` makes ineffective."""
+    found = []
+    skip, clip, data = config.skip, config.clip, config.data
+    can_skip = skip.nonfinite or data.mode == "skip" or skip.spike
+    if "max_consecutive" in skip.model_fields_set and skip.max_consecutive is not None and not can_skip:
+        found.append(
+            "stabilitykit: SkipConfig(max_consecutive=...) has no effect with SkipConfig(nonfinite=False) and no "
+            "other skip source (DataGuardConfig(mode='skip')): nothing is ever skipped, so nothing can diverge"
+        )
+    if "max_norm" in clip.model_fields_set and clip.mode != "fixed":
+        if clip.mode == "off":
+            found.append(
+                f"stabilitykit: ClipConfig(max_norm={clip.max_norm}) has no effect with ClipConfig(mode='off') (the "
+                "default): nothing is clipped. Set ClipConfig(mode='fixed', max_norm=...) to clip"
+            )
+        else:
+            found.append(
+                f"stabilitykit: ClipConfig(max_norm={clip.max_norm}) has no effect with "
+                f"ClipConfig(mode={clip.mode!r}): max_norm is the fixed mode's threshold; the adaptive modes cap "
+                "their warmup with warmup_max_norm"
+            )
+    if "num_classes" in data.model_fields_set and data.num_classes is not None and data.mode == "off":
+        found.append(
+            f"stabilitykit: DataGuardConfig(num_classes={data.num_classes}) has no effect with "
+            "DataGuardConfig(mode='off') (the default): batches are not checked. Set mode='skip' or mode='raise'"
+        )
+    spikes = config.spikes
+    if spikes.enabled and spikes.per_layer and not config.grad_norm.per_layer:  # per_layer=True is never a default
+        found.append(
+            "stabilitykit: SpikeConfig(per_layer=True) has no effect with GradNormConfig(per_layer=False): no "
+            "per-layer norms are measured for it to score. Set GradNormConfig(per_layer=True) (the default)"
+        )
+    return found
 
 
 def check_supported(model: nn.Module | None, optimizer: Any, params: list[Tensor]) -> None:
@@ -478,7 +511,7 @@ class DriverCore:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned: validated as a whole first, then loaded all at once."""
-        validate_state(state)
+        validate_state(state, reference=self.state_dict())
         self.engine.load_state_dict(dict(state["engine"]))
         self._trace_left = int(state.get("trace_left", 0))
         self._trace_for(self.engine.step)

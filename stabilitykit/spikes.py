@@ -34,6 +34,16 @@ _DRIFT_REFERENCE = 1.0
 _DRIFT_CLAMP = 4.0
 
 
+def _check_series(state: Mapping[str, Any], keys: Sequence[str], size: int) -> None:
+    """A detector state holds every key, each a list of one value per scored series (``size``)."""
+    for key in keys:
+        values = state.get(key)
+        if not isinstance(values, list | tuple):
+            raise ValueError(f"detector state needs {key!r} as a list of {size} values, got {type(values).__name__}")
+        if len(values) != size:
+            raise ValueError(f"detector state {key!r} has {len(values)} series, this detector scores {size}")
+
+
 class RobustDetector:
     """One-step-ahead robust z-scores of log(x) for ``size`` positive series scored side by side."""
 
@@ -85,8 +95,7 @@ class RobustDetector:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned; the sizes must match."""
-        if len(state["mean"]) != self.size:
-            raise ValueError(f"detector state has {len(state['mean'])} series, this detector scores {self.size}")
+        _check_series(state, ("mean", "abs_dev", "count"), self.size)
         self.mean = [float(v) for v in state["mean"]]
         self.abs_dev = [float(v) for v in state["abs_dev"]]
         self.count = [int(v) for v in state["count"]]
@@ -202,8 +211,7 @@ class PredictiveDetector:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned; the sizes must match."""
-        if len(state["level"]) != self.size:
-            raise ValueError(f"detector state has {len(state['level'])} series, this detector scores {self.size}")
+        _check_series(state, ("level", "last", "abs_dev", "cov", "var", "count"), self.size)
         for key in ("level", "last", "abs_dev", "cov", "var"):
             setattr(self, key, [float(v) for v in state[key]])
         self.count = [int(v) for v in state["count"]]

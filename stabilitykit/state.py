@@ -3,15 +3,20 @@
 A truncated or hand-edited checkpoint must fail with an error that names the key and the
 expected type, and must leave the driver exactly as it was (no half-loaded state). Versioned:
 ``version`` says which layout a state has, so a later release can read today's checkpoints.
+
+Two layers of checks: the schema below (every key, type and list length a state of this
+version has, whatever driver saved it), then, given the loading driver's own state as
+``reference``, everything whose size that driver fixes (its layers, the clip statistics' shapes,
+the journal's row width).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = ["STATE_VERSION", "validate_state"]
 
@@ -38,11 +43,76 @@ class _Counters(_State):
     max_norm_recent: float
 
 
+class _Detector(_State):
+    """``PredictiveDetector.state_dict()``: one entry per scored series in every list."""
+
+    level: list[float]
+    last: list[float]
+    abs_dev: list[float]
+    cov: list[float]
+    var: list[float]
+    count: list[Annotated[int, Field(ge=0)]]
+
+    @model_validator(mode="after")
+    def _one_length(self) -> _Detector:
+        n = len(self.level)
+        for key in ("last", "abs_dev", "cov", "var", "count"):
+            if len(getattr(self, key)) != n:
+                raise ValueError(f"{key!r} holds {len(getattr(self, key))} series, 'level' holds {n}")
+        return self
+
+    @property
+    def size(self) -> int:
+        return len(self.level)
+
+
+class _Trend(_State):
+    fast: float
+    slow: float
+    count: int = Field(ge=0)
+    first_step: int | None = None
+    last_step: int | None = None
+
+
+class _SpikeScore(_State):
+    values: list[float]
+
+
+class _Spikes(_State):
+    """``SpikeMonitor.state_dict()``; version 1 kept the score window (and the last z-scores) only."""
+
+    version: int = Field(1, ge=1, le=2)
+    detector: _Detector | None = None
+    layer_detector: _Detector | None = None
+    trends: dict[str, _Trend] = Field(default_factory=dict)
+    trend_high: list[str] = Field(default_factory=list)
+    spike_score: _SpikeScore
+    last_z: list[float] = Field(default_factory=lambda: [0.0, 0.0], min_length=2, max_length=2)
+    recent: list[float] = Field(default_factory=lambda: [0.0, 0.0], min_length=2, max_length=3)
+    last_alert_step: int | None = None
+    alerts: int = Field(0, ge=0)
+    loss_drift: float = 0.0
+
+    @model_validator(mode="after")
+    def _detectors(self) -> _Spikes:
+        if self.version >= 2:
+            if self.detector is None:
+                raise ValueError("a version 2 spike state needs 'detector' (the grad-norm and loss baselines)")
+            if self.detector.size != 2:
+                raise ValueError(f"'detector' scores 2 series (grad norm, loss), this one holds {self.detector.size}")
+        return self
+
+
+class _Fp16(_State):
+    overflow_steps: list[int] = Field(default_factory=list)
+    warned_at: int = -(10**9)
+
+
 class _Ledger(_State):
     counters: _Counters
     scheduler_debt: int = Field(ge=0)
-    spikes: dict[str, Any] | None
-    fp16: dict[str, Any]
+    spikes: _Spikes | None
+    fp16: _Fp16
 
 
 class _RowInfo(_State):
@@ -56,6 +126,18 @@ class _Journal(_State):
     rows: torch.Tensor
     infos: list[_RowInfo]
 
+    @model_validator(mode="after")
+    def _one_row_per_info(self) -> _Journal:
+        rows = self.rows
+        if rows.dim() != 2 or rows.shape[0] != len(self.infos):
+            raise ValueError(
+                f"'rows' must be a 2-d tensor with one row per entry of 'infos' ({len(self.infos)}), "
+                f"got shape {tuple(rows.shape)}"
+            )
+        if not rows.is_floating_point():
+            raise ValueError(f"'rows' must be a floating-point tensor, got {rows.dtype}")
+        return self
+
 
 class _Engine(_State):
     step: int = Field(ge=0)
@@ -65,6 +147,16 @@ class _Engine(_State):
     journal: _Journal
     layer_names: list[str]
 
+    @model_validator(mode="after")
+    def _layer_detector_per_layer(self) -> _Engine:
+        spikes = self.ledger.spikes
+        layers = spikes.layer_detector if spikes is not None else None
+        if layers is not None and layers.size != len(self.layer_names):
+            raise ValueError(
+                f"'ledger.spikes.layer_detector' scores {layers.size} layers, 'layer_names' has {len(self.layer_names)}"
+            )
+        return self
+
 
 class _Core(_State):
     version: int = Field(ge=1)
@@ -72,15 +164,32 @@ class _Core(_State):
     trace_left: int = Field(ge=0, default=0)
 
 
-def validate_state(state: Any) -> None:
-    """Raise ``ValueError`` naming the first bad key (dotted path) and what was expected there."""
+class _Invalid(ValueError):
+    """A guard-dependent mismatch: where (dotted path) and what."""
+
+    def __init__(self, where: str, what: str) -> None:
+        super().__init__(where, what)
+        self.where, self.what = where, what
+
+
+def validate_state(state: Any, reference: Mapping[str, Any] | None = None) -> None:
+    """Raise ``ValueError`` naming the first bad key (dotted path) and what was expected there.
+
+    ``reference``: the loading driver's own ``state_dict()``; when given, the sizes it fixes (layer
+    names, clip and skip-rule tensor shapes, journal row width, per-layer detector size) must match.
+    """
     if not isinstance(state, Mapping):
         raise TypeError(f"stabilitykit state must be a mapping (from state_dict()), got {type(state).__name__}")
     version = state.get("version")
-    if isinstance(version, int) and version > STATE_VERSION:
+    if isinstance(version, int) and not isinstance(version, bool) and version > STATE_VERSION:
         raise ValueError(
             f"stabilitykit state version {version} is newer than this release reads ({STATE_VERSION}); "
             "upgrade stabilitykit to load it"
+        )
+    if "version" in state and not (isinstance(version, int) and not isinstance(version, bool)):
+        raise ValueError(
+            f"invalid stabilitykit state at 'version': must be an int (this release saves {STATE_VERSION}), "
+            f"got {type(version).__name__} {version!r:.60}. Nothing was loaded."
         )
     try:
         _Core.model_validate(dict(state))
@@ -93,3 +202,63 @@ def validate_state(state: Any) -> None:
             f"invalid stabilitykit state at '{where}': {first['msg'].lower()} ({shown}); "
             f"{exc.error_count()} problem(s) in all. Nothing was loaded."
         ) from None
+    if reference is not None:
+        try:
+            _match_reference(state["engine"], reference["engine"])
+        except _Invalid as exc:
+            raise ValueError(
+                f"invalid stabilitykit state at 'engine.{exc.where}': {exc.what}. Nothing was loaded."
+            ) from None
+
+
+def _match_reference(saved: Mapping[str, Any], ours: Mapping[str, Any]) -> None:
+    """The sizes the loading engine fixes (``ours``: its own state) against a schema-valid saved engine state."""
+    if list(saved["layer_names"]) != list(ours["layer_names"]):
+        raise _Invalid(
+            "layer_names",
+            f"saved for other layers ({len(saved['layer_names'])}: {list(saved['layer_names'])[:3]}...), "
+            f"this guard measures {len(ours['layer_names'])}: {list(ours['layer_names'])[:3]}... "
+            "(a different model or grouping)",
+        )
+    for section in ("clip", "spike_rule"):
+        _match_tensors(section, saved.get(section), ours.get(section))
+    saved_rows, our_rows = saved["journal"]["rows"], ours["journal"]["rows"]
+    if saved["journal"]["infos"] and saved_rows.shape[1] != our_rows.shape[1]:
+        raise _Invalid(
+            "journal.rows",
+            f"unread rows are {saved_rows.shape[1]} wide, this guard's are {our_rows.shape[1]} "
+            "(per-layer norms switched or layers changed)",
+        )
+    saved_spikes, our_spikes = saved["ledger"]["spikes"], ours["ledger"]["spikes"]
+    if saved_spikes is not None and our_spikes is not None:
+        saved_layers, our_layers = saved_spikes.get("layer_detector"), our_spikes.get("layer_detector")
+        if (
+            saved_layers is not None
+            and our_layers is not None
+            and len(saved_layers["level"]) != len(our_layers["level"])
+        ):
+            raise _Invalid(
+                "ledger.spikes.layer_detector",
+                f"scores {len(saved_layers['level'])} layers, this guard's scores {len(our_layers['level'])}",
+            )
+
+
+def _match_tensors(section: str, saved: Mapping[str, Any] | None, ours: Mapping[str, Any] | None) -> None:
+    """A saved section this engine will load (both non-empty) has its keys, each tensor of its shape."""
+    if not saved or not ours:
+        return  # nothing saved, or this engine keeps no such state: the loader ignores it
+    if set(saved) != set(ours):
+        missing = sorted(set(ours) - set(saved))
+        extra = sorted(set(saved) - set(ours))
+        what = f"missing {missing}" if missing else f"unexpected {extra}"
+        raise _Invalid(
+            section, f"{what}: this guard's {section} state has keys {sorted(ours)} (saved with another mode?)"
+        )
+    for key, tensor in saved.items():
+        expected = ours[key]
+        if tuple(tensor.shape) != tuple(expected.shape):
+            raise _Invalid(
+                f"{section}.{key}",
+                f"a tensor of shape {tuple(expected.shape)} expected, got {tuple(tensor.shape)} "
+                "(saved for another model or number of parameter tensors?)",
+            )

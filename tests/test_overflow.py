@@ -17,7 +17,8 @@ def _setup(fused: bool, clip: str = "fixed", log_every: int = 1) -> tuple[torch.
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused, foreach=not fused)
-    cfg = sk.StabilityConfig(log_every_n_steps=log_every, clip=sk.ClipConfig(mode=clip, max_norm=1.0, warmup_steps=1))
+    fixed = {"max_norm": 1.0} if clip == "fixed" else {}  # max_norm elsewhere would warn that it has no effect
+    cfg = sk.StabilityConfig(log_every_n_steps=log_every, clip=sk.ClipConfig(mode=clip, warmup_steps=1, **fixed))
     return model, sk.StabilityGuard(model, opt, cfg)
 
 
@@ -95,3 +96,21 @@ def test_fused_non_logging_step_keeps_the_skip_as_documented() -> None:
     report = guard.step()
     assert report.reason == "nonfinite_grad"
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_the_event_of_a_huge_finite_grad_says_overflowed_fp32_not_non_finite() -> None:
+    """Clipping off: a finite 3e19 grad is skipped as documented, and its event says what happened."""
+    model, guard = _setup(False, clip="off")
+    events: list[sk.Event] = []
+    guard.hooks.on("nonfinite", events.append)
+    _backward_with(model, [3e19, -3e19])
+    assert guard.step().reason == "nonfinite_grad"
+    guard.zero_grad()
+    assert len(events) == 1
+    message = events[0].message
+    assert message.startswith("grad norm overflowed fp32 (first layer to overflow in backward order: ")
+    assert "non-finite" not in message
+    assert events[0].details["overflowed_fp32"] is True
+    _backward_with(model, [float("nan")])  # a real NaN is still called non-finite
+    guard.step()
+    assert events[1].message.startswith("non-finite grad") and "overflowed_fp32" not in events[1].details

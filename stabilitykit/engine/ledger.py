@@ -115,7 +115,7 @@ class Ledger:
             if not row.on_time and self.fused:
                 self.scheduler_debt += 1  # the scheduler already stepped past this skip
             late = not row.on_time and self.fused
-            events.extend(self._skip_events(row.step, row.code, layer, source, late))
+            events.extend(self._skip_events(row.step, row.code, layer, source, late, row.total))
             limit = self.config.skip.max_consecutive
             if limit is not None and c.consecutive >= limit and not row.code & OVERFLOW:
                 divergence = Divergence(row.step, c.consecutive, layer, reason_from_code(row.code))
@@ -151,7 +151,13 @@ class Ledger:
         return None
 
     def _skip_events(
-        self, step: int, code: int, layer: str | None, source: Any | None, late: bool = False
+        self,
+        step: int,
+        code: int,
+        layer: str | None,
+        source: Any | None,
+        late: bool = False,
+        total: float = math.nan,
     ) -> list[Event]:
         reason = reason_from_code(code | SKIP) or "nonfinite_grad"
         where = f" (first non-finite layer in backward order: {layer})" if layer else ""
@@ -172,6 +178,15 @@ class Ledger:
             first = Event("spike_warning", step, f"step {step} skipped as a spike (skip-on-spike){where}", details)
         elif reason == "nonfinite_on_other_rank":
             first = Event("nonfinite", step, "another rank saw a non-finite value; every rank skips", details)
+        elif reason == "nonfinite_grad" and total == math.inf and source is None:
+            # +inf, not NaN: the fp32 norm overflowed (finite grads above ~1.8e19 in norm, or an Inf grad)
+            details["overflowed_fp32"] = True
+            where = where.replace("first non-finite layer", "first layer to overflow")
+            message = (
+                f"grad norm overflowed fp32{where}: the grads are too large for an fp32 norm (above about 1.8e19) "
+                "or hold an Inf"
+            )
+            first = Event("nonfinite", step, message, details)
         else:
             first = Event("nonfinite", step, f"non-finite {reason.split('_', 1)[1]}{where}", details)
         skipped = f"step {step} skipped: {reason}"

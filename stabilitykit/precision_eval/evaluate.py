@@ -65,6 +65,10 @@ def _tf32() -> contextlib.AbstractContextManager[None]:
     return _matmul_precision("high", allow_tf32=True)
 
 
+#: The variants known by name (``evaluate(variants=[...])``, ``stabilitykit precision --variants``).
+BUILTIN_VARIANTS = ("bf16", "fp16", "tf32", "fp32")
+
+
 def _builtin(name: str, device_type: str) -> Variant:
     if name == "bf16":
         return Variant("bf16", lambda: torch.autocast(device_type, dtype=torch.bfloat16))
