@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from stabilitykit.buffers import BufferGuard, running_stat_buffers
 from stabilitykit.config import StabilityConfig
 from stabilitykit.engine import StabilityEngine, StepDecision, StepGate, is_fused
+from stabilitykit.engine.journal import upgrade_v1_rows
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NaNTracer, NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
 from stabilitykit.precision import PrecisionChoice, apply_precision_config
@@ -512,6 +513,12 @@ class DriverCore:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned: validated as a whole first, then loaded all at once."""
         validate_state(state, reference=self.state_dict())
-        self.engine.load_state_dict(dict(state["engine"]))
+        engine_state = dict(state["engine"])
+        if int(state["version"]) < 2:  # unread rows of a version-1 state hold skip flags: make them codes
+            journal = dict(engine_state["journal"])
+            if journal.get("infos"):
+                journal["rows"] = upgrade_v1_rows(journal["rows"], list(journal["infos"]))
+            engine_state["journal"] = journal
+        self.engine.load_state_dict(engine_state)
         self._trace_left = int(state.get("trace_left", 0))
         self._trace_for(self.engine.step)

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 __all__ = ["STATE_VERSION", "validate_state"]
 
 #: Version of the state a driver saves; older versions this release knows are read too.
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the journal's third column holds the decision code (1: skip flags)
 
 
 class _State(BaseModel):

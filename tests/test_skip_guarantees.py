@@ -222,3 +222,28 @@ def test_skip_on_spike_skips_a_finite_outlier_on_the_device_with_state_intact() 
     assert [r.step for r in reports if bool(r.skipped)] == [25]
     assert reports[25].reason == "spike"
     assert guard.summary()["skipped"] == 1
+
+
+def test_a_version_1_state_with_unread_rows_still_loads() -> None:
+    """Version 1 kept skip flags in the journal's third column; they are read as decision codes now."""
+    from stabilitykit.engine.decision import SKIP
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(log_every_n_steps=10))
+    for i in range(3):  # step 0 logs; steps 1 and 2 stay unread on the device (fused: no read)
+        guard.backward(model(torch.randn(8, 4)).sum() * (float("nan") if i == 2 else 1.0))
+        guard.step()
+        guard.zero_grad()
+    state = guard.state_dict()
+    assert state["version"] == 2
+    rows = state["engine"]["journal"]["rows"]
+    assert int(rows[1, 2]) & SKIP  # the NaN step's code
+    rows[1, 2] = 1.0  # what version 1 wrote for it: the skip flag alone
+    state["version"] = 1
+    fresh = sk.StabilityGuard(
+        model, torch.optim.AdamW(model.parameters(), fused=True), sk.StabilityConfig(log_every_n_steps=10)
+    )
+    fresh.load_state_dict(state)
+    assert fresh.summary().skipped == 1
+    assert fresh.engine.counters.last_bad_reason == "nonfinite_loss"
