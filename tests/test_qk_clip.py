@@ -363,7 +363,7 @@ def test_lightning_trainer_clips_after_each_step_and_not_on_a_skipped_one(tmp_pa
     assert callback.engine is not None and callback.engine.qk_clip is not None
     rows = list(csv.DictReader((Path(trainer.logger.log_dir) / "metrics.csv").open()))  # type: ignore[union-attr]
     clipped = [float(r["stability/qk_clip/heads_clipped"]) for r in rows if r.get("stability/qk_clip/heads_clipped")]
-    assert len(clipped) == 3 and sum(clipped) > 0
+    assert len(clipped) == 2 and sum(clipped) > 0  # Lightning's logging rows: global steps 4 and 9
     last_apply = callback.engine.qk_clip.stability_metrics()  # no forward since the last step's apply
     assert float(last_apply["qk_clip/heads_clipped"]) > 0
 

@@ -60,9 +60,9 @@ def test_report_from_lightning_csv(tmp_path: Path) -> None:
     )
     trainer.fit(GPTModule(poison={5: float("nan")}), gpt_dataloader(20))
     run = load_run_log(tmp_path / "csv")
-    assert run.series("grad_norm/total")[0][:3] == [0, 2, 4] and "model.blocks.0" in run.layer_names()
+    assert run.series("grad_norm/total")[0][:3] == [1, 3, 7] and "model.blocks.0" in run.layer_names()  # 5: NaN
     assert "model.lm_head" in run.layer_names()
-    assert [e["step"] for e in run.events if e["kind"] == "skipped"] == [6]  # seen at the next logging step
+    assert [e["step"] for e in run.events if e["kind"] == "skipped"] == [5]  # step 5 is a logging row itself
     assert main(["report", str(tmp_path / "csv"), "-o", str(tmp_path / "csv.png")]) == 0
     assert (tmp_path / "csv.png").stat().st_size > 30_000
 
