@@ -28,6 +28,7 @@ from stabilitykit.engine.journal import upgrade_v1_rows
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NaNTracer, NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
 from stabilitykit.precision import PrecisionChoice, apply_precision_config
+from stabilitykit.recovery import Recovery
 from stabilitykit.report import StepReport
 from stabilitykit.run_log import RunSummary
 from stabilitykit.scaler import ScalerAdapter
@@ -220,6 +221,11 @@ class DriverCore:
         self._undo: list[Callable[[], None]] = []
         self._routes: dict[int, Callable[[], None]] = {}  # optimizer id -> undo of its routed step
         self._in_closure_step = False
+        #: Rollback past a divergence (``config.recovery``), or None when it is off.
+        self.recovery: Recovery | None = None
+        if self.config.recovery.enabled:
+            self.recovery = Recovery(self.config.recovery, self.engine, model, self.optimizer, self.scaler, self.hooks)
+            self._undo.append(self.recovery.close)
         self._trace_for(self.engine.step)
 
     # ------------------------------------------------------------------ micro-batches
@@ -298,6 +304,8 @@ class DriverCore:
             check_supported(self.model, self.optimizer, params)
             self.engine.follow_params(params)
             self._param_count = count
+            if self.recovery is not None:
+                self.recovery.forget()
 
     def _step_creates_state(self) -> bool:
         """A fused step on the device would create optimizer state (a first momentum buffer) for some
@@ -319,6 +327,9 @@ class DriverCore:
         """Run the optimizer step for the step in flight, or skip it (no step in flight: just run it)."""
         if self.decision is None:
             return step_fn()
+        if self.recovery is not None:
+            with self.recovery.scaled_lr():
+                return self.engine.apply(self.decision, step_fn, self.optimizer)
         return self.engine.apply(self.decision, step_fn, self.optimizer)
 
     def should_hold_scheduler(self) -> bool:
@@ -336,7 +347,10 @@ class DriverCore:
             return None
         self.buffers.save()
         try:
-            self.last_report = self.engine.finish(decision, log_step=self._log_step)
+            recovery = self.recovery
+            self.last_report = self.engine.finish(decision, log_step=self._log_step, raise_divergence=recovery is None)
+            if recovery is not None and recovery.after_step(decision):
+                self.buffers.save()  # the restored buffers are what a later skip puts back
         finally:
             self._after_step(decision)
         return self.last_report
@@ -367,6 +381,9 @@ class DriverCore:
 
         self._in_closure_step = True
         try:
+            if self.recovery is not None:
+                with self.recovery.scaled_lr():
+                    return step_fn(guarded)
             return step_fn(guarded)
         except _StepSkipped:
             return result
@@ -414,6 +431,11 @@ class DriverCore:
         self._routes[id(target)] = undo
         self._undo.append(undo)
         return undo
+
+    def track_scheduler(self, scheduler: Any) -> None:
+        """``scheduler`` drives this optimizer: recovery saves and restores it with every snapshot."""
+        if self.recovery is not None:
+            self.recovery.track_scheduler(scheduler)
 
     def hold_scheduler(self, scheduler: Any) -> None:
         """Hold ``scheduler`` on skipped steps (its saved state is never touched) until ``release``."""
@@ -495,7 +517,9 @@ class DriverCore:
 
     def flush(self) -> None:
         """Fold the steps since the last logging step now (one sync)."""
-        self.engine.flush()
+        rows = self.engine.flush()
+        if self.recovery is not None:
+            self.recovery.confirm(rows)
 
     def close(self) -> None:
         """Fold what is left, remove tracing hooks and every wrapper."""
@@ -508,7 +532,10 @@ class DriverCore:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything that must survive a resume (plain values and small device tensors)."""
-        return {"version": STATE_VERSION, "engine": self.engine.state_dict(), "trace_left": self._trace_left}
+        state = {"version": STATE_VERSION, "engine": self.engine.state_dict(), "trace_left": self._trace_left}
+        if self.recovery is not None:
+            state["recovery"] = self.recovery.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned: validated as a whole first, then loaded all at once."""
@@ -521,4 +548,6 @@ class DriverCore:
             engine_state["journal"] = journal
         self.engine.load_state_dict(engine_state)
         self._trace_left = int(state.get("trace_left", 0))
+        if self.recovery is not None and state.get("recovery") is not None:
+            self.recovery.load_state_dict(dict(state["recovery"]))
         self._trace_for(self.engine.step)

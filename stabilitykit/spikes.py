@@ -21,7 +21,7 @@ from stabilitykit.events import Event
 if TYPE_CHECKING:
     from stabilitykit.config import SpikeConfig
 
-__all__ = ["PredictiveDetector", "RobustDetector", "SpikeMonitor", "SpikeScore", "TrendDetector"]
+__all__ = ["DRIFT_RULE", "PredictiveDetector", "RobustDetector", "SpikeMonitor", "SpikeScore", "TrendDetector"]
 
 #: |residual| EMA * 1.2533 estimates the standard deviation of a normal residual.
 _ABS_TO_STD = 1.2533
@@ -32,6 +32,8 @@ _MIN_STD = 1e-3
 #: Loss-drift CUSUM: the reference z-score subtracted per step and the clamp of each step's term.
 _DRIFT_REFERENCE = 1.0
 _DRIFT_CLAMP = 4.0
+#: The ``rule`` of a spike_alert raised by the loss-drift test (``SpikeConfig.loss_drift_alert``).
+DRIFT_RULE = "loss (climbing over several steps)"
 
 
 def _check_series(state: Mapping[str, Any], keys: Sequence[str], size: int) -> None:
@@ -426,7 +428,7 @@ class SpikeMonitor:
         elif min(z_grad, z_loss) >= cfg.z_joint:
             why = "grad norm and loss"
         elif cfg.loss_drift_alert is not None and self.loss_drift >= cfg.loss_drift_alert:
-            why = "loss (climbing over several steps)"
+            why = DRIFT_RULE
         else:
             why = None
         if cooled and why is not None:

@@ -130,6 +130,7 @@ class StepDecision:
     loss_scale: float | None = None
     module_metrics: dict[str, float] = field(default_factory=dict)
     update_metrics: dict[str, float] = field(default_factory=dict)  # update ratio and weight norms (logging steps)
+    divergence: Any = None  # a run of skips that reached max_consecutive, when ``finish`` did not raise it
 
     @property
     def skipped_now(self) -> bool:
