@@ -1,0 +1,346 @@
+"""Recovery: snapshots of healthy steps, rollback past a divergence or an alert, training goes on."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import stabilitykit as sk
+from stabilitykit.recovery import SKIPPED_FILE
+from stabilitykit.testing.syncs import count_host_syncs
+from tests.hf_models import tiny_llama, token_batches
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of ``t`` (so -0.0 and 0.0, or two NaN payloads, differ)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+        "opt": {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in enumerate(
+            opt.state[p] for p in (q for g in opt.param_groups for q in g["params"])
+        )},
+        "lr": [g["lr"] for g in opt.param_groups],
+    }
+
+
+def _assert_bitwise(expected: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    now = _state(model, opt)
+    for section in ("params", "buffers"):
+        for name, value in expected[section].items():
+            assert torch.equal(_bits(value), _bits(now[section][name])), f"{section} {name} differs from the snapshot"
+    assert expected["opt"].keys() == now["opt"].keys()
+    for i, state in expected["opt"].items():
+        assert state.keys() == now["opt"][i].keys(), f"optimizer state keys of parameter {i}"
+        for key, value in state.items():
+            other = now["opt"][i][key]
+            if torch.is_tensor(value):
+                assert torch.equal(_bits(value), _bits(other)), f"optimizer state {i}.{key} differs"
+            else:
+                assert value == other
+    assert expected["lr"] == now["lr"]
+
+
+def _llama_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
+
+
+def _mlp_batches(n: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 8, generator=gen) for _ in range(n)]
+
+
+def _config(**recovery: Any) -> sk.StabilityConfig:
+    settings: dict[str, Any] = {"enabled": True, "snapshot_every": 4, "keep": 2, **recovery}
+    return sk.StabilityConfig(
+        log_every_n_steps=5,
+        skip=sk.SkipConfig(max_consecutive=3),
+        recovery=sk.RecoveryConfig(**settings),
+    )
+
+
+class Recorder:
+    """The training state at the end of every step (keyed by the steps done), and the rollbacks seen.
+
+    At each rollback event it checks, right after the restore, that the parameters, buffers,
+    optimizer state and learning rates equal the restored snapshot's bitwise.
+    """
+
+    def __init__(self, guard: sk.StabilityGuard, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+        self.states: dict[int, dict[str, Any]] = {}
+        self.skipped: set[int] = set()
+        self.rollbacks: list[sk.Event] = []
+        guard.hooks.on("rollback", self.on_rollback)
+
+    def record(self, guard: sk.StabilityGuard, report: sk.StepReport) -> None:
+        self.states[guard.step_count] = _state(self.model, self.opt)
+
+    def on_rollback(self, event: sk.Event) -> None:
+        restored = event.details["restored_step"]
+        _assert_bitwise(self.states[restored], self.model, self.opt)
+        self.rollbacks.append(event)
+
+
+def _run_llama(fused: bool, cfg: sk.StabilityConfig, poison: range, steps: int = 30) -> tuple[Any, Recorder, list]:
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, fused=fused)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+    guard = sk.StabilityGuard(model, opt, cfg, scheduler=sched)
+    recorder = Recorder(guard, model, opt)
+    reports = []
+    for i, batch in enumerate(token_batches(steps)):
+        loss = _llama_loss(model, batch)
+        if i in poison:
+            loss = loss * float("nan")
+        guard.backward(loss)
+        report = guard.step()
+        guard.zero_grad()
+        reports.append(report)
+        recorder.record(guard, report)
+    return guard, recorder, reports
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw_fused"])
+def test_nan_streak_rolls_back_bitwise_and_training_goes_on(fused: bool) -> None:
+    guard, recorder, reports = _run_llama(fused, _config(), poison=range(10, 14))
+    assert len(recorder.rollbacks) == 1
+    event = recorder.rollbacks[0]
+    d = event.details
+    assert d["trigger"] == "diverged" and d["onset"] == 10
+    assert d["restored_step"] == 8  # the newest snapshot at or before the onset (taken every 4 steps)
+    assert d["skipped_from"] == 8 and d["skipped_to"] == event.step
+    assert d["skipped_to"] >= 12  # the third skipped step in a row (a fused optimizer learns of it at a read)
+    assert len(reports) == 30 and guard.step_count == 30  # the loop went on to the end
+    last = [float(r.loss) for r in reports[-5:]]
+    assert all(math.isfinite(v) for v in last)
+    assert all(torch.isfinite(p).all() for p in guard.model.parameters())
+    guard.close()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw_fused"])
+def test_snapshots_of_skipped_steps_are_never_used(fused: bool) -> None:
+    """Snapshots every step: those taken after a skipped step are dropped (pending ones at the next read)."""
+    cfg = _config(snapshot_every=1, keep=50)
+    guard, recorder, reports = _run_llama(fused, cfg, poison=range(10, 14), steps=20)
+    skipped = {r.step for r in reports if bool(r.skipped)}
+    assert skipped >= {10, 11, 12}
+    assert recorder.rollbacks and recorder.rollbacks[0].details["restored_step"] == 10
+    recovery = guard.core.recovery
+    assert recovery is not None
+    guard.core.flush()
+    for snapshot in recovery.store.snapshots:
+        assert snapshot.confirmed
+        assert snapshot.step - 1 not in skipped, f"a snapshot after skipped step {snapshot.step - 1} was kept"
+    guard.close()
+
+
+def test_rollback_limit_raises_training_diverged() -> None:
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = sk.StabilityGuard(model, opt, _config(max_rollbacks=2, window=100))
+    events: list[sk.Event] = []
+    guard.hooks.on("rollback", events.append)
+    with pytest.raises(sk.TrainingDivergedError) as info:
+        for i, x in enumerate(_mlp_batches(60)):
+            loss = model(x).pow(2).mean()
+            if i >= 10:
+                loss = loss * float("nan")  # the run never recovers
+            guard.backward(loss)
+            guard.step()
+            guard.zero_grad()
+    assert isinstance(info.value, sk.RollbackLimitError)
+    assert len(events) == 2 and info.value.rollbacks == 2
+    guard.close()
+
+
+def test_rollback_without_a_snapshot_raises_as_before() -> None:
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = sk.StabilityGuard(model, opt, _config(snapshot_every=50))
+    with pytest.raises(sk.TrainingDivergedError) as info:
+        for i, x in enumerate(_mlp_batches(20)):
+            loss = model(x).pow(2).mean() * (float("nan") if i >= 5 else 1.0)
+            guard.backward(loss)
+            guard.step()
+            guard.zero_grad()
+    assert not isinstance(info.value, sk.RollbackLimitError)
+    guard.close()
+
+
+def test_rollback_is_recorded_in_jsonl_file_and_state(tmp_path: Path) -> None:
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
+    cfg = _config(record_dir=str(tmp_path / "records"))
+    sink = sk.sinks.JsonlSink(tmp_path / "run.jsonl")
+    guard = sk.StabilityGuard(model, opt, cfg, scheduler=sched, sinks=[sink])
+    for i, x in enumerate(_mlp_batches(25)):
+        loss = model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0)
+        guard.backward(loss)
+        guard.step()
+        guard.zero_grad()
+    state = guard.state_dict()
+    guard.close()
+    lines = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    rollbacks = [line for line in lines if line.get("event") == "rollback"]
+    assert len(rollbacks) == 1
+    row = rollbacks[0]
+    assert row["restored_step"] == 8 and row["skipped_from"] == 8 and row["skipped_to"] == row["step"]
+    assert row["skipped_steps"] == row["skipped_to"] - 8 + 1
+    saved = json.loads((tmp_path / "records" / SKIPPED_FILE).read_text())
+    assert saved["rollbacks"][0]["skipped_from"] == 8
+    assert saved["rollbacks"][0]["skipped_to"] == row["skipped_to"]
+    # the rollback count and ranges round-trip through state_dict / load_state_dict
+    assert state["recovery"]["rollbacks"][0]["restored_step"] == 8
+    model2 = _mlp()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2, fused=True)
+    guard2 = sk.StabilityGuard(model2, opt2, cfg)
+    guard2.load_state_dict(state)
+    assert guard2.state_dict()["recovery"] == state["recovery"]
+    guard2.close()
+
+
+def test_disk_storage_rolls_back_bitwise(tmp_path: Path) -> None:
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    guard = sk.StabilityGuard(model, opt, _config(storage=str(tmp_path / "snaps")))
+    recorder = Recorder(guard, model, opt)
+    for i, x in enumerate(_mlp_batches(25)):
+        loss = model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0)
+        guard.backward(loss)
+        recorder.record(guard, guard.step())
+        guard.zero_grad()
+    assert len(recorder.rollbacks) == 1
+    files = sorted(p.name for p in (tmp_path / "snaps").glob("snapshot-*.pt"))
+    assert 1 <= len(files) <= 2  # keep=2 on disk
+    assert (tmp_path / "snaps" / SKIPPED_FILE).exists()  # record_dir defaults to the storage directory
+    guard.close()
+    assert not list((tmp_path / "snaps").glob("snapshot-*.pt"))  # closing drops the snapshots
+
+
+class SpySGD(torch.optim.SGD):
+    """SGD that notes the learning rate each step runs with."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[float] = []
+
+    def step(self, closure: Any = None) -> Any:
+        self.seen.append(self.param_groups[0]["lr"])
+        return super().step(closure)
+
+
+def test_lr_is_scaled_during_the_cooldown_only() -> None:
+    model = _mlp()
+    opt = SpySGD(model.parameters(), lr=0.1)
+    guard = sk.StabilityGuard(model, opt, _config(lr_scale=0.5, cooldown_steps=3))
+    ran: dict[int, float] = {}
+    for i, x in enumerate(_mlp_batches(25)):
+        loss = model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0)
+        guard.backward(loss)
+        report = guard.step()
+        guard.zero_grad()
+        if not bool(report.skipped):
+            ran[report.step] = opt.seen[-1]
+        assert opt.param_groups[0]["lr"] == 0.1  # outside the step: the schedule's value
+    recovery = guard.core.recovery
+    assert recovery is not None and [r.at_step for r in recovery.log.records] == [12]
+    assert ran[13] == ran[14] == ran[15] == pytest.approx(0.05)
+    assert ran[9] == ran[16] == 0.1
+    guard.close()
+
+
+def test_spike_alert_trigger_rolls_back() -> None:
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = sk.StabilityConfig(
+        log_every_n_steps=1,
+        spikes=sk.SpikeConfig(warmup_steps=10),
+        recovery=sk.RecoveryConfig(enabled=True, snapshot_every=5, trigger=["spike_alert"], min_lookback=1),
+    )
+    guard = sk.StabilityGuard(model, opt, cfg)
+    events: list[sk.Event] = []
+    guard.hooks.on("rollback", events.append)
+    for i, x in enumerate(_mlp_batches(40)):
+        loss = model(x).pow(2).mean() * (1e4 if i == 30 else 1.0)
+        guard.backward(loss)
+        guard.step()
+        guard.zero_grad()
+    assert len(events) == 1
+    d = events[0].details
+    assert d["trigger"] == "spike_alert" and d["trigger_step"] == 30
+    assert d["restored_step"] == 25  # newest at or before 30 - min_lookback
+    guard.close()
+
+
+def test_snapshot_step_adds_no_host_sync() -> None:
+    """A fused optimizer between logging steps: taking a (pending) snapshot reads nothing from the device."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    guard = sk.StabilityGuard(model, opt, _config(snapshot_every=4))
+    data = _mlp_batches(10)
+    for x in data[:3]:  # the first step creates optimizer state (a one-time read); step 2 is not a logging step
+        guard.backward(model(x).pow(2).mean())
+        guard.step()
+        guard.zero_grad()
+    x = data[3]
+    loss = model(x).pow(2).mean()
+    with count_host_syncs() as counter:
+        guard.backward(loss)
+        guard.step()  # step 3 ends with 4 steps done: a snapshot, pending until step 5's read
+    assert counter.count == 0, counter.sites
+    recovery = guard.core.recovery
+    assert recovery is not None and [s.step for s in recovery.store.snapshots] == [4]
+    assert not recovery.store.snapshots[0].confirmed
+    guard.zero_grad()
+    for x in data[4:6]:
+        guard.backward(model(x).pow(2).mean())
+        guard.step()
+        guard.zero_grad()
+    assert recovery.store.snapshots[0].confirmed  # step 5 read the journal: step 3 was taken
+    guard.close()
+
+
+def test_recovery_off_keeps_state_and_divergence_as_before() -> None:
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(skip=sk.SkipConfig(max_consecutive=3)))
+    assert guard.core.recovery is None and "recovery" not in guard.state_dict()
+    with pytest.raises(sk.TrainingDivergedError):
+        for x in _mlp_batches(10):
+            guard.backward(model(x).pow(2).mean() * float("nan"))
+            guard.step()
+            guard.zero_grad()
+    guard.close()
+
+
+def test_several_optimizers_are_refused() -> None:
+    model = _mlp()
+    opts = [torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[3].parameters(), lr=0.1)]
+    with pytest.raises(ValueError, match="one optimizer"):
+        sk.StabilityGuard(model, opts, _config())
+
+
+def test_config_is_strict_and_off_by_default() -> None:
+    assert sk.StabilityConfig().recovery.enabled is False
+    with pytest.raises(ValueError, match="snapshot_evry"):
+        sk.RecoveryConfig(snapshot_evry=5)  # type: ignore[call-arg]
+    with pytest.raises(ValueError):
+        sk.RecoveryConfig(trigger=["nan"])  # type: ignore[list-item]
+    with pytest.raises(ValueError):
+        sk.RecoveryConfig(trigger=[])
