@@ -344,3 +344,83 @@ def test_config_is_strict_and_off_by_default() -> None:
         sk.RecoveryConfig(trigger=["nan"])  # type: ignore[list-item]
     with pytest.raises(ValueError):
         sk.RecoveryConfig(trigger=[])
+
+
+# ---------------------------------------------------------------------------------------------- Lightning
+
+
+class _StatesByStep:
+    """A Lightning callback (listed before StabilityCallback): the state at the end of each global step."""
+
+    def __init__(self) -> None:
+        import lightning.pytorch as pl
+
+        class _Callback(pl.Callback):
+            def on_train_batch_end(inner, trainer, module, outputs, batch, batch_idx) -> None:  # noqa: N805
+                self.states[trainer.global_step] = _state(module, trainer.optimizers[0])
+
+        self.callback = _Callback()
+        self.states: dict[int, dict[str, Any]] = {}
+        self.rollbacks: list[sk.Event] = []
+        self.module: Any = None
+        self.optimizer: Any = None
+
+    def on_rollback(self, event: sk.Event) -> None:
+        _assert_bitwise(self.states[event.details["restored_step"]], self.module, self.optimizer)
+        self.rollbacks.append(event)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw_fused"])
+def test_lightning_rollback_then_checkpoint_then_resume(tmp_path: Path, fused: bool) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from stabilitykit.lightning import StabilityCallback
+    from stabilitykit.testing.lightning_gpt import GPTModule, gpt_dataloader
+
+    cfg = sk.StabilityConfig(
+        log_every_n_steps=5,
+        skip=sk.SkipConfig(max_consecutive=3),
+        recovery=sk.RecoveryConfig(enabled=True, snapshot_every=5, record_dir=str(tmp_path / "records")),
+    )
+
+    def trainer(max_steps: int, callbacks: list[Any]) -> pl.Trainer:
+        checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1)
+        return pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=max_steps,
+            logger=False,
+            callbacks=[*callbacks, checkpoint],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+
+    states = _StatesByStep()
+    callback = StabilityCallback(cfg)
+    callback.hooks.on("rollback", states.on_rollback)
+    module = GPTModule(fused=fused, poison={12: float("nan"), 13: float("nan"), 14: float("nan")}, scheduler=True)
+    first = trainer(30, [states.callback, callback])
+
+    def keep_refs(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        states.module, states.optimizer = pl_module, trainer.optimizers[0]
+
+    states.callback.on_fit_start = keep_refs  # type: ignore[method-assign]
+    first.fit(module, gpt_dataloader(n_batches=40))
+    assert first.global_step == 30
+    assert len(states.rollbacks) == 1
+    d = states.rollbacks[0].details
+    assert d["restored_step"] == 10 and d["onset"] == 12 and d["skipped_to"] >= 14
+    saved = json.loads((tmp_path / "records" / SKIPPED_FILE).read_text())
+    assert saved["rollbacks"][0]["skipped_from"] == 10
+    # the checkpoint written after the rollback (global step 20) resumes
+    ckpt = tmp_path / "ckpt" / "epoch=0-step=20.ckpt"
+    assert ckpt.exists(), sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    resumed_callback = StabilityCallback(cfg)
+    resumed = trainer(40, [resumed_callback])
+    resumed.fit(GPTModule(fused=fused, scheduler=True), gpt_dataloader(n_batches=40), ckpt_path=str(ckpt))
+    assert resumed.global_step == 40
+    core = resumed_callback.cores[0]
+    assert core.recovery is not None and [r.restored_step for r in core.recovery.log.records] == [10]
+    assert all(torch.isfinite(p).all() for p in resumed.lightning_module.parameters())
