@@ -108,6 +108,34 @@ def _contradictions(config: StabilityConfig) -> list[str]:
             "stabilitykit: SpikeConfig(per_layer=True) has no effect with GradNormConfig(per_layer=False): no "
             "per-layer norms are measured for it to score. Set GradNormConfig(per_layer=True) (the default)"
         )
+    found.extend(_recovery_contradictions(config))
+    return found
+
+
+def _recovery_contradictions(config: StabilityConfig) -> list[str]:
+    """Recovery triggers that nothing in the rest of ``config`` can ever fire."""
+    recovery = config.recovery
+    if not recovery.enabled:
+        return []
+    found = []
+    triggers = recovery.trigger
+    skip = config.skip
+    can_skip = skip.nonfinite or config.data.mode == "skip" or skip.spike
+    if "diverged" in triggers and (skip.max_consecutive is None or not can_skip):
+        found.append(
+            "stabilitykit: RecoveryConfig(trigger=['diverged', ...]) never fires without skipped steps and "
+            "SkipConfig(max_consecutive=...): nothing can diverge. Set SkipConfig(max_consecutive=10) (the default)"
+        )
+    if any(t in triggers for t in ("spike_alert", "loss_drift")) and not config.spikes.enabled:
+        found.append(
+            "stabilitykit: RecoveryConfig(trigger=['spike_alert' or 'loss_drift']) never fires with "
+            "SpikeConfig(enabled=False): no spike_alert is raised"
+        )
+    if "loss_drift" in triggers and config.spikes.enabled and config.spikes.loss_drift_alert is None:
+        found.append(
+            "stabilitykit: RecoveryConfig(trigger=['loss_drift']) never fires with SpikeConfig(loss_drift_alert=None) "
+            "(the default): set loss_drift_alert (e.g. 8.0) to run the loss-drift test"
+        )
     return found
 
 

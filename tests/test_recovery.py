@@ -26,9 +26,10 @@ def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     return {
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
-        "opt": {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in enumerate(
-            opt.state[p] for p in (q for g in opt.param_groups for q in g["params"])
-        )},
+        "opt": {
+            i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+            for i, s in enumerate(opt.state[p] for p in (q for g in opt.param_groups for q in g["params"]))
+        },
         "lr": [g["lr"] for g in opt.param_groups],
     }
 
@@ -356,7 +357,7 @@ class _StatesByStep:
         import lightning.pytorch as pl
 
         class _Callback(pl.Callback):
-            def on_train_batch_end(inner, trainer, module, outputs, batch, batch_idx) -> None:  # noqa: N805
+            def on_train_batch_end(inner, trainer, module, outputs, batch, batch_idx) -> None:
                 self.states[trainer.global_step] = _state(module, trainer.optimizers[0])
 
         self.callback = _Callback()
@@ -424,3 +425,26 @@ def test_lightning_rollback_then_checkpoint_then_resume(tmp_path: Path, fused: b
     core = resumed_callback.cores[0]
     assert core.recovery is not None and [r.restored_step for r in core.recovery.log.records] == [10]
     assert all(torch.isfinite(p).all() for p in resumed.lightning_module.parameters())
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        (sk.StabilityConfig(recovery=sk.RecoveryConfig(enabled=True, trigger=["loss_drift"])), "loss_drift_alert"),
+        (
+            sk.StabilityConfig(skip=sk.SkipConfig(max_consecutive=None), recovery=sk.RecoveryConfig(enabled=True)),
+            "nothing can diverge",
+        ),
+        (
+            sk.StabilityConfig(
+                spikes=sk.SpikeConfig(enabled=False),
+                recovery=sk.RecoveryConfig(enabled=True, trigger=["spike_alert"]),
+            ),
+            "no spike_alert",
+        ),
+    ],
+)
+def test_triggers_that_cannot_fire_warn(config: sk.StabilityConfig, words: str) -> None:
+    model = _mlp()
+    with pytest.warns(UserWarning, match=words):
+        sk.StabilityGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), config).close()

@@ -20,7 +20,7 @@ __all__ = [
     "Snapshot",
     "SnapshotStore",
     "TrainingObjects",
-    "restore_snapshot",
     "refuse_several_optimizers",
+    "restore_snapshot",
     "take_snapshot",
 ]
