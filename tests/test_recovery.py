@@ -448,3 +448,77 @@ def test_triggers_that_cannot_fire_warn(config: sk.StabilityConfig, words: str) 
     model = _mlp()
     with pytest.warns(UserWarning, match=words):
         sk.StabilityGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), config).close()
+
+
+# ---------------------------------------------------------------------------------------------- HF Trainer
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_hf_trainer_rollback_then_checkpoint_then_resume(tmp_path: Path, optim: str) -> None:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from stabilitykit.integrations import stabilize
+
+    rows = [{k: v[0] for k, v in batch.items()} for batch in token_batches(160, batch_size=1, seed=3)]
+    poisoned = {6, 7, 8}
+    states: dict[int, dict[str, Any]] = {}
+    rollbacks: list[sk.Event] = []
+
+    class Poison(TrainerCallback):
+        """NaN logits during the optimizer steps that start at the poisoned global steps."""
+
+        def __init__(self, model: nn.Module) -> None:
+            self.active = False
+            model.lm_head.register_forward_hook(lambda m, i, out: out * float("nan") if self.active else None)
+
+        def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            self.active = state.global_step in poisoned
+
+        def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):  # type: ignore[no-untyped-def]
+            self.active = False
+            states[state.global_step] = _state(model, optimizer.optimizer)
+
+    def run(root: Path, max_steps: int, resume: str | None = None) -> tuple[Trainer, Any]:
+        model = tiny_llama()
+        args = TrainingArguments(
+            output_dir=str(root),
+            use_cpu=True,
+            report_to=[],
+            per_device_train_batch_size=4,
+            max_steps=max_steps,
+            learning_rate=1e-2,
+            lr_scheduler_type="linear",
+            logging_steps=3,
+            save_strategy="steps",
+            save_steps=15,
+            seed=0,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            optim=optim,
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[Poison(model)])
+        cfg = sk.StabilityConfig(
+            skip=sk.SkipConfig(max_consecutive=3),
+            recovery=sk.RecoveryConfig(enabled=True, snapshot_every=3),
+        )
+        callback = stabilize(trainer, cfg)
+
+        def check(event: sk.Event) -> None:
+            _assert_bitwise(states[event.details["restored_step"]], model, trainer.optimizer.optimizer)
+            rollbacks.append(event)
+
+        callback.hooks.on("rollback", check)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, callback
+
+    trainer, _ = run(tmp_path, 20)
+    assert trainer.state.global_step == 20 and len(rollbacks) == 1
+    assert rollbacks[0].details["restored_step"] == 6 and rollbacks[0].details["onset"] == 6
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    checkpoint = tmp_path / "checkpoint-15"
+    assert (checkpoint / "trainer_state.json").exists()
+    poisoned.clear()
+    resumed, callback = run(tmp_path, 25, resume=str(checkpoint))
+    assert resumed.state.global_step == 25
+    assert callback.core is not None and callback.core.recovery is not None
+    assert [r.restored_step for r in callback.core.recovery.log.records] == [6]

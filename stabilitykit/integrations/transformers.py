@@ -52,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 __all__ = ["StabilityTrainerCallback", "stabilize"]
 
 #: Event kinds sent as W&B alerts when ``alerts=True``.
-ALERT_KINDS = ("spike_warning", "nonfinite", "diverged", "fp16_warning")
+ALERT_KINDS = ("spike_warning", "nonfinite", "diverged", "fp16_warning", "rollback")
 #: Event kinds kept out of the Trainer's logs (the device's precision advice is not a training event).
 _NOT_LOGGED = ("precision",)
 
@@ -221,6 +221,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         self._global_step = state.global_step
         self._undo.append(route_accelerated_step(core, trainer.optimizer))
         if trainer.lr_scheduler is not None:
+            core.track_scheduler(trainer.lr_scheduler)  # recovery restores it with each snapshot
             core.hold_scheduler(trainer.lr_scheduler)
             self._undo.append(core.release)
         self._undo.append(self._wrap(accelerator, "backward", self._backward_route(accelerator)))
