@@ -125,3 +125,15 @@ def test_update_ratio_example(tmp_path) -> None:
     assert sane["ratios"][35] == 0.0 and high["ratios"][35] == 0.0  # step 34 was skipped
     assert 1e-4 < sane["median"] < 3e-3 and high["median"] > 10 * sane["median"]
     assert result["report"].stat().st_size > 30_000
+
+
+def test_recovery_example_rolls_back_and_goes_on(tmp_path, capsys) -> None:
+    result = _load("recovery").main(["--steps", "90", "--out", str(tmp_path)])
+    assert len(result["rollbacks"]) == 1
+    record = result["skipped"]["rollbacks"][0]
+    assert record["trigger"] == "diverged" and record["onset"] == 50 and record["restored_step"] == 40
+    assert result["summary"]["steps"] == 90
+    assert all(loss == loss for loss in result["losses"])  # finite again after the rollback
+    _, events = sk.sinks.read_jsonl(tmp_path / "stability.jsonl")
+    assert [e["restored_step"] for e in events if e["event"] == "rollback"] == [40]
+    assert "rollback: rolled back after diverged" in capsys.readouterr().out
