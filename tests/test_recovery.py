@@ -522,3 +522,32 @@ def test_hf_trainer_rollback_then_checkpoint_then_resume(tmp_path: Path, optim: 
     assert resumed.state.global_step == 25
     assert callback.core is not None and callback.core.recovery is not None
     assert [r.restored_step for r in callback.core.recovery.log.records] == [6]
+
+
+def test_rollback_is_a_warning_log_line_and_a_wandb_alert(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    import wandb
+
+    from stabilitykit.sinks import WandbRunFile, WandbSink
+
+    run = wandb.init(project="stabilitykit-tests", dir=str(tmp_path), mode="offline", reinit="create_new")
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = sk.StabilityGuard(model, opt, _config(), sinks=[WandbSink(run)])
+    with caplog.at_level(logging.WARNING, logger="stabilitykit"):
+        for i, x in enumerate(_mlp_batches(20)):
+            loss = model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0)
+            guard.backward(loss)
+            guard.step()
+            guard.zero_grad()
+    guard.close()
+    run.finish()
+    lines = [r for r in caplog.records if r.levelno == logging.WARNING and "rolled back" in r.getMessage()]
+    assert len(lines) == 1 and "steps 8..12" in lines[0].getMessage()
+    logged = WandbRunFile.read(Path(run.dir).parent)
+    titles = [a["title"] for a in logged.alerts]
+    assert "stabilitykit: rollback at step 12" in titles
+    alert = logged.alerts[titles.index("stabilitykit: rollback at step 12")]
+    assert alert["level"] == "WARN" and "restored the state before step 8" in alert["text"]
+    assert [r["trainer/global_step"] for r in logged.history if "stability/events/rollback" in r] == [12]
