@@ -551,3 +551,43 @@ def test_rollback_is_a_warning_log_line_and_a_wandb_alert(tmp_path: Path, caplog
     alert = logged.alerts[titles.index("stabilitykit: rollback at step 12")]
     assert alert["level"] == "WARN" and "restored the state before step 8" in alert["text"]
     assert [r["trainer/global_step"] for r in logged.history if "stability/events/rollback" in r] == [12]
+
+
+def test_grad_scaler_and_rng_come_back_with_the_snapshot() -> None:
+    """A streak of bad batches (data guard, mode "skip") under a GradScaler: the scale, its growth
+    tracker and (restore_rng=True) the torch generator are the snapshot's after the rollback."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    cfg = sk.StabilityConfig(
+        log_every_n_steps=5,
+        skip=sk.SkipConfig(max_consecutive=3),
+        data=sk.DataGuardConfig(mode="skip"),
+        recovery=sk.RecoveryConfig(enabled=True, snapshot_every=4, restore_rng=True),
+    )
+    guard = sk.StabilityGuard(model, opt, cfg, scaler=scaler)
+    saved: dict[int, tuple[float, int, torch.Tensor]] = {}
+    seen: list[tuple[sk.Event, float, int, torch.Tensor]] = []
+
+    def on_rollback(event: sk.Event) -> None:
+        seen.append((event, scaler.get_scale(), scaler.state_dict()["_growth_tracker"], torch.get_rng_state()))
+
+    guard.hooks.on("rollback", on_rollback)
+    for i, x in enumerate(_mlp_batches(20)):
+        if 10 <= i < 13:
+            x = x * float("nan")  # a bad batch: skipped by the data guard before its forward
+        guard.check_batch(x)
+        loss = model(x).pow(2).mean()
+        guard.backward(loss)
+        guard.step()
+        guard.zero_grad()
+        saved[guard.step_count] = (scaler.get_scale(), scaler.state_dict()["_growth_tracker"], torch.get_rng_state())
+        torch.rand(1)  # the loop draws from the generator every step
+    assert len(seen) == 1
+    event, scale, tracker, rng = seen[0]
+    restored = event.details["restored_step"]
+    assert event.details["trigger"] == "diverged" and restored == 8
+    assert (scale, tracker) == saved[restored][:2]
+    assert saved[restored][0] != saved[12][0]  # the scale moved after the snapshot: the restore is visible
+    assert torch.equal(rng, saved[restored][2])
+    guard.close()
