@@ -591,3 +591,31 @@ def test_grad_scaler_and_rng_come_back_with_the_snapshot() -> None:
     assert saved[restored][0] != saved[12][0]  # the scale moved after the snapshot: the restore is visible
     assert torch.equal(rng, saved[restored][2])
     guard.close()
+
+
+def test_loss_drift_and_spike_alert_are_told_apart() -> None:
+    """Only the alerts of the configured rule roll back (the drift rule is named in the alert's details)."""
+    from stabilitykit.spikes import DRIFT_RULE
+
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = sk.StabilityConfig(
+        log_every_n_steps=1,
+        spikes=sk.SpikeConfig(loss_drift_alert=8.0),
+        recovery=sk.RecoveryConfig(enabled=True, snapshot_every=4, trigger=["loss_drift"]),
+    )
+    guard = sk.StabilityGuard(model, opt, cfg)
+    events: list[sk.Event] = []
+    guard.hooks.on("rollback", events.append)
+    for i, x in enumerate(_mlp_batches(20)):
+        guard.backward(model(x).pow(2).mean())
+        guard.step()
+        guard.zero_grad()
+        if i == 9:  # an alert of another rule: no rollback
+            guard.hooks.emit(sk.Event("spike_alert", 9, "loss jumped", {"rule": "loss"}))
+        if i == 14:  # the drift rule's alert, as the spike monitor raises it
+            guard.hooks.emit(sk.Event("spike_alert", 14, "loss climbed", {"rule": DRIFT_RULE}))
+    assert [(e.details["trigger"], e.details["trigger_step"], e.details["restored_step"]) for e in events] == [
+        ("loss_drift", 14, 12)
+    ]
+    guard.close()
