@@ -31,7 +31,23 @@ def test_demo_skips_the_nan_batch_and_clips_the_spike(tmp_path, capsys) -> None:
     rows, events = sk.sinks.read_jsonl(tmp_path / "stability.jsonl")
     assert len(rows) == 21
     assert any(e["event"] == "skipped" and e["step"] == 120 for e in events)
-    assert "NaN came from" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "NaN came from" in out
+    assert "  step  200/210  loss" in out  # progress while it runs
+
+    # The README's sample output stays true: the same summary labels and the same events.
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    sample = readme.split("stabilitykit demo: tiny GPT, CPU\n", 1)[1].split("```", 1)[0]
+    summary_block = out.split("stabilitykit demo: tiny GPT, CPU\n", 1)[1]
+
+    def labels(block: str) -> list[str]:
+        return [line[:19].strip() for line in block.splitlines() if line.startswith("  ")]
+
+    def events_line(block: str) -> str:
+        return next(line for line in block.splitlines() if line.strip().startswith("events"))
+
+    assert labels(sample) == labels(summary_block)
+    assert events_line(sample) == events_line(summary_block)
 
 
 def test_plain_loop_example_resumes(tmp_path, capsys) -> None:
