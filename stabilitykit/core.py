@@ -213,6 +213,7 @@ class DriverCore:
         self.last_nonfinite: NonFiniteRecord | None = None
         self._bad_batch: Tensor | None = None
         self._hold: bool | None = None
+        self.held_steps = 0  # steps an LR scheduler was held for (schedule_step = steps - held_steps)
         self._log_step: int | None = None
         self._tracing = tracing and model is not None and self.config.nan_trace.mode != "off"
         self.tracer: NaNTracer | None = None
@@ -327,7 +328,18 @@ class DriverCore:
             return False
         if self._hold is None:
             self._hold = self.engine.consume_scheduler_hold(self.decision)
+            self.held_steps += int(self._hold)
         return self._hold
+
+    @property
+    def schedule_step(self) -> int:
+        """The step an LR schedule should be at: steps so far less the held ones (skips).
+
+        What a held ``torch.optim.lr_scheduler`` counts, for an LR set by hand each iteration
+        (``lr = get_lr(guard.schedule_step)``). Exact at once for non-fused optimizers; a skip made on
+        the device by a fused optimizer is learned at the next logging read and held then.
+        """
+        return self.engine.step - self.held_steps
 
     def finish(self) -> StepReport | None:
         """The step is over: events, sinks, the divergence check, tracing for the next step."""
@@ -335,6 +347,7 @@ class DriverCore:
         if decision is None:
             return None
         self.buffers.save()
+        self.should_hold_scheduler()  # decided once per step even when no scheduler asks (schedule_step)
         try:
             self.last_report = self.engine.finish(decision, log_step=self._log_step)
         finally:
@@ -508,7 +521,12 @@ class DriverCore:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything that must survive a resume (plain values and small device tensors)."""
-        return {"version": STATE_VERSION, "engine": self.engine.state_dict(), "trace_left": self._trace_left}
+        return {
+            "version": STATE_VERSION,
+            "engine": self.engine.state_dict(),
+            "trace_left": self._trace_left,
+            "held_steps": self.held_steps,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned: validated as a whole first, then loaded all at once."""
@@ -521,4 +539,5 @@ class DriverCore:
             engine_state["journal"] = journal
         self.engine.load_state_dict(engine_state)
         self._trace_left = int(state.get("trace_left", 0))
+        self.held_steps = int(state.get("held_steps", 0))
         self._trace_for(self.engine.step)

@@ -259,6 +259,15 @@ class StabilityGuard:
         return self.core.engine.step
 
     @property
+    def schedule_step(self) -> int:
+        """The step a hand-set LR schedule should use: steps so far less the skipped (held) ones.
+
+        ``lr = get_lr(guard.schedule_step)`` holds an LR written into ``param_group["lr"]`` by hand
+        through a skip, as a scheduler passed as ``scheduler=`` is held (see the skipping guide).
+        """
+        return self.core.schedule_step
+
+    @property
     def skipped_total(self) -> int:
         """Skipped steps as of the host's last look (exact on logging steps and for non-fused optimizers)."""
         return self.core.engine.skipped_total

@@ -162,6 +162,7 @@ class _Core(_State):
     version: int = Field(ge=1)
     engine: _Engine
     trace_left: int = Field(ge=0, default=0)
+    held_steps: int = Field(ge=0, default=0)
 
 
 class _Invalid(ValueError):
