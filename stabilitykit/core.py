@@ -26,7 +26,16 @@ from stabilitykit.config import StabilityConfig
 from stabilitykit.engine import StabilityEngine, StepDecision, StepGate, is_fused
 from stabilitykit.engine.journal import upgrade_v1_rows
 from stabilitykit.hooks import HookManager
-from stabilitykit.nan import NaNTracer, NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
+from stabilitykit.nan import (
+    NaNTracer,
+    NonFiniteRecord,
+    batch_is_bad,
+    check_batch,
+    eager_if,
+    is_compiled,
+    replay_nonfinite,
+)
+from stabilitykit.patching import replace_attribute
 from stabilitykit.precision import PrecisionChoice, apply_precision_config
 from stabilitykit.report import StepReport
 from stabilitykit.run_log import RunSummary
@@ -216,6 +225,10 @@ class DriverCore:
         self.held_steps = 0  # steps an LR scheduler was held for (schedule_step = steps - held_steps)
         self._log_step: int | None = None
         self._tracing = tracing and model is not None and self.config.nan_trace.mode != "off"
+        #: A compiled model is never hooked between steps in mode "on_nonfinite": hooks would break and
+        #: recompile its graph; the bad batch is replayed eagerly instead (``_replay``).
+        self._compiled = model is not None and is_compiled(model)
+        self._warned_no_replay = False
         self.tracer: NaNTracer | None = None
         self._trace_left = 0
         self._undo: list[Callable[[], None]] = []
@@ -279,6 +292,15 @@ class DriverCore:
         if replaying and decision.skipped_now and decision.report.reason != "bad_batch":
             assert replay is not None
             self._replay(replay, decision.report.step)
+        elif self._compiled and trace.mode == "on_nonfinite" and decision.skipped_now and not self._warned_no_replay:
+            self._warned_no_replay = True
+            warnings.warn(
+                "stabilitykit: a compiled model is not hooked between steps (hooks would break and recompile "
+                "its graph), so nan_trace 'on_nonfinite' names the source of a non-finite step by replaying "
+                "the batch eagerly: pass step(replay=...) and keep NaNTraceConfig(replay=True)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         if decision.pending:
             self.buffers.restore(decision.skip)  # on the device: restored where the skip flag is set
         elif decision.skipped_now:
@@ -401,8 +423,6 @@ class DriverCore:
         installed = self._routes.get(id(target))
         if installed is not None:
             return installed
-        had_own = "step" in vars(target)
-        previous = vars(target).get("step")
         original = target.step
         core = self
 
@@ -412,17 +432,11 @@ class DriverCore:
                 return core.run_optimizer_step(lambda: original(*args, **kwargs))
             return core.run_closure_step(lambda guarded: original(*args, closure=guarded, **kwargs), closure)
 
-        bound = types.MethodType(step, target)
-        target.step = bound
+        restore = replace_attribute(target, "step", types.MethodType(step, target))
 
         def undo() -> None:
             self._routes.pop(id(target), None)
-            if vars(target).get("step") is not bound:
-                return  # someone wrapped it again on top: leave theirs alone (ours then just runs the step)
-            if had_own:
-                target.step = previous
-            else:
-                del target.step
+            restore()  # someone who wrapped it again on top keeps theirs (ours then just runs the step)
 
         self._routes[id(target)] = undo
         self._undo.append(undo)
@@ -448,8 +462,8 @@ class DriverCore:
             wanted = True
         elif trace.mode == "every_n":
             wanted = step % trace.every_n_steps == 0
-        else:  # on_nonfinite
-            wanted = self._trace_left > 0
+        else:  # on_nonfinite: hooks for the next steps; never on a compiled model (the replay names it)
+            wanted = self._trace_left > 0 and not self._compiled
         if wanted:
             if self.tracer is None:
                 assert self.model is not None
@@ -484,7 +498,8 @@ class DriverCore:
         """
         assert self.model is not None
         try:
-            record = replay_nonfinite(self.model, replay, self.engine.params, step=step)
+            with eager_if(self._compiled):  # the compiled model runs as plain eager code: no recompile
+                record = replay_nonfinite(self.model, replay, self.engine.params, step=step)
         except Exception as exc:
             warnings.warn(
                 f"stabilitykit: replaying the non-finite batch of step {step} failed: {exc!r}",
@@ -506,15 +521,15 @@ class DriverCore:
             self.engine.step, c.skipped_total, c.clipped_total, c.max_norm, c.nonfinite_total, nonfinite_source=source
         )
 
-    def flush(self) -> None:
-        """Fold the steps since the last logging step now (one sync)."""
-        self.engine.flush()
+    def flush(self, final_row: bool = False) -> None:
+        """Fold the steps since the last logging step now (one sync); ``final_row``: and log their row."""
+        self.engine.flush(final_row=final_row)
 
     def close(self) -> None:
         """Fold what is left, remove tracing hooks and every wrapper."""
         if self.decision is not None:
             self.finish()
-        self.engine.flush()
+        self.engine.flush(final_row=True)
         if self.tracer is not None:
             self.tracer.detach()
         self.release()

@@ -307,6 +307,8 @@ class StabilityGuard:
             undo()
         self._unroute = []
         if not self._closed:
+            for core in self.cores:
+                core.flush(final_row=True)  # the steps after the last logging step get their row
             self.summary().log()  # the run's one line: steps, skips, clips, max norm, first NaN source
         self._closed = True
         for core in self.cores:

@@ -29,7 +29,7 @@ def test_demo_skips_the_nan_batch_and_clips_the_spike(tmp_path, capsys) -> None:
     assert summary["nonfinite_source"] == "backward of lm_head at step 120"
     assert summary["last_loss"] < summary["first_loss"] / 2
     rows, events = sk.sinks.read_jsonl(tmp_path / "stability.jsonl")
-    assert len(rows) == 21
+    assert len(rows) == 22 and rows[-1]["step"] == 209  # and the final row from close()
     assert any(e["event"] == "skipped" and e["step"] == 120 for e in events)
     out = capsys.readouterr().out
     assert "NaN came from" in out
@@ -55,7 +55,7 @@ def test_plain_loop_example_resumes(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "resumed from" in out and "at step 12" in out
     rows, _ = sk.sinks.read_jsonl(tmp_path / "stability.jsonl")
-    assert [r["step"] for r in rows] == [0, 10, 20]
+    assert [r["step"] for r in rows] == [0, 10, 20, 23]  # 23: the final row from close()
 
 
 def test_lightning_example(tmp_path, capsys) -> None:
