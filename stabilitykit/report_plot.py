@@ -485,7 +485,7 @@ def report_figure(log: str | os.PathLike[str] | RunLog, title: str | None = None
 
 
 def _plain_log_ticks(ax: Any) -> None:
-    """A log axis labelled with plain numbers (0.9, 20, 1e-05), not "9 × 10^-1"."""
+    """A log axis labelled with plain numbers (0.9, 20, 1e-05), not "9 x 10^-1"."""
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
