@@ -208,6 +208,8 @@ class DriverCore:
         check_supported(model, self.optimizer, params)
         self._param_count = self._count_params()
         self._state_checked: tuple[int, tuple[bool, ...]] | None = None
+        self._state_before: tuple[int, tuple[bool, ...]] | None = None  # the key of a host-decided step
+        self._applied_without_state: tuple[int, tuple[bool, ...]] | None = None
         self.hooks = hooks or HookManager()
         self.scaler = ScalerAdapter(scaler)
         self.engine = engine_cls(
@@ -287,7 +289,8 @@ class DriverCore:
         self.decision = decision
         trace = self.config.nan_trace
         replaying = trace.mode == "on_nonfinite" and trace.replay and replay is not None
-        if decision.pending and (replaying or self._step_creates_state()):
+        creates_state = self._step_creates_state()  # asked on every step until settled (logging steps too)
+        if decision.pending and (replaying or creates_state):
             self.engine.resolve(decision)  # one sync: the replay, or state a skipped step must not create
         if replaying and decision.skipped_now and decision.report.reason != "bad_batch":
             assert replay is not None
@@ -326,16 +329,21 @@ class DriverCore:
         """A fused step on the device would create optimizer state (a first momentum buffer) for some
         parameter: a skipped step must not leave it behind, so the host decides this step (one sync;
         only until every parameter with a grad has state, usually the first step). Checked again
-        only when the state or the set of parameters with grads changes."""
+        only when the state or the set of parameters with grads changes. An optimizer that creates
+        no state (SGD without momentum) is settled after one applied step left the state as it was."""
         if not self.engine.fused:
             return False
         state = self.optimizer.state
         key = (len(state), self.engine.plan.present)
         if key == self._state_checked:
             return False
+        if key == self._applied_without_state:  # a step was applied and created nothing: it never will
+            self._state_checked = key
+            return False
         creates = any(p.grad is not None and not state.get(p) for p in self.engine.params)
         if not creates:
             self._state_checked = key
+        self._state_before = key if creates else None
         return creates
 
     def run_optimizer_step(self, step_fn: Callable[[], Any]) -> Any:
@@ -370,11 +378,21 @@ class DriverCore:
             return None
         self.buffers.save()
         self.should_hold_scheduler()  # decided once per step even when no scheduler asks (schedule_step)
+        self._note_state_created(decision)
         try:
             self.last_report = self.engine.finish(decision, log_step=self._log_step)
         finally:
             self._after_step(decision)
         return self.last_report
+
+    def _note_state_created(self, decision: StepDecision) -> None:
+        """After a host-decided step: an applied step that created no optimizer state settles the check."""
+        before, self._state_before = self._state_before, None
+        if before is None or decision.pending or decision.skipped_now:
+            return
+        after = (len(self.optimizer.state), self.engine.plan.present)
+        if after == before:
+            self._applied_without_state = after
 
     # ------------------------------------------------------------------ wrapping framework objects
     def run_closure_step(self, step_fn: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any]) -> Any:
