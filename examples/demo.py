@@ -4,7 +4,9 @@
 
 Step 120 gets a corrupt batch (NaN per-token loss weights, as a broken data shard would give):
 the guard skips it and the tracer names where the NaN entered. Step 200 gets a x1000 gradient
-spike: the guard clips it and the spike detector warns. The run ends with a short summary.
+spike: the guard clips it and the spike detector warns. Progress is printed every ``--progress``
+steps; the guard's own warnings (the skip, the spike) come through Python's ``logging``; the run
+ends with a short summary.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--out", default="runs/demo")
+    parser.add_argument("--progress", type=int, default=50, help="print a progress line every N steps (0: never)")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -52,6 +55,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
     data = char_batches(batch_size=16, seed=0)
     start = time.perf_counter()
+    print(f"stabilitykit demo: training a tiny GPT for {args.steps} steps on the CPU", flush=True)
     first_loss = last_loss = math.nan
     for step in range(args.steps):
         x, y = next(data)
@@ -66,6 +70,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         guard.zero_grad()
         if step == 0:
             first_loss = float(report.loss)  # type: ignore[arg-type]
+        if args.progress and (step + 1) % args.progress == 0:
+            # A host read, once every `progress` steps: the guard itself reads only on logging steps.
+            print(
+                f"  step {step + 1:>4}/{args.steps}  loss {float(report.loss):7.3f}  "  # type: ignore[arg-type]
+                f"{time.perf_counter() - start:5.1f} s",
+                flush=True,
+            )
     last_loss = float(report.loss)  # type: ignore[arg-type]
     elapsed = time.perf_counter() - start
     guard.close()

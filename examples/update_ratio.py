@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows = train(lr, args.steps, log)
         ratios = {r["step"]: r["stability/update_ratio"] for r in rows if "stability/update_ratio" in r}
         moving = [v for v in ratios.values() if v > 0]  # the skipped step's update is 0
-        last = rows[-1]
+        last = [r for r in rows if "stability/update_ratio" in r][-1]  # close()'s final row has no ratio
         layers = {k.rsplit("/", 1)[1]: v for k, v in last.items() if k.startswith("stability/update_ratio/")}
         top = max(layers, key=layers.__getitem__)
         median = statistics.median(moving)

@@ -287,8 +287,10 @@ class NaNTraceConfig(_Strict):
     mode: Literal["off", "always", "every_n", "on_nonfinite"] = Field(
         "off",
         description=(
-            "'always': hooks on every step; 'every_n': on every n-th step; 'on_nonfinite': no "
-            "hooks until a step goes non-finite (the guard records the next steps)."
+            "'always': hooks on every step (a Python call per module per step; on a compiled model "
+            "one graph break per module); 'every_n': on every n-th step; 'on_nonfinite': no hooks "
+            "until a step goes non-finite (the guard records the next steps; a compiled model is "
+            "never hooked: the bad batch is replayed eagerly)."
         ),
     )
     every_n_steps: int = Field(100, ge=1, description="Cadence of mode 'every_n'.")

@@ -26,7 +26,16 @@ from stabilitykit.config import StabilityConfig
 from stabilitykit.engine import StabilityEngine, StepDecision, StepGate, is_fused
 from stabilitykit.engine.journal import upgrade_v1_rows
 from stabilitykit.hooks import HookManager
-from stabilitykit.nan import NaNTracer, NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
+from stabilitykit.nan import (
+    NaNTracer,
+    NonFiniteRecord,
+    batch_is_bad,
+    check_batch,
+    eager_if,
+    is_compiled,
+    replay_nonfinite,
+)
+from stabilitykit.patching import replace_attribute
 from stabilitykit.precision import PrecisionChoice, apply_precision_config
 from stabilitykit.recovery import Recovery
 from stabilitykit.report import StepReport
@@ -228,6 +237,8 @@ class DriverCore:
         check_supported(model, self.optimizer, params)
         self._param_count = self._count_params()
         self._state_checked: tuple[int, tuple[bool, ...]] | None = None
+        self._state_before: tuple[int, tuple[bool, ...]] | None = None  # the key of a host-decided step
+        self._applied_without_state: tuple[int, tuple[bool, ...]] | None = None
         self.hooks = hooks or HookManager()
         self.scaler = ScalerAdapter(scaler)
         self.engine = engine_cls(
@@ -242,8 +253,13 @@ class DriverCore:
         self.last_nonfinite: NonFiniteRecord | None = None
         self._bad_batch: Tensor | None = None
         self._hold: bool | None = None
+        self.held_steps = 0  # steps an LR scheduler was held for (schedule_step = steps - held_steps)
         self._log_step: int | None = None
         self._tracing = tracing and model is not None and self.config.nan_trace.mode != "off"
+        #: A compiled model is never hooked between steps in mode "on_nonfinite": hooks would break and
+        #: recompile its graph; the bad batch is replayed eagerly instead (``_replay``).
+        self._compiled = model is not None and is_compiled(model)
+        self._warned_no_replay = False
         self.tracer: NaNTracer | None = None
         self._trace_left = 0
         self._undo: list[Callable[[], None]] = []
@@ -252,7 +268,16 @@ class DriverCore:
         #: Rollback past a divergence (``config.recovery``), or None when it is off.
         self.recovery: Recovery | None = None
         if self.config.recovery.enabled:
-            self.recovery = Recovery(self.config.recovery, self.engine, model, self.optimizer, self.scaler, self.hooks)
+            self.recovery = Recovery(
+                self.config.recovery,
+                self.engine,
+                model,
+                self.optimizer,
+                self.scaler,
+                self.hooks,
+                guard_state=self._recovery_state,
+                restore_guard=self._recovered,
+            )
             self._undo.append(self.recovery.close)
         self._trace_for(self.engine.step)
 
@@ -307,11 +332,21 @@ class DriverCore:
         self.decision = decision
         trace = self.config.nan_trace
         replaying = trace.mode == "on_nonfinite" and trace.replay and replay is not None
-        if decision.pending and (replaying or self._step_creates_state()):
+        creates_state = self._step_creates_state()  # asked on every step until settled (logging steps too)
+        if decision.pending and (replaying or creates_state):
             self.engine.resolve(decision)  # one sync: the replay, or state a skipped step must not create
         if replaying and decision.skipped_now and decision.report.reason != "bad_batch":
             assert replay is not None
             self._replay(replay, decision.report.step)
+        elif self._compiled and trace.mode == "on_nonfinite" and decision.skipped_now and not self._warned_no_replay:
+            self._warned_no_replay = True
+            warnings.warn(
+                "stabilitykit: a compiled model is not hooked between steps (hooks would break and recompile "
+                "its graph), so nan_trace 'on_nonfinite' names the source of a non-finite step by replaying "
+                "the batch eagerly: pass step(replay=...) and keep NaNTraceConfig(replay=True)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         if decision.pending:
             self.buffers.restore(decision.skip)  # on the device: restored where the skip flag is set
         elif decision.skipped_now:
@@ -339,16 +374,21 @@ class DriverCore:
         """A fused step on the device would create optimizer state (a first momentum buffer) for some
         parameter: a skipped step must not leave it behind, so the host decides this step (one sync;
         only until every parameter with a grad has state, usually the first step). Checked again
-        only when the state or the set of parameters with grads changes."""
+        only when the state or the set of parameters with grads changes. An optimizer that creates
+        no state (SGD without momentum) is settled after one applied step left the state as it was."""
         if not self.engine.fused:
             return False
         state = self.optimizer.state
         key = (len(state), self.engine.plan.present)
         if key == self._state_checked:
             return False
+        if key == self._applied_without_state:  # a step was applied and created nothing: it never will
+            self._state_checked = key
+            return False
         creates = any(p.grad is not None and not state.get(p) for p in self.engine.params)
         if not creates:
             self._state_checked = key
+        self._state_before = key if creates else None
         return creates
 
     def run_optimizer_step(self, step_fn: Callable[[], Any]) -> Any:
@@ -366,7 +406,18 @@ class DriverCore:
             return False
         if self._hold is None:
             self._hold = self.engine.consume_scheduler_hold(self.decision)
+            self.held_steps += int(self._hold)
         return self._hold
+
+    @property
+    def schedule_step(self) -> int:
+        """The step an LR schedule should be at: steps so far less the held ones (skips).
+
+        What a held ``torch.optim.lr_scheduler`` counts, for an LR set by hand each iteration
+        (``lr = get_lr(guard.schedule_step)``). Exact at once for non-fused optimizers; a skip made on
+        the device by a fused optimizer is learned at the next logging read and held then.
+        """
+        return self.engine.step - self.held_steps
 
     def finish(self) -> StepReport | None:
         """The step is over: events, sinks, the divergence check, tracing for the next step."""
@@ -374,14 +425,25 @@ class DriverCore:
         if decision is None:
             return None
         self.buffers.save()
+        self.should_hold_scheduler()  # decided once per step even when no scheduler asks (schedule_step)
+        self._note_state_created(decision)
         try:
             recovery = self.recovery
             self.last_report = self.engine.finish(decision, log_step=self._log_step, raise_divergence=recovery is None)
-            if recovery is not None and recovery.after_step(decision):
-                self.buffers.save()  # the restored buffers are what a later skip puts back
+            if recovery is not None:
+                recovery.after_step(decision)
         finally:
             self._after_step(decision)
         return self.last_report
+
+    def _note_state_created(self, decision: StepDecision) -> None:
+        """After a host-decided step: an applied step that created no optimizer state settles the check."""
+        before, self._state_before = self._state_before, None
+        if before is None or decision.pending or decision.skipped_now:
+            return
+        after = (len(self.optimizer.state), self.engine.plan.present)
+        if after == before:
+            self._applied_without_state = after
 
     # ------------------------------------------------------------------ wrapping framework objects
     def run_closure_step(self, step_fn: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any]) -> Any:
@@ -433,8 +495,6 @@ class DriverCore:
         installed = self._routes.get(id(target))
         if installed is not None:
             return installed
-        had_own = "step" in vars(target)
-        previous = vars(target).get("step")
         original = target.step
         core = self
 
@@ -444,21 +504,30 @@ class DriverCore:
                 return core.run_optimizer_step(lambda: original(*args, **kwargs))
             return core.run_closure_step(lambda guarded: original(*args, closure=guarded, **kwargs), closure)
 
-        bound = types.MethodType(step, target)
-        target.step = bound
+        restore = replace_attribute(target, "step", types.MethodType(step, target))
 
         def undo() -> None:
             self._routes.pop(id(target), None)
-            if vars(target).get("step") is not bound:
-                return  # someone wrapped it again on top: leave theirs alone (ours then just runs the step)
-            if had_own:
-                target.step = previous
-            else:
-                del target.step
+            restore()  # someone who wrapped it again on top keeps theirs (ours then just runs the step)
 
         self._routes[id(target)] = undo
         self._undo.append(undo)
         return undo
+
+    def _recovery_state(self) -> dict[str, Any]:
+        """What a recovery snapshot keeps of this core: the engine's state and the held steps."""
+        return {"engine": self.engine.state_dict(), "held_steps": self.held_steps}
+
+    def _recovered(self, state: dict[str, Any]) -> None:
+        """A rollback restored a snapshot whose core state is ``state``.
+
+        The engine gets the snapshot's statistics while its step count goes on
+        (``StabilityEngine.rewind``); ``schedule_step`` becomes the snapshot's again, as the restored
+        LR schedulers' counts do; the restored buffers are what a later skip puts back.
+        """
+        self.engine.rewind(state["engine"])
+        self.held_steps = int(state["held_steps"]) + self.engine.step - int(state["engine"]["step"])
+        self.buffers.save()
 
     def track_scheduler(self, scheduler: Any) -> None:
         """``scheduler`` drives this optimizer: recovery saves and restores it with every snapshot."""
@@ -485,8 +554,8 @@ class DriverCore:
             wanted = True
         elif trace.mode == "every_n":
             wanted = step % trace.every_n_steps == 0
-        else:  # on_nonfinite
-            wanted = self._trace_left > 0
+        else:  # on_nonfinite: hooks for the next steps; never on a compiled model (the replay names it)
+            wanted = self._trace_left > 0 and not self._compiled
         if wanted:
             if self.tracer is None:
                 assert self.model is not None
@@ -521,7 +590,8 @@ class DriverCore:
         """
         assert self.model is not None
         try:
-            record = replay_nonfinite(self.model, replay, self.engine.params, step=step)
+            with eager_if(self._compiled):  # the compiled model runs as plain eager code: no recompile
+                record = replay_nonfinite(self.model, replay, self.engine.params, step=step)
         except Exception as exc:
             warnings.warn(
                 f"stabilitykit: replaying the non-finite batch of step {step} failed: {exc!r}",
@@ -543,9 +613,9 @@ class DriverCore:
             self.engine.step, c.skipped_total, c.clipped_total, c.max_norm, c.nonfinite_total, nonfinite_source=source
         )
 
-    def flush(self) -> None:
-        """Fold the steps since the last logging step now (one sync)."""
-        rows = self.engine.flush()
+    def flush(self, final_row: bool = False) -> None:
+        """Fold the steps since the last logging step now (one sync); ``final_row``: and log their row."""
+        rows = self.engine.flush(final_row=final_row)
         if self.recovery is not None:
             self.recovery.confirm(rows)
 
@@ -553,14 +623,19 @@ class DriverCore:
         """Fold what is left, remove tracing hooks and every wrapper."""
         if self.decision is not None:
             self.finish()
-        self.engine.flush()
+        self.engine.flush(final_row=True)
         if self.tracer is not None:
             self.tracer.detach()
         self.release()
 
     def state_dict(self) -> dict[str, Any]:
         """Everything that must survive a resume (plain values and small device tensors)."""
-        state = {"version": STATE_VERSION, "engine": self.engine.state_dict(), "trace_left": self._trace_left}
+        state = {
+            "version": STATE_VERSION,
+            "engine": self.engine.state_dict(),
+            "trace_left": self._trace_left,
+            "held_steps": self.held_steps,
+        }
         if self.recovery is not None:
             state["recovery"] = self.recovery.state_dict()
         return state
@@ -576,6 +651,7 @@ class DriverCore:
             engine_state["journal"] = journal
         self.engine.load_state_dict(engine_state)
         self._trace_left = int(state.get("trace_left", 0))
+        self.held_steps = int(state.get("held_steps", 0))
         if self.recovery is not None and state.get("recovery") is not None:
             self.recovery.load_state_dict(dict(state["recovery"]))
         self._trace_for(self.engine.step)

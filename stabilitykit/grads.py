@@ -26,6 +26,7 @@ __all__ = [
     "apply_clip_coefficient",
     "clip_coefficient",
     "clip_grad_norm_",
+    "device_groups",
     "grad_norms",
     "norm_dtype",
 ]
@@ -76,6 +77,16 @@ class _Layout:
     #: per-tensor plans only: the parameter index of each present grad (group order), and which parameters have one
     positions: Tensor | None = None
     present: Tensor | None = None
+
+
+def device_groups(tensors: Sequence[Tensor], indices: Iterable[int] | None = None) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by (device, dtype), groups in first-seen order: one
+    ``torch._foreach_*`` call per group. ``indices``: only these (default: all)."""
+    by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i in range(len(tensors)) if indices is None else indices:
+        t = tensors[i]
+        by_key.setdefault((t.device, t.dtype), []).append(i)
+    return list(by_key.values())
 
 
 def norm_dtype(requested: torch.dtype, grad_dtypes: Sequence[torch.dtype]) -> torch.dtype:
@@ -154,12 +165,8 @@ class GradNormPlan:
         layout = self._layouts.get(present)
         if layout is not None:
             return layout
-        by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, has_grad in enumerate(present):
-            if has_grad:
-                p = self.params[i]
-                by_key.setdefault((p.device, p.dtype), []).append(i)
-        groups = [_Group(indices) for indices in by_key.values()]
+        with_grads = [i for i, has_grad in enumerate(present) if has_grad]
+        groups = [_Group(indices) for indices in device_groups(self.params, with_grads)]
         device = self.params[groups[0].indices[0]].device if groups else self._device()
         order = [i for g in groups for i in g.indices]
         segments = None

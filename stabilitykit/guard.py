@@ -264,6 +264,15 @@ class StabilityGuard:
         return self.core.engine.step
 
     @property
+    def schedule_step(self) -> int:
+        """The step a hand-set LR schedule should use: steps so far less the skipped (held) ones.
+
+        ``lr = get_lr(guard.schedule_step)`` holds an LR written into ``param_group["lr"]`` by hand
+        through a skip, as a scheduler passed as ``scheduler=`` is held (see the skipping guide).
+        """
+        return self.core.schedule_step
+
+    @property
     def skipped_total(self) -> int:
         """Skipped steps as of the host's last look (exact on logging steps and for non-fused optimizers)."""
         return self.core.engine.skipped_total
@@ -303,6 +312,8 @@ class StabilityGuard:
             undo()
         self._unroute = []
         if not self._closed:
+            for core in self.cores:
+                core.flush(final_row=True)  # the steps after the last logging step get their row
             self.summary().log()  # the run's one line: steps, skips, clips, max norm, first NaN source
         self._closed = True
         for core in self.cores:

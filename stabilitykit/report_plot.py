@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stabilitykit.config import SpikeConfig
+
 __all__ = ["ReportError", "RunLog", "draw_report", "load_run_log", "report_figure"]
 
 _MARKERS = {
@@ -38,6 +40,7 @@ _LINES = (
     "clip/threshold",
     "spikes/z_grad_norm",
     "spikes/max_z_grad_norm",
+    "spikes/z_warning",
     "skipped/total",
     "update_ratio",
 )
@@ -418,6 +421,7 @@ def _plot_update_ratio(ax: Any, run: RunLog) -> None:
     _plot_series(ax, run.lines.get("update_ratio"), True, color="black", lw=1.4, label="total")
     ax.axhline(_RATIO_GUIDE, color="gray", lw=0.8, ls="--", label="1e-3 (rule of thumb)")
     ax.set_yscale("log")
+    _plain_log_ticks(ax)
     ax.set_ylabel("||Δw|| / ||w||")
     colours = f"; {len(names)} layers, purple (first) to yellow (last)" if len(names) > 8 else ""
     ax.set_title(f"update / weight ratio of the step before each logging step{colours}", fontsize=8)
@@ -447,8 +451,12 @@ def draw_report(
 
 
 def report_figure(log: str | os.PathLike[str] | RunLog, title: str | None = None, prefix: str | None = None) -> Any:
-    """The report as a matplotlib ``Figure`` (not registered with pyplot, so no backend is touched)."""
-    import numpy as np
+    """The report as a matplotlib ``Figure`` (not registered with pyplot, so no backend is touched).
+
+    Panels, top to bottom, each drawn by its own function: loss, grad norm, z-score, the update
+    ratio (when logged), the per-layer heatmap (when per-layer norms were logged); event marks on
+    every line panel.
+    """
     from matplotlib.figure import Figure
 
     run = log if isinstance(log, RunLog) else load_run_log(log, prefix)
@@ -456,95 +464,18 @@ def report_figure(log: str | os.PathLike[str] | RunLog, title: str | None = None
     updates = run.has_update_ratio
     fig = Figure(figsize=(12, 9 + (4 if layers else 0) + (3.5 if updates else 0)))
     axes = fig.subplots(3 + updates + bool(layers), 1, sharex=False)
-    ax_loss, ax_norm, ax_z = axes[0], axes[1], axes[2]
-    line_axes = [ax_loss, ax_norm, ax_z]
+    line_axes = [axes[0], axes[1], axes[2]]
+    _panel_loss(axes[0], run)
+    _panel_grad_norm(axes[1], run)
+    _panel_z_score(axes[2], run)
     if updates:
         line_axes.append(axes[3])
         _plot_update_ratio(axes[3], run)
-
-    loss = run.lines.get("loss")
-    _plot_series(ax_loss, loss, color="tab:blue", lw=1.2)
-    ax_loss.set_ylabel("loss")
-    width = max((b.width for b in run.lines.values()), default=1)
-    if width > 1:
-        ax_loss.set_title(
-            f"{run.n_rows} logging steps: lines are means per {width} steps, bands their min..max", fontsize=8
-        )
-    if loss is not None:
-        positive = [v for v in loss.column("lo") + loss.column("hi") if v > 0]
-        if positive and max(positive) / min(positive) > 50:
-            ax_loss.set_yscale("log")  # a spike would flatten everything else
-
-    _plot_series(ax_norm, run.lines.get("grad_norm/total"), True, color="tab:green", lw=1.2, label="total grad norm")
-    _plot_series(ax_norm, run.lines.get("grad_norm/max"), True, color="tab:green", lw=0.8, ls=":",
-                 label="max since last log")  # fmt: skip
-    _plot_series(ax_norm, run.lines.get("clip/threshold"), True, color="gray", ls="--", lw=1, label="clip threshold")
-    ax_norm.set_yscale("log")
-    ax_norm.set_ylabel("grad norm")
-    ax_norm.legend(loc="upper right", fontsize=8)
-
-    _plot_series(ax_z, run.lines.get("spikes/z_grad_norm"), color="tab:orange", lw=1.2, label="z-score (logging step)")
-    _plot_series(ax_z, run.lines.get("spikes/max_z_grad_norm"), color="tab:red", lw=0.8, ls=":",
-                 label="max z since last log")  # fmt: skip
-    ax_z.axhline(4.0, color="tab:red", lw=0.8, ls="--", label="warning (z = 4)")
-    ax_z.set_ylabel("grad-norm z-score")
-    ax_z.legend(loc="upper right", fontsize=8)
-
-    # Event marks sit in axes coordinates (y from 0 to 1): they never move the data limits.
-    by_kind: dict[str, list[int]] = {}
-    for event in run.events:
-        if event["kind"] in _MARKERS:
-            by_kind.setdefault(event["kind"], []).append(int(event["step"]))
-    for kind, steps in by_kind.items():
-        marker, color, label = _MARKERS[kind]
-        steps = _marks(steps)
-        bottom = 0.0 if len(steps) <= _FULL_LINES else 0.96  # many marks: ticks at the top, not a red wall
-        for ax in line_axes:
-            ax.vlines(steps, bottom, 1, transform=ax.get_xaxis_transform(), color=color, lw=0.6, alpha=0.5)
-        ax_loss.scatter(
-            steps,
-            [1.0] * len(steps),
-            transform=ax_loss.get_xaxis_transform(),
-            marker=marker,
-            color=color,
-            zorder=5,
-            label=f"{label} ({len(by_kind[kind])})",
-            clip_on=False,
-        )
-    if by_kind:
-        ax_loss.legend(loc="upper right", fontsize=8)
+    _panel_events(line_axes, run)
     for ax in line_axes:
-        ax.grid(True, alpha=0.3)
-        ax.set_xlabel("step")
-        if run.first_step is not None and run.last_step is not None and run.last_step > run.first_step:
-            pad = (run.last_step - run.first_step) * 0.02
-            ax.set_xlim(run.first_step - pad, run.last_step + pad)
-
+        _step_axis(ax, run)
     if layers:
-        ax_h = axes[-1]
-        width = max(b.width for b in run.layers.values())
-        origin = min(b.origin for b in run.layers.values() if b.origin is not None)
-        end = max((b.origin or 0) + b.used * b.width for b in run.layers.values())
-        ncols = max(1, math.ceil((end - origin) / width))
-        grid = np.full((len(layers), ncols), np.nan)
-        for i, name in enumerate(layers):
-            bins = run.layers[name]
-            for step, value in zip(bins.steps(), bins.column("hi"), strict=True):
-                if value > 0:
-                    j = min(ncols - 1, (step - origin) // width)
-                    grid[i, j] = np.fmax(grid[i, j], math.log10(value))
-        image = ax_h.imshow(
-            grid,
-            aspect="auto",
-            interpolation="nearest",
-            cmap="viridis",
-            extent=(origin - 0.5, origin + ncols * width - 0.5, len(layers) - 0.5, -0.5),
-        )
-        ax_h.set_yticks(range(len(layers)), layers, fontsize=7)
-        ax_h.set_xlabel("step")
-        binned = f", max per {width} steps" if width > 1 else ""
-        ax_h.set_title(f"per-layer grad norm (log10{binned})")
-        fig.colorbar(image, ax=ax_h, fraction=0.025)
+        _panel_heatmap(fig, axes[-1], run, layers)
     name = Path(os.fspath(log)).name if not isinstance(log, RunLog) else "run"
     fig.suptitle(title or f"stabilitykit report: {name}")
     # A fixed layout (tight_layout measured every label: 3/4 of the drawing time); the left margin
@@ -552,3 +483,141 @@ def report_figure(log: str | os.PathLike[str] | RunLog, title: str | None = None
     longest = max((len(name) for name in layers), default=0)
     fig.subplots_adjust(left=max(0.085, 0.02 + 0.0045 * longest), right=0.97, top=0.94, bottom=0.05, hspace=0.4)
     return fig
+
+
+def _plain_log_ticks(ax: Any) -> None:
+    """A log axis labelled with plain numbers (0.9, 20, 1e-05), not "9 x 10^-1"."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _panel_loss(ax: Any, run: RunLog) -> None:
+    """The loss; a log scale when a spike would flatten everything else."""
+    loss = run.lines.get("loss")
+    _plot_series(ax, loss, color="tab:blue", lw=1.2)
+    ax.set_ylabel("loss")
+    width = max((b.width for b in run.lines.values()), default=1)
+    if width > 1:
+        ax.set_title(f"{run.n_rows} logging steps: lines are means per {width} steps, bands their min..max", fontsize=8)
+    if loss is not None:
+        positive = [v for v in loss.column("lo") + loss.column("hi") if v > 0]
+        if positive and max(positive) / min(positive) > 50:
+            ax.set_yscale("log")
+            _plain_log_ticks(ax)
+
+
+def _panel_grad_norm(ax: Any, run: RunLog) -> None:
+    """The total grad norm, the max since the last log, and the clip threshold (log scale)."""
+    _plot_series(ax, run.lines.get("grad_norm/total"), True, color="tab:green", lw=1.2, label="total grad norm")
+    _plot_series(ax, run.lines.get("grad_norm/max"), True, color="tab:green", lw=0.8, ls=":",
+                 label="max since last log")  # fmt: skip
+    _plot_series(ax, run.lines.get("clip/threshold"), True, color="gray", ls="--", lw=1, label="clip threshold")
+    ax.set_yscale("log")
+    _plain_log_ticks(ax)
+    ax.set_ylabel("grad norm")
+    ax.legend(loc="upper right", fontsize=8)
+
+
+def z_warning_of(run: RunLog) -> float:
+    """The run's configured ``SpikeConfig.z_warning`` (logged as ``spikes/z_warning``); the default
+    for a log written before it was logged."""
+    _steps, values = run.series("spikes/z_warning")
+    finite = [v for v in values if math.isfinite(v)]
+    return finite[-1] if finite else float(SpikeConfig.model_fields["z_warning"].default)
+
+
+def _panel_z_score(ax: Any, run: RunLog) -> None:
+    """The grad-norm z-score and its max since the last log, with the run's warning threshold."""
+    _plot_series(ax, run.lines.get("spikes/z_grad_norm"), color="tab:orange", lw=1.2, label="z-score (logging step)")
+    _plot_series(ax, run.lines.get("spikes/max_z_grad_norm"), color="tab:red", lw=0.8, ls=":",
+                 label="max z since last log")  # fmt: skip
+    z_warning = z_warning_of(run)
+    ax.axhline(z_warning, color="tab:red", lw=0.8, ls="--", label=f"warning (z = {z_warning:g})")
+    ax.set_ylabel("grad-norm z-score")
+    ax.legend(loc="upper right", fontsize=8)
+
+
+def _panel_events(line_axes: list[Any], run: RunLog) -> None:
+    """Event marks in axes coordinates (y from 0 to 1, so they never move the data limits): a line on
+    every panel, a marker on the top one."""
+    by_kind: dict[str, list[int]] = {}
+    for event in run.events:
+        if event["kind"] in _MARKERS:
+            by_kind.setdefault(event["kind"], []).append(int(event["step"]))
+    top = line_axes[0]
+    for kind, steps in by_kind.items():
+        marker, color, label = _MARKERS[kind]
+        steps = _marks(steps)
+        bottom = 0.0 if len(steps) <= _FULL_LINES else 0.96  # many marks: ticks at the top, not a red wall
+        for ax in line_axes:
+            ax.vlines(steps, bottom, 1, transform=ax.get_xaxis_transform(), color=color, lw=0.6, alpha=0.5)
+        top.scatter(
+            steps,
+            [1.0] * len(steps),
+            transform=top.get_xaxis_transform(),
+            marker=marker,
+            color=color,
+            zorder=5,
+            label=f"{label} ({len(by_kind[kind])})",
+            clip_on=False,
+        )
+    if by_kind:
+        top.legend(loc="upper right", fontsize=8)
+
+
+def _step_axis(ax: Any, run: RunLog) -> None:
+    """A grid, the step label, and the run's step range (with a 2% margin)."""
+    ax.grid(True, alpha=0.3)
+    ax.set_xlabel("step")
+    if run.first_step is not None and run.last_step is not None and run.last_step > run.first_step:
+        pad = (run.last_step - run.first_step) * 0.02
+        ax.set_xlim(run.first_step - pad, run.last_step + pad)
+
+
+def _panel_heatmap(fig: Any, ax: Any, run: RunLog, layers: list[str]) -> None:
+    """log10 of each layer's grad norm per step (or per bin of steps). Each logged value is drawn until
+    the layer's next one, so a log written every n steps is a continuous picture, not stripes."""
+    import numpy as np
+
+    width = max(b.width for b in run.layers.values())
+    origin = min(b.origin for b in run.layers.values() if b.origin is not None)
+    end = max((b.origin or 0) + b.used * b.width for b in run.layers.values())
+    ncols = max(1, math.ceil((end - origin) / width))
+    grid = np.full((len(layers), ncols), np.nan)
+    for i, name in enumerate(layers):
+        bins = run.layers[name]
+        for step, value in zip(bins.steps(), bins.column("hi"), strict=True):
+            if value > 0:
+                j = min(ncols - 1, (step - origin) // width)
+                grid[i, j] = np.fmax(grid[i, j], math.log10(value))
+    grid = _fill_forward(grid)
+    image = ax.imshow(
+        grid,
+        aspect="auto",
+        interpolation="nearest",
+        cmap="viridis",
+        extent=(origin - 0.5, origin + ncols * width - 0.5, len(layers) - 0.5, -0.5),
+    )
+    ax.set_yticks(range(len(layers)), layers, fontsize=7)
+    ax.set_xlabel("step")
+    binned = f", max per {width} steps" if width > 1 else ""
+    ax.set_title(f"per-layer grad norm (log10{binned})")
+    fig.colorbar(image, ax=ax, fraction=0.025)
+
+
+def _fill_forward(grid: Any) -> Any:
+    """Each row's empty cells take the row's last value to their left (cells before its first stay empty)."""
+    import numpy as np
+
+    filled = grid.copy()
+    for row in filled:
+        seen = ~np.isnan(row)
+        if not seen.any():
+            continue
+        index = np.where(seen, np.arange(row.size), 0)
+        np.maximum.accumulate(index, out=index)
+        first = int(np.argmax(seen))
+        row[first:] = row[index[first:]]
+    return filled

@@ -457,6 +457,7 @@ class SpikeMonitor:
             "spikes/max_z_loss": self.max_z_loss_recent,
             "spikes/score": self.spike_score.score(),
             "spikes/alerts": float(self.alerts),
+            "spikes/z_warning": self.config.z_warning,  # the threshold, so a report draws the run's own line
         }
         if self.trends:
             out["spikes/max_trend"] = self.max_trend_recent

@@ -177,6 +177,7 @@ class _Core(_State):
     version: int = Field(ge=1)
     engine: _Engine
     trace_left: int = Field(ge=0, default=0)
+    held_steps: int = Field(ge=0, default=0)
     recovery: _Recovery | None = None  # only with RecoveryConfig(enabled=True)
 
 

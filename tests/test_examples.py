@@ -29,9 +29,25 @@ def test_demo_skips_the_nan_batch_and_clips_the_spike(tmp_path, capsys) -> None:
     assert summary["nonfinite_source"] == "backward of lm_head at step 120"
     assert summary["last_loss"] < summary["first_loss"] / 2
     rows, events = sk.sinks.read_jsonl(tmp_path / "stability.jsonl")
-    assert len(rows) == 21
+    assert len(rows) == 22 and rows[-1]["step"] == 209  # and the final row from close()
     assert any(e["event"] == "skipped" and e["step"] == 120 for e in events)
-    assert "NaN came from" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "NaN came from" in out
+    assert "  step  200/210  loss" in out  # progress while it runs
+
+    # The README's sample output stays true: the same summary labels and the same events.
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    sample = readme.split("stabilitykit demo: tiny GPT, CPU\n", 1)[1].split("```", 1)[0]
+    summary_block = out.split("stabilitykit demo: tiny GPT, CPU\n", 1)[1]
+
+    def labels(block: str) -> list[str]:
+        return [line[:19].strip() for line in block.splitlines() if line.startswith("  ")]
+
+    def events_line(block: str) -> str:
+        return next(line for line in block.splitlines() if line.strip().startswith("events"))
+
+    assert labels(sample) == labels(summary_block)
+    assert events_line(sample) == events_line(summary_block)
 
 
 def test_plain_loop_example_resumes(tmp_path, capsys) -> None:
@@ -39,7 +55,7 @@ def test_plain_loop_example_resumes(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "resumed from" in out and "at step 12" in out
     rows, _ = sk.sinks.read_jsonl(tmp_path / "stability.jsonl")
-    assert [r["step"] for r in rows] == [0, 10, 20]
+    assert [r["step"] for r in rows] == [0, 10, 20, 23]  # 23: the final row from close()
 
 
 def test_lightning_example(tmp_path, capsys) -> None:
@@ -125,6 +141,17 @@ def test_update_ratio_example(tmp_path) -> None:
     assert sane["ratios"][35] == 0.0 and high["ratios"][35] == 0.0  # step 34 was skipped
     assert 1e-4 < sane["median"] < 3e-3 and high["median"] > 10 * sane["median"]
     assert result["report"].stat().st_size > 30_000
+
+
+def test_hand_set_lr_example_holds_the_schedule_through_skips(capsys) -> None:
+    example = _load("hand_set_lr")
+    for fused in ([], ["--fused"]):
+        result = example.main(["--steps", "50", *fused])
+        assert result["hand"] == result["scheduler"] and result["same_weights"]
+        hand = result["hand"]
+        # the schedule waited once after the skip at step 23 (at once, or at the next logging read when fused)
+        assert any(hand[i] == hand[i + 1] for i in range(23, 33))
+    assert "identical LRs: True, identical weights: True" in capsys.readouterr().out
 
 
 def test_recovery_example_rolls_back_and_goes_on(tmp_path, capsys) -> None:

@@ -283,3 +283,25 @@ def test_jsonl_sink_lines_and_failing_sink_is_disabled(tmp_path) -> None:
     assert {e["event"] for e in events} >= {"nonfinite", "skipped"}
     skipped = next(e for e in events if e["event"] == "skipped")
     assert skipped["step"] == 3 and skipped["reason"] == "nonfinite_loss"
+
+
+def test_schedule_step_counts_steps_less_skips_and_survives_a_resume() -> None:
+    """``guard.schedule_step`` (for an LR set by hand) waits on a skip, as a held scheduler does."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = sk.StabilityGuard(model, optimizer, sk.StabilityConfig(log_every_n_steps=10))
+    seen = []
+    for step in range(6):
+        seen.append(guard.schedule_step)
+        loss = model(torch.randn(3, 4)).pow(2).mean()
+        guard.backward(loss * float("nan") if step == 2 else loss)
+        guard.step()
+        guard.zero_grad()
+    assert seen == [0, 1, 2, 2, 3, 4]
+    state = guard.state_dict()
+    other = sk.StabilityGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sk.StabilityConfig())
+    other.load_state_dict(state)
+    assert other.schedule_step == 5 and other.step_count == 6
+    guard.close()
+    other.close()

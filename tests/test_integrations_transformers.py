@@ -251,3 +251,71 @@ def test_console_lines_carry_no_per_layer_keys(tmp_path: Path, capsys: pytest.Ca
     printed = capsys.readouterr().out
     assert "stability/grad_norm/total" in printed and "stability/grad_norm/model.layers.0" not in printed
     assert any("stability/grad_norm/model.layers.0" in row for row in trainer.state.log_history)
+
+
+def test_restore_callback_states_from_checkpoint_keeps_the_binding_and_restores_every_callback(
+    tmp_path: Path,
+) -> None:
+    """``restore_callback_states_from_checkpoint=True``: a fresh run trains; a resumed run hands the
+    saved state to the same attached callback (the one ``stabilize`` returned) and still restores
+    the other callbacks' state (early stopping)."""
+    from transformers import EarlyStoppingCallback
+
+    def trainer_for(max_steps: int, patience: int) -> tuple[Trainer, StabilityTrainerCallback]:
+        model = tiny_llama()
+        args = _args(
+            tmp_path,
+            max_steps=max_steps,
+            save_strategy="steps",
+            save_steps=4,
+            eval_strategy="steps",
+            eval_steps=4,
+            load_best_model_at_end=True,
+            metric_for_best_model="loss",
+            restore_callback_states_from_checkpoint=True,
+        )
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=_dataset(),
+            eval_dataset=_dataset(8),
+            callbacks=[Poison(model, 1), EarlyStoppingCallback(early_stopping_patience=patience)],
+        )
+        return trainer, stabilize(trainer, sk.StabilityConfig())
+
+    first, first_cb = trainer_for(4, patience=5)
+    first.train()  # a fresh run with the flag set trains (it used to be refused)
+    assert first_cb.engine.step == 4 and first_cb.engine.skipped_total == 1
+
+    resumed, resumed_cb = trainer_for(8, patience=3)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    callbacks = resumed.callback_handler.callbacks
+    assert any(cb is resumed_cb for cb in callbacks), "the attached callback stays the one training"
+    assert sum(isinstance(cb, StabilityTrainerCallback) for cb in callbacks) == 1
+    assert resumed_cb.engine.step == 8 and resumed_cb.engine.skipped_total == 1, "the saved state was restored"
+    early = next(cb for cb in callbacks if isinstance(cb, EarlyStoppingCallback))
+    assert early.early_stopping_patience == 5, "early stopping's saved state was restored too"
+
+
+def test_alerts_page_the_active_wandb_run_as_the_wandb_sink_does(tmp_path: Path) -> None:
+    """``alerts=True`` pages the same kinds as ``WandbSink`` (``spike_alert``, never ``spike_warning``),
+    with its titles, levels and wait, read back from a real offline W&B run file."""
+    import wandb
+
+    from stabilitykit.sinks import WandbRunFile
+    from stabilitykit.sinks.wandb import ALERT_KINDS
+
+    # the global run, as the Trainer's own WandbCallback (report_to="wandb") makes it
+    run = wandb.init(project="stabilitykit-tests", dir=str(tmp_path), mode="offline", reinit="finish_previous")
+    assert wandb.run is run
+    model = tiny_llama()
+    trainer = Trainer(
+        model=model, args=_args(tmp_path, max_steps=6), train_dataset=_dataset(), callbacks=[Poison(model, 1)]
+    )
+    callback = stabilize(trainer, sk.StabilityConfig(), alerts=True)
+    assert callback.alert_on == set(ALERT_KINDS) and "spike_warning" not in callback.alert_on
+    trainer.train()
+    run.finish()
+    alerts = WandbRunFile.read(Path(run.dir).parent).alerts
+    assert [a["title"] for a in alerts] == ["stabilitykit: nonfinite at step 1"]
+    assert alerts[0]["level"] == "WARN" and "non-finite" in alerts[0]["text"]

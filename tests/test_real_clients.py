@@ -435,11 +435,50 @@ def test_nan_tracing_under_torch_compile_names_modules_without_recompiling() -> 
             guard.zero_grad()
             graphs.append(counters["stats"]["unique_graphs"])
     messages = [str(w.message) for w in caught]
-    assert sum("graph break per module" in m for m in messages) == 1, "said once"
+    assert sum("one graph break per hooked module" in m for m in messages) == 1, "said once"
     assert not any("recompile_limit" in m for m in messages)
     assert graphs[-1] == graphs[1], f"no new graphs after the first traced and untraced steps: {graphs}"
     assert guard.last_nonfinite is not None and guard.last_nonfinite.module == "lm_head"
     assert "_orig_mod" not in " ".join(guard.engine.layer_names)
+
+
+def test_on_nonfinite_tracing_of_a_compiled_hf_model_replays_eagerly_without_breaks_or_recompiles() -> None:
+    """A compiled HF Llama with ``nan_trace="on_nonfinite"``: after an inf in ``lm_head`` the guard
+    does not hook the compiled model (that added graph breaks and recompiles); it replays the batch
+    eagerly (``force_eager``) and names the module. No graph break, no new frame or graph."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_llama()
+    compiled = torch.compile(model, backend="eager")  # Dynamo's breaks and recompiles, without inductor's time
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = sk.StabilityConfig(nan_trace=sk.NaNTraceConfig(mode="on_nonfinite"), log_every_n_steps=5)
+    guard = sk.StabilityGuard(compiled, opt, cfg)
+    frames: list[int] = []
+    for step, batch in enumerate(token_batches(12, batch_size=2, seed=1)):
+        poison = step == 3
+        if poison:
+            saved = model.lm_head.weight[0, 0].item()
+            with torch.no_grad():
+                model.lm_head.weight[0, 0] = float("inf")  # a tensor value: no Dynamo guard sees it
+
+        def loss_fn(batch=batch):
+            return compiled(**batch).loss
+
+        guard.backward(loss_fn())
+        guard.step(replay=loss_fn)
+        guard.zero_grad()
+        if poison:
+            with torch.no_grad():
+                model.lm_head.weight[0, 0] = saved
+        frames.append(counters["frames"]["total"])
+    guard.close()
+    assert guard.skipped_total == 1
+    assert guard.last_nonfinite is not None and guard.last_nonfinite.module == "lm_head"
+    assert guard.last_nonfinite.phase == "forward" and guard.last_nonfinite.step == 3
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert frames[-1] == frames[0], f"no frame compiled after the first step: {frames}"
 
 
 # --------------------------------------------------------------------------- 7. several optimizers

@@ -619,3 +619,20 @@ def test_loss_drift_and_spike_alert_are_told_apart() -> None:
         ("loss_drift", 14, 12)
     ]
     guard.close()
+
+
+def test_schedule_step_follows_the_restored_scheduler() -> None:
+    """``guard.schedule_step`` (for an LR set by hand) is the restored scheduler's count after a rollback."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+    guard = sk.StabilityGuard(model, opt, _config(), scheduler=sched)
+    at_rollback: list[tuple[int, int, int]] = []
+    guard.hooks.on("rollback", lambda e: at_rollback.append((guard.step_count, guard.schedule_step, sched.last_epoch)))
+    for i, x in enumerate(_mlp_batches(20)):
+        guard.backward(model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0))
+        guard.step()
+        guard.zero_grad()
+        assert guard.schedule_step == sched.last_epoch
+    assert at_rollback == [(13, 8, 8)]  # the step count goes on; the schedule is the snapshot's (step 8)
+    guard.close()

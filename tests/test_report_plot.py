@@ -167,3 +167,28 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path: Path, capsys, conten
     assert captured.out == "" and captured.err.count("\n") == 1 and "Traceback" not in captured.err
     assert captured.err.startswith("stabilitykit report: error: ")
     assert __import__("re").search(message, captured.err), captured.err
+
+
+def test_report_draws_rows_until_the_next_plain_log_ticks_and_the_runs_own_warning_line(tmp_path: Path) -> None:
+    """log_every_n_steps=5: the heatmap has no white gaps between logged rows; log axes read plain
+    numbers; the z-score panel's warning line is the run's configured z_warning (3, not 4)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    log = tmp_path / "every5.jsonl"
+    model = sk.testing.tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    cfg = sk.StabilityConfig(log_every_n_steps=5, spikes=sk.SpikeConfig(z_warning=3.0))
+    guard = sk.StabilityGuard(model, opt, cfg, sinks=[sk.sinks.JsonlSink(log)])
+    for i, (x, y) in enumerate(batches(41)):
+        guard.backward(model.loss(x, y) * (100.0 if i == 30 else 1.0))
+        guard.step()
+        guard.zero_grad()
+    guard.close()
+    fig = report_figure(log)
+    FigureCanvasAgg(fig).draw()
+    image = next(im for ax in fig.axes for im in ax.get_images()).get_array()
+    assert image.shape[1] == 41 and not image.mask.any(), "every step from the first row on is drawn"
+    labels = [t.get_text() for ax in fig.axes[:3] for t in ax.get_yticklabels()]
+    assert labels and not any("times" in t or "^" in t for t in labels), labels
+    z_lines = [line for line in fig.axes[2].get_lines() if line.get_label().startswith("warning")]
+    assert [line.get_label() for line in z_lines] == ["warning (z = 3)"]

@@ -42,7 +42,7 @@ def test_jsonl_survives_logrotate_and_deletion(tmp_path: Path) -> None:
     guard.close()
     assert not (tmp_path / "logs" / "run.jsonl.1").exists()
     rows, _ = read_jsonl(log)
-    assert [r["step"] for r in rows] == [12, 14, 16]  # nothing after the deletion was lost
+    assert [r["step"] for r in rows] == [12, 14, 16, 17]  # nothing after the deletion was lost (17: close)
 
 
 def test_jsonl_rotation_keeps_every_row(tmp_path: Path) -> None:
@@ -54,7 +54,7 @@ def test_jsonl_rotation_keeps_every_row(tmp_path: Path) -> None:
     guard.close()
     old, _ = read_jsonl(tmp_path / "run.jsonl.1")
     new, _ = read_jsonl(log)
-    assert [r["step"] for r in old] == [0, 2, 4] and [r["step"] for r in new] == [6, 8, 10]
+    assert [r["step"] for r in old] == [0, 2, 4] and [r["step"] for r in new] == [6, 8, 10, 11]
 
 
 def test_jsonl_sink_cuts_a_partial_line_left_by_a_crash(tmp_path: Path) -> None:
@@ -130,7 +130,7 @@ def test_wandb_sink_built_before_init_logs_everything_once_the_run_starts(tmp_pa
     run.finish()
     logged = WandbRunFile.read(run_dir)
     steps = [r["trainer/global_step"] for r in logged.history if "stability/grad_norm/total" in r]
-    assert steps == [0, 2, 4, 6, 8]  # the rows from before wandb.init() were held and sent
+    assert steps == [0, 2, 4, 6, 8, 9]  # the rows from before wandb.init() were held and sent (9: close)
     assert [r["trainer/global_step"] for r in logged.history if "stability/events/nonfinite" in r] == [1]
     assert [a["title"] for a in logged.alerts] == ["stabilitykit: nonfinite at step 1"]
     assert logged.metrics["stability/*"]["step_metric"] == "trainer/global_step"
@@ -163,7 +163,7 @@ def test_wandb_sink_on_a_finished_run_warns_once_and_training_goes_on(tmp_path: 
         guard.close()
     messages = [str(w.message) for w in caught if "WandbSink" in str(w.message)]
     assert len(messages) == 2 and "UsageError" in messages[0] and "is finished" in messages[0]
-    assert "3 record(s) dropped (steps 4..8)" in messages[1]
+    assert "4 record(s) dropped (steps 4..9)" in messages[1]  # 9: the final row from close()
     assert guard.step_count == 10
     steps = [r["trainer/global_step"] for r in WandbRunFile.read(run_dir).history if "stability/loss" in r]
     assert steps == [0, 2]
@@ -196,3 +196,26 @@ def test_run_file_reader_waits_for_the_exit_record(tmp_path: Path) -> None:
     assert WandbRunFile.read(cut, timeout=0).history == []
     with pytest.raises(FileNotFoundError, match=r"no run-\*\.wandb file under"):
         WandbRunFile.read(tmp_path / "nowhere", timeout=0.1)
+
+
+def test_close_writes_a_final_row_for_the_steps_after_the_last_logging_step(tmp_path) -> None:
+    """25 steps logging every 10: rows at 0, 10, 20 and, from ``close()``, 24 with the run's totals."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    path = tmp_path / "run.jsonl"
+    guard = sk.StabilityGuard(
+        model, optimizer, sk.StabilityConfig(log_every_n_steps=10), sinks=[sk.sinks.JsonlSink(path)]
+    )
+    for step in range(25):
+        loss = model(torch.randn(3, 4)).pow(2).mean()
+        guard.backward(loss * float("nan") if step == 22 else loss)
+        guard.step()
+        guard.zero_grad()
+    guard.close()
+    rows, events = sk.sinks.read_jsonl(path)
+    assert [r["step"] for r in rows] == [0, 10, 20, 24]
+    assert rows[-1]["stability/skipped/total"] == 1 and rows[-1]["stability/skipped/recent"] == 1
+    assert any(e["event"] == "skipped" and e["step"] == 22 for e in events)
+    guard.close()  # a second close writes nothing more
+    assert len(sk.sinks.read_jsonl(path)[0]) == 4

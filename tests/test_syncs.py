@@ -72,3 +72,24 @@ def test_counter_sees_every_kind_of_sync() -> None:
         t.tolist()
         torch.ones(1) + 1  # not a sync
     assert counter.count == 4
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_fused_sgd_settles_after_one_applied_step_with_or_without_optimizer_state(momentum: float) -> None:
+    """Fused SGD without momentum never creates optimizer state: after one applied step that created
+    none, the guard stops deciding on the host (it paid one sync every step before)."""
+    model = sk.testing.tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=momentum, fused=True)
+    guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(log_every_n_steps=5))
+    counts = []
+    for i, (x, y) in enumerate(batches(15)):
+        loss = model.loss(x, y) * (float("nan") if i in (1, 7) else 1.0)
+        with count_host_syncs() as counter:
+            guard.backward(loss)
+            guard.step()
+            guard.zero_grad()
+        counts.append(_ours(counter))
+    assert [counts[i] for i in (0, 5, 10)] == [1, 1, 1], counts
+    assert all(counts[i] == 0 for i in range(15) if i not in (0, 5, 10)), counts  # the NaN steps included
+    assert guard.skipped_total == 2
+    guard.close()

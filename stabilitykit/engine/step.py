@@ -501,30 +501,37 @@ class StabilityEngine:
         if raise_error:
             raise err
 
-    def flush(self) -> list[Row]:
+    def flush(self, final_row: bool = False) -> list[Row]:
         """Read and fold the journal now (one sync): counters, detectors and events catch up.
 
         Drivers call it at the end of training and ``summary()`` relies on it. A run of skips that
-        reached ``max_consecutive`` is reported as a "diverged" event, not raised. Returns the rows read.
+        reached ``max_consecutive`` is reported as a "diverged" event, not raised. ``final_row``:
+        the run is closing, so the steps since the last logging step also get a metrics row (at
+        the newest step's number) in every sink. Returns the rows read.
         """
         if not len(self.journal):
             return []
         rows, _ = self.journal.read()
         divergence = self._fold(rows, self.step)
+        if final_row and rows:
+            self._log_rows(rows[-1], rows[-1].step, None, [])
         if divergence is not None:
             self.report_divergence(divergence, raise_error=False)
         return rows
 
     def _log_metrics(self, decision: StepDecision, step: int) -> None:
         """The logging step's metrics, from the rows just read, to every sink (names: ``metrics.py``)."""
+        self._log_rows(decision.rows[-1], step, decision.loss_scale, [decision.module_metrics, decision.update_metrics])
+
+    def _log_rows(self, last: Row, step: int, loss_scale: float | None, extra: list[dict[str, float]]) -> None:
+        """Metrics for the rows read up to ``last`` (the newest), logged at ``step``."""
         c = self.ledger.counters
-        last = decision.rows[-1]
         scaler = None
-        if decision.loss_scale is not None:
-            scaler = {"scaler/scale": decision.loss_scale, "scaler/overflow_rate": self.ledger.fp16.rate(last.step)}
-            for event in self.ledger.fp16_events(last.step, decision.loss_scale, self.source_hint):
+        if loss_scale is not None:
+            scaler = {"scaler/scale": loss_scale, "scaler/overflow_rate": self.ledger.fp16.rate(last.step)}
+            for event in self.ledger.fp16_events(last.step, loss_scale, self.source_hint):
                 self.hooks.emit(event)
-        extra = [decision.module_metrics, decision.update_metrics]
+        extra = list(extra)
         if self.ledger.spikes is not None:
             extra.append(self.ledger.spikes.metrics())
         named = self.names.build(last, c, self.clip is not None, scaler, extra)

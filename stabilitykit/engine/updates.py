@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from stabilitykit.distributed import all_reduce, is_dtensor, to_local
-from stabilitykit.grads import GradNormPlan
+from stabilitykit.grads import GradNormPlan, device_groups
 
 __all__ = ["UpdateMonitor"]
 
@@ -42,11 +42,7 @@ class UpdateMonitor:
         reducer = plan.reducer
         self.n_rows = reducer.n_rows + 1 if reducer is not None else 1  # + the reducer's world count row
         self.fold = reducer is not None and plan.norm_type != math.inf
-        by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, p in enumerate(self.params):
-            local = to_local(p)
-            by_key.setdefault((local.device, local.dtype), []).append(i)
-        self.groups = list(by_key.values())
+        self.groups = device_groups([to_local(p) for p in self.params])
         self.device = to_local(self.params[0]).device
         order = [i for g in self.groups for i in g]
         n = self.n_layers

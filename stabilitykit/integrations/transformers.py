@@ -35,11 +35,13 @@ from stabilitykit.config import StabilityConfig
 from stabilitykit.core import DriverCore, coerce_config
 from stabilitykit.engine import StabilityEngine, TrainerAlignedEngine
 from stabilitykit.events import Event
-from stabilitykit.grads import CLIP_EPS, apply_clip_coefficient, clip_coefficient
+from stabilitykit.grads import CLIP_EPS, apply_clip_coefficient, clip_coefficient, device_groups
 from stabilitykit.hooks import HookManager
 from stabilitykit.integrations._extras import missing
+from stabilitykit.patching import route_attribute
 from stabilitykit.report import StepReport
 from stabilitykit.sinks.base import Sink
+from stabilitykit.sinks.wandb import ALERT_KINDS, send_alert
 
 try:
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -51,8 +53,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 __all__ = ["StabilityTrainerCallback", "stabilize"]
 
-#: Event kinds sent as W&B alerts when ``alerts=True``.
-ALERT_KINDS = ("spike_warning", "nonfinite", "diverged", "fp16_warning", "rollback")
 #: Event kinds kept out of the Trainer's logs (the device's precision advice is not a training event).
 _NOT_LOGGED = ("precision",)
 
@@ -126,13 +126,28 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
     (``report_to="wandb"``). ``log_events``: write each event as a Trainer log entry.
     """
 
+    def __new__(cls, *args: Any, restore_into_attached: bool = False, **kwargs: Any) -> StabilityTrainerCallback:
+        """``restore_into_attached``: the Trainer is restoring callback states from a checkpoint
+        (``restore_callback_states_from_checkpoint=True`` rebuilds each callback as
+        ``type(cb)(**saved_args)``): hand back the callback already attached to that Trainer, so
+        its binding, config and sinks survive and the saved state is restored into it."""
+        if restore_into_attached:
+            attached = _restoring_callback(cls)
+            if attached is not None:
+                return attached
+        return super().__new__(cls)
+
     def __init__(
         self,
         config: StabilityConfig | Mapping[str, Any] | str | None = None,
         sinks: Iterable[Sink] | None = None,
         alerts: bool | Iterable[str] = False,
         log_events: bool = True,
+        *,
+        restore_into_attached: bool = False,
     ) -> None:
+        if restore_into_attached and getattr(self, "_trainer", None) is not None:
+            return  # the attached callback came back from __new__: keep everything it holds
         self.config = coerce_config(config)
         self.hooks = HookManager(sinks)
         self.logs = _TrainerLogs()
@@ -151,9 +166,9 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         """Bind to ``trainer`` (and add this callback to it); returns self.
 
         Refuses settings that would make the guarantees false: ``max_grad_norm > 0`` together with
-        stabilitykit clipping (two clippers), ``restore_callback_states_from_checkpoint=True``
-        (it would replace this callback with an unbound copy; the state is restored anyway) and
-        DeepSpeed (which steps inside ``backward``).
+        stabilitykit clipping (two clippers) and DeepSpeed (which steps inside ``backward``).
+        ``restore_callback_states_from_checkpoint=True`` is supported: the Trainer's restore hands
+        the saved state to this same callback (see ``__new__``).
         """
         args = trainer.args
         if self.config.clip.mode != "off" and args.max_grad_norm and args.max_grad_norm > 0:
@@ -162,24 +177,22 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
                 f"ClipConfig(mode={self.config.clip.mode!r}) both clip gradients; keep one: set "
                 "max_grad_norm=0 (stabilitykit clips, GradScaler-aware) or ClipConfig(mode='off')"
             )
-        if args.restore_callback_states_from_checkpoint:
-            raise ValueError(
-                "TrainingArguments(restore_callback_states_from_checkpoint=True) rebuilds callbacks from "
-                "their saved arguments, which would drop StabilityTrainerCallback's binding to the Trainer; "
-                "leave it False: the callback restores its own state on resume_from_checkpoint"
-            )
         if trainer.is_deepspeed_enabled:
             raise ValueError(
                 "StabilityTrainerCallback does not support DeepSpeed (it clips and steps inside backward); "
                 "use DDP or FSDP"
             )
         self._trainer = weakref.ref(trainer)
+        _ATTACHED.append(weakref.ref(self))
         if not any(cb is self for cb in trainer.callback_handler.callbacks):
             trainer.add_callback(self)
         return self
 
+    def _bound_or_none(self) -> Trainer | None:
+        return self._trainer() if self._trainer is not None else None
+
     def _bound(self) -> Trainer:
-        trainer = self._trainer() if self._trainer is not None else None
+        trainer = self._bound_or_none()
         if trainer is None:
             raise RuntimeError(
                 "StabilityTrainerCallback is not attached to a Trainer: use "
@@ -224,12 +237,12 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         if trainer.lr_scheduler is not None:
             core.track_scheduler(trainer.lr_scheduler)  # recovery restores it with each snapshot
             core.hold_scheduler(trainer.lr_scheduler)
-        self._undo.append(self._wrap(accelerator, "backward", self._backward_route(accelerator)))
-        self._undo.append(self._wrap(accelerator, "clip_grad_norm_", self._clip_route(accelerator)))
-        self._undo.append(self._wrap(trainer, "log", self._log_route(trainer)))
+        self._undo.append(route_attribute(accelerator, "backward", self._backward_route(accelerator)))
+        self._undo.append(route_attribute(accelerator, "clip_grad_norm_", self._clip_route(accelerator)))
+        self._undo.append(route_attribute(trainer, "log", self._log_route(trainer)))
         for printer in trainer.callback_handler.callbacks:  # the console: no per-layer keys
             if type(printer).__name__ in ("ProgressCallback", "PrinterCallback"):
-                self._undo.append(self._wrap(printer, "on_log", self._console_route()))
+                self._undo.append(route_attribute(printer, "on_log", self._console_route()))
 
     def _saved_in(self, state: TrainerState) -> dict[str, Any] | None:
         stored: Any = state.stateful_callbacks or {}
@@ -273,24 +286,6 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
 
         return route
 
-    @staticmethod
-    def _wrap(owner: Any, name: str, route: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
-        """Replace ``owner.<name>`` with ``route(original)`` on the instance; returns the exact undo."""
-        had_own = name in vars(owner)
-        previous = vars(owner).get(name)
-        wrapped = route(getattr(owner, name))
-        setattr(owner, name, wrapped)
-
-        def undo() -> None:
-            if vars(owner).get(name) is not wrapped:
-                return
-            if had_own:
-                setattr(owner, name, previous)
-            else:
-                delattr(owner, name)
-
-        return undo
-
     # ------------------------------------------------------------------ the routes
     def _backward_route(self, accelerator: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def route(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -327,7 +322,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             return
         # an Inf norm gives coefficient 0 (torch zeroes the grads); only a NaN coefficient becomes 1
         coef = clip_coefficient(norm, max_norm, finite=torch.isfinite(max_norm / (norm + CLIP_EPS)))
-        apply_clip_coefficient(list(_by_device(grads).values()), coef)
+        apply_clip_coefficient([[grads[i] for i in group] for group in device_groups(grads)], coef)
 
     def _log_route(self, trainer: Trainer) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def route(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -381,7 +376,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             return
         for event in events:
             if event.kind in self.alert_on:
-                _wandb_alert(event)
+                _page(event)
         trainer = self._trainer() if self._trainer is not None else None
         if not self.log_events or trainer is None:
             return
@@ -402,29 +397,29 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
     def state(self) -> dict[str, Any]:
         """What the Trainer writes into ``trainer_state.json`` at each checkpoint (JSON values only)."""
         saved = to_json(self.core.state_dict()) if self.core is not None else None
-        return {"args": {}, "attributes": {"saved_state": saved}}
+        return {"args": {"restore_into_attached": True}, "attributes": {"saved_state": saved}}
 
 
-def _by_device(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    return groups
+_ATTACHED: list[weakref.ReferenceType[StabilityTrainerCallback]] = []
 
 
-def _wandb_alert(event: Event) -> None:
-    """A W&B alert for ``event`` when a run is active; never stops training."""
+def _restoring_callback(cls: type) -> StabilityTrainerCallback | None:
+    """The newest live callback of ``cls`` attached to a Trainer that restores callback states."""
+    _ATTACHED[:] = [ref for ref in _ATTACHED if ref() is not None]
+    for ref in reversed(_ATTACHED):
+        callback = ref()
+        trainer = callback._bound_or_none() if callback is not None else None
+        if type(callback) is cls and trainer is not None and trainer.args.restore_callback_states_from_checkpoint:
+            return callback
+    return None
+
+
+def _page(event: Event) -> None:
+    """A W&B alert on the active run, made as ``WandbSink`` makes them; never stops training."""
     try:
-        import wandb
-
-        run = wandb.run
-        if run is None:
-            return
-        levels: Any = wandb.AlertLevel  # type: ignore[attr-defined]
-        level = levels.ERROR if event.kind == "diverged" else levels.WARN
-        run.alert(title=f"stabilitykit: {event.kind} at step {event.step}"[:63], text=event.message, level=level)
-    except Exception as exc:  # a failing alert never stops training
-        warnings.warn(f"stabilitykit: W&B alert failed: {exc!r}", RuntimeWarning, stacklevel=2)
+        send_alert(event)
+    except Exception as exc:
+        warnings.warn(f"stabilitykit: W&B alert failed: {exc!r}", RuntimeWarning, stacklevel=3)
 
 
 def stabilize(

@@ -8,7 +8,8 @@ folded what the host read) and runs the optimizer step inside ``scaled_lr()``. I
    skips, left unraised for us), or a ``spike_alert`` seen on the hook manager since the last step;
 3. a trigger rolls back to the newest confirmed snapshot taken at least ``min_lookback`` steps
    before its onset: parameters, buffers, optimizer, schedulers, GradScaler and, when asked, the
-   random generators in place (``snapshot.py``), the engine's statistics (``StabilityEngine.rewind``);
+   random generators in place (``snapshot.py``), the driver's own state through ``restore_guard``
+   (the core rewinds its engine: ``StabilityEngine.rewind``);
    a ``rollback`` event names the skipped step range (``record.py``); more than ``max_rollbacks``
    within ``window`` steps raises ``RollbackLimitError`` (a ``TrainingDivergedError``);
 4. otherwise a snapshot is taken when the step count reaches a multiple of ``snapshot_every``,
@@ -22,7 +23,7 @@ in the undone steps are skipped, not replayed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -65,11 +66,16 @@ class Recovery:
         optimizer: Any,
         scaler: ScalerAdapter,
         hooks: HookManager,
+        guard_state: Callable[[], dict[str, Any]],
+        restore_guard: Callable[[dict[str, Any]], None],
     ) -> None:
+        """``guard_state``: the driver's own state a snapshot keeps (the engine's included);
+        ``restore_guard``: puts such a state back after a rollback (``DriverCore`` rewinds its engine)."""
         self.config = config
         self.engine = engine
         self.hooks = hooks
         self._model = model
+        self._guard_state, self._restore_guard = guard_state, restore_guard
         self.objects = self._objects(optimizer, scaler)
         self.store = SnapshotStore(config.keep, config.storage, HostCopier())
         record_dir = config.record_dir
@@ -97,7 +103,7 @@ class Recovery:
         self.store.clear()
 
     def _objects(self, optimizer: Any, scaler: ScalerAdapter) -> TrainingObjects:
-        return TrainingObjects.build(self._model, optimizer, self.engine.params, scaler, self.engine.state_dict)
+        return TrainingObjects.build(self._model, optimizer, self.engine.params, scaler, self._guard_state)
 
     def close(self) -> None:
         """Stop listening for alerts and drop every snapshot (the driver is done)."""
@@ -179,8 +185,7 @@ class Recovery:
                 self.engine.report_divergence(decision.divergence)  # nothing to go back to: raise as before
             return False  # an alert with no snapshot before it stays an alert
         tree = self.store.load(snapshot)
-        guard_state = restore_snapshot(self.objects, tree, rng=cfg.restore_rng)
-        self.engine.rewind(guard_state)
+        self._restore_guard(restore_snapshot(self.objects, tree, rng=cfg.restore_rng))
         self._alert = None  # alerts raised while rewinding belong to the undone steps
         self.store.drop_after(snapshot.step)
         record = RollbackRecord(

@@ -19,7 +19,7 @@ from typing import Any
 
 from stabilitykit.events import Event
 
-__all__ = ["ALERT_KINDS", "WandbSink"]
+__all__ = ["ALERT_KINDS", "WandbSink", "send_alert"]
 
 #: Event kinds that raise a W&B alert by default.
 ALERT_KINDS = ("spike_alert", "nonfinite", "diverged", "fp16_warning", "rollback")
@@ -156,11 +156,7 @@ class WandbSink:
         value = float(event.details.get("z", 1.0)) if event.kind == "spike_warning" else 1.0
         run.log({f"{self.prefix}/events/{event.kind}": value, self.step_metric: step})
         if event.kind in self.alert_on:
-            title = f"stabilitykit: {event.kind} at step {event.step}"[:63]
-            import wandb  # a run exists, so wandb is installed
-
-            level = getattr(wandb.AlertLevel, _LEVELS.get(event.kind, "WARN"))  # type: ignore[attr-defined]
-            run.alert(title=title, text=event.message, level=level, wait_duration=self.alert_wait_seconds)
+            send_alert(event, run, wait_seconds=self.alert_wait_seconds)
 
     # ------------------------------------------------------------------ the sink protocol
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -207,3 +203,21 @@ class WandbSink:
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+
+def send_alert(event: Event, run: Any | None = None, wait_seconds: float = 300.0) -> bool:
+    """Page W&B about ``event`` on ``run`` (default: the active ``wandb.run``).
+
+    The one place alerts are made: title under 64 characters, level ERROR for ``diverged`` and
+    WARN otherwise, ``wait_seconds`` between alerts of one title. Returns False when there is no
+    run; raises what ``run.alert`` raises (callers decide: ``WandbSink`` counts, others warn).
+    """
+    import wandb  # an alert is only asked for where wandb is installed
+
+    run = run if run is not None else wandb.run
+    if run is None:
+        return False
+    title = f"stabilitykit: {event.kind} at step {event.step}"[:63]
+    level = getattr(wandb.AlertLevel, _LEVELS.get(event.kind, "WARN"))  # type: ignore[attr-defined]
+    run.alert(title=title, text=event.message, level=level, wait_duration=wait_seconds)
+    return True
