@@ -636,3 +636,43 @@ def test_schedule_step_follows_the_restored_scheduler() -> None:
         assert guard.schedule_step == sched.last_epoch
     assert at_rollback == [(13, 8, 8)]  # the step count goes on; the schedule is the snapshot's (step 8)
     guard.close()
+
+
+# ---------------------------------------------------------------------------------------------- Accelerate
+
+
+def test_accelerate_guard_rolls_back_with_accumulation() -> None:
+    """AccelerateGuard (a StabilityGuard) inherits recovery: accumulation over 2 micro-batches, bf16,
+    AcceleratedOptimizer and AcceleratedScheduler restored in place."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from stabilitykit.integrations import AccelerateGuard
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2)
+        model = tiny_llama()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+        guard = AccelerateGuard(accelerator, model, optimizer, _config(), scheduler=scheduler)
+        inner = optimizer.optimizer
+        recorder = Recorder(guard, model, inner)
+        for i, batch in enumerate(token_batches(40, batch_size=2, seed=1)):
+            step = i // 2
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss * (float("nan") if 10 <= step < 13 else 1.0)
+                guard.backward(loss)
+                report = guard.step()
+                guard.zero_grad()
+            if report is not None:
+                recorder.record(guard, report)
+        assert guard.step_count == 20 and len(recorder.rollbacks) == 1
+        assert recorder.rollbacks[0].details["restored_step"] == 8
+        assert scheduler.scheduler.last_epoch < 20 - 3  # the schedule is the snapshot's, behind the step count
+        guard.close()
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

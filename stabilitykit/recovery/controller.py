@@ -23,6 +23,7 @@ in the undone steps are skipped, not replayed.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +32,7 @@ from typing import Any
 from torch import nn
 
 from stabilitykit.config import RecoveryConfig
+from stabilitykit.distributed import is_distributed
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.engine.decision import StepDecision
 from stabilitykit.engine.journal import Row
@@ -84,6 +86,14 @@ class Recovery:
         self.log = RollbackLog(Path(record_dir) if record_dir is not None else None)
         self.cooldown_until = 0  # steps before this one run with lr_scale
         self._alert: tuple[str, int] | None = None  # (trigger, step) of the earliest alert since the last step
+        if is_distributed():
+            warnings.warn(
+                "stabilitykit: RecoveryConfig(enabled=True) under torch.distributed is not supported yet: nothing "
+                "checks that every rank holds the same snapshots and rolls back at the same step (alerts are "
+                "raised per rank), and sharded state is untested; see the recovery guide",
+                UserWarning,
+                stacklevel=4,
+            )
         self._listening = any(t in config.trigger for t in ("spike_alert", "loss_drift"))
         if self._listening:
             hooks.on("spike_alert", self._on_alert)
