@@ -676,3 +676,24 @@ def test_accelerate_guard_rolls_back_with_accumulation() -> None:
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+def test_fabric_guard_rolls_back() -> None:
+    from lightning.fabric import Fabric
+
+    from stabilitykit.integrations import FabricGuard
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer.optimizer, step_size=2, gamma=0.9)
+    guard = FabricGuard(fabric, model, optimizer, _config(), scheduler=scheduler)
+    recorder = Recorder(guard, model, optimizer.optimizer)
+    for i, x in enumerate(_mlp_batches(20)):
+        guard.backward(model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0))
+        recorder.record(guard, guard.step())
+        guard.zero_grad()
+    assert len(recorder.rollbacks) == 1 and recorder.rollbacks[0].details["restored_step"] == 8
+    assert guard.step_count == 20 and guard.schedule_step == scheduler.last_epoch
+    guard.close()
