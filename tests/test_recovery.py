@@ -697,3 +697,25 @@ def test_fabric_guard_rolls_back() -> None:
     assert len(recorder.rollbacks) == 1 and recorder.rollbacks[0].details["restored_step"] == 8
     assert guard.step_count == 20 and guard.schedule_step == scheduler.last_epoch
     guard.close()
+
+
+def test_snapshots_and_host_buffers_stay_bounded_over_a_long_run() -> None:
+    """Nothing grows per step: ``keep`` snapshots, a few pending, and a pool of reused host buffers."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = sk.StabilityGuard(model, opt, _config(snapshot_every=2, keep=2))
+    recovery = guard.core.recovery
+    assert recovery is not None
+    held, pooled = [], []
+    data = _mlp_batches(8)
+    for i in range(400):
+        guard.backward(model(data[i % 8]).pow(2).mean())
+        guard.step()
+        guard.zero_grad()
+        held.append(len(recovery.store.snapshots))
+        pooled.append(recovery.store.copier.pooled)
+    assert max(held) <= 2 + 3  # keep, plus the pending ones of one logging interval (5 steps, every 2)
+    assert max(pooled[200:]) == max(pooled[:200])  # the pool stopped growing early
+    per_snapshot = recovery.store.snapshots[-1].nbytes
+    assert recovery.snapshot_bytes <= 5 * per_snapshot
+    guard.close()

@@ -88,6 +88,11 @@ class HostCopier:
     )
     _streams: dict[torch.device, Any] = field(default_factory=dict)
 
+    @property
+    def pooled(self) -> int:
+        """Host buffers waiting in the pool for the next snapshot."""
+        return sum(len(free) for free in self._pool.values())
+
     def copy(self, tree: Any) -> HostTree:
         """A host copy of ``tree`` (no host sync: on CUDA the copies run on a side stream)."""
         pending: dict[torch.device, list[tuple[Tensor, Tensor]]] = defaultdict(list)
