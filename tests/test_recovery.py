@@ -719,3 +719,17 @@ def test_snapshots_and_host_buffers_stay_bounded_over_a_long_run() -> None:
     per_snapshot = recovery.store.snapshots[-1].nbytes
     assert recovery.snapshot_bytes <= 5 * per_snapshot
     guard.close()
+
+
+def test_a_rollback_is_never_left_out_by_the_log_rate_limit(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from stabilitykit.run_log import EventLog
+
+    log = EventLog(first=3, every=100)
+    with caplog.at_level(logging.WARNING, logger="stabilitykit"):
+        for step in range(10):
+            log(sk.Event("skipped", step, f"step {step} skipped: nonfinite_loss"))
+        log(sk.Event("rollback", 10, "rolled back after diverged at step 9"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 4 and messages[-1].startswith("rolled back after diverged")
