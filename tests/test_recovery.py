@@ -733,3 +733,39 @@ def test_a_rollback_is_never_left_out_by_the_log_rate_limit(caplog: pytest.LogCa
         log(sk.Event("rollback", 10, "rolled back after diverged at step 9"))
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 4 and messages[-1].startswith("rolled back after diverged")
+
+
+def test_a_param_group_added_mid_run_drops_the_old_snapshots() -> None:
+    """Fine-tuning style: the head trains first, the body joins at step 9. The snapshots of steps 4 and
+    8 hold the old set of parameters, so a divergence right after has nothing to go back to."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model[3].parameters(), lr=1e-2)
+    guard = sk.StabilityGuard(model, opt, _config())
+    recovery = guard.core.recovery
+    assert recovery is not None
+    with pytest.raises(sk.TrainingDivergedError) as info:
+        for i, x in enumerate(_mlp_batches(30)):
+            if i == 9:
+                assert [s.step for s in recovery.store.snapshots] == [4, 8]
+                opt.add_param_group({"params": list(model[0].parameters()), "lr": 1e-3})
+            guard.backward(model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0))
+            guard.step()
+            guard.zero_grad()
+    assert not isinstance(info.value, sk.RollbackLimitError) and info.value.step == 12
+    assert recovery.store.snapshots == []  # step 11 was skipped: no snapshot of the new set yet
+    guard.close()
+
+
+def test_a_param_group_added_mid_run_is_restored_with_the_new_set() -> None:
+    model = _mlp()
+    opt = torch.optim.AdamW(model[3].parameters(), lr=1e-2)
+    guard = sk.StabilityGuard(model, opt, _config())
+    recorder = Recorder(guard, model, opt)
+    for i, x in enumerate(_mlp_batches(30)):
+        if i == 9:
+            opt.add_param_group({"params": list(model[0].parameters()), "lr": 1e-3})
+        guard.backward(model(x).pow(2).mean() * (float("nan") if 14 <= i < 17 else 1.0))
+        recorder.record(guard, guard.step())
+        guard.zero_grad()
+    assert [e.details["restored_step"] for e in recorder.rollbacks] == [12]  # bitwise, both groups
+    guard.close()

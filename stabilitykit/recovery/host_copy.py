@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -79,14 +79,12 @@ def map_saved(tree: Any, fn: Callable[[Saved], Any]) -> Any:
     return copy.deepcopy(tree)
 
 
-@dataclass
 class HostCopier:
     """Makes ``HostTree`` copies; keeps a pool of host buffers and, on CUDA, one side stream per device."""
 
-    _pool: dict[tuple[tuple[int, ...], torch.dtype, bool], list[Tensor]] = field(
-        default_factory=lambda: defaultdict(list)
-    )
-    _streams: dict[torch.device, Any] = field(default_factory=dict)
+    def __init__(self) -> None:
+        self._pool: dict[tuple[tuple[int, ...], torch.dtype, bool], list[Tensor]] = defaultdict(list)
+        self._streams: dict[torch.device, Any] = {}
 
     @property
     def pooled(self) -> int:
