@@ -397,6 +397,15 @@ class RecoveryConfig(_Strict):
         description="After a rollback, the optimizer steps with its learning rates times this for cooldown_steps.",
     )
     cooldown_steps: int = Field(0, ge=0, description="Steps after a rollback that use lr_scale (0: none).")
+    skip_after: int = Field(
+        0,
+        ge=0,
+        description=(
+            "After a rollback, also skip this many of the following batches (measured and logged, never "
+            "trained on; the LR schedule waits): the large-run recipe of restarting before a spike and "
+            "skipping the next batches, for bad data that goes on past the trigger. 0: none."
+        ),
+    )
     max_rollbacks: int = Field(
         3, ge=1, description="Rollbacks allowed within `window` steps; one more trigger raises TrainingDivergedError."
     )

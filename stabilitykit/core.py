@@ -325,6 +325,7 @@ class DriverCore:
             scaler_active=self.scaler.enabled,
             loss_scale=self.scaler.loss_scale(),
             force_skip=self._bad_batch,
+            skip_ahead=self.recovery is not None and self.recovery.skips_batch(self.engine.step),
         )
         self._bad_batch = None
         self._hold = None

@@ -166,11 +166,13 @@ class _Rollback(_State):
     restored_step: int = Field(ge=0)
     skipped_from: int = Field(ge=0)
     skipped_to: int = Field(ge=0)
+    skip_ahead_to: int | None = Field(ge=0, default=None)
 
 
 class _Recovery(_State):
     rollbacks: list[_Rollback]
     cooldown_until: int = Field(ge=0)
+    skip_until: int = Field(ge=0, default=0)
 
 
 class _Core(_State):

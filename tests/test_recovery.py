@@ -769,3 +769,78 @@ def test_a_param_group_added_mid_run_is_restored_with_the_new_set() -> None:
         guard.zero_grad()
     assert [e.details["restored_step"] for e in recorder.rollbacks] == [12]  # bitwise, both groups
     guard.close()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw_fused"])
+def test_skip_after_skips_the_next_batches_without_a_sync_or_a_streak(fused: bool) -> None:
+    """``skip_after=5``: after the rollback the next five batches are measured, not trained on
+    (parameters and optimizer state unchanged across them, the scheduler held), with no host
+    sync and no divergence streak; then training resumes. Recorded in the event and the state."""
+    cfg = _config(skip_after=5)
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, fused=fused)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+    guard = sk.StabilityGuard(model, opt, cfg, scheduler=sched)
+    recorder = Recorder(guard, model, opt)
+    syncs, reasons, lrs = {}, {}, {}
+    for i, batch in enumerate(token_batches(30)):
+        loss = _llama_loss(model, batch)
+        guard.backward(loss * float("nan") if i in range(10, 14) else loss)
+        with count_host_syncs() as counter:
+            report = guard.step()
+        guard.zero_grad()
+        syncs[i], lrs[i] = counter.count, opt.param_groups[0]["lr"]
+        reasons[i] = report.reason  # outside the counted block: it may read a pending decision
+        recorder.record(guard, report)
+    assert len(recorder.rollbacks) == 1
+    event = recorder.rollbacks[0]
+    at = event.step
+    ahead = range(at + 1, at + 6)
+    assert event.details["skip_ahead_to"] == at + 5 and f"steps {at + 1}..{at + 5} are skipped too" in event.message
+    assert [reasons[i] for i in ahead] == ["after_rollback"] * 5
+    before, after = recorder.states[at + 1], recorder.states[at + 6]
+    for name, value in before["params"].items():
+        assert torch.equal(_bits(value), _bits(after["params"][name])), f"{name} trained on a skipped-ahead batch"
+    assert len({lrs[i] for i in ahead}) == 1, "the LR schedule waits over the skipped batches"
+    assert all(syncs[i] == 0 for i in ahead if (i % 5) != 0), syncs
+    assert reasons[at + 6] != "after_rollback"
+    final = recorder.states[30]["params"]["lm_head.weight"]
+    assert not torch.equal(_bits(after["params"]["lm_head.weight"]), _bits(final)), "training resumed after them"
+    state = guard.state_dict()
+    assert state["recovery"]["skip_until"] == at + 6
+    assert state["recovery"]["rollbacks"][0]["skip_ahead_to"] == at + 5
+    assert sum(r == "after_rollback" for r in reasons.values()) == 5
+    nonfinite_skips = sum(r is not None and r != "after_rollback" for r in reasons.values())
+    assert guard.summary().skipped == nonfinite_skips + 5
+    guard.close()
+
+
+def test_batches_skipped_ahead_never_fire_the_next_trigger() -> None:
+    """Bad data that goes on past the rollback (huge losses on the skipped-ahead batches) raises no
+    spike alert and no second rollback: those batches are not scored by the detectors."""
+    cfg = sk.StabilityConfig(
+        log_every_n_steps=5,
+        skip=sk.SkipConfig(max_consecutive=3),
+        recovery=sk.RecoveryConfig(
+            enabled=True, snapshot_every=4, keep=2, trigger=["diverged", "spike_alert"], skip_after=5
+        ),
+    )
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    guard = sk.StabilityGuard(model, opt, cfg)
+    alerts: list[sk.Event] = []
+    rollbacks: list[sk.Event] = []
+    guard.hooks.on("spike_alert", alerts.append)
+    guard.hooks.on("rollback", rollbacks.append)
+    for i, batch in enumerate(token_batches(40)):  # after the detectors' 20 warm-up steps
+        loss = _llama_loss(model, batch)
+        if i in range(24, 27):
+            loss = loss * float("nan")  # the streak: a rollback at step 26
+        elif i in range(27, 32):
+            loss = loss * 1e4  # the bad data goes on over the five skipped-ahead batches
+        guard.backward(loss)
+        guard.step()
+        guard.zero_grad()
+    guard.close()
+    assert [e.step for e in rollbacks] == [26]
+    assert not [e for e in alerts if 27 <= e.step <= 31], alerts

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "AFTER_ROLLBACK",
     "BAD_BATCH",
     "BAD_GRAD",
     "BAD_LOSS",
@@ -38,7 +39,9 @@ __all__ = [
 ]
 
 #: The bits of a decision code. ``REMOTE``: skipped although everything was finite on this rank.
-SKIP, BAD_LOSS, BAD_GRAD, OVERFLOW, REMOTE, BAD_BATCH, SPIKE = 1, 2, 4, 8, 16, 32, 64
+#: ``AFTER_ROLLBACK``: one of the batches a rollback skips ahead (``RecoveryConfig.skip_after``),
+#: decided on the host from the configuration, so the same on every rank.
+SKIP, BAD_LOSS, BAD_GRAD, OVERFLOW, REMOTE, BAD_BATCH, SPIKE, AFTER_ROLLBACK = 1, 2, 4, 8, 16, 32, 64, 128
 
 
 def decide(
@@ -74,6 +77,8 @@ def reason_from_code(code: int) -> str | None:
     """Why a step was skipped, from its decision code: None when it was taken."""
     if not code & SKIP:
         return None
+    if code & AFTER_ROLLBACK:
+        return "after_rollback"
     if code & BAD_BATCH:
         return "bad_batch"
     if code & SPIKE:

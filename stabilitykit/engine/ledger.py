@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.engine.decision import OVERFLOW, SKIP, reason_from_code
+from stabilitykit.engine.decision import AFTER_ROLLBACK, OVERFLOW, SKIP, reason_from_code
 from stabilitykit.engine.fp16 import Fp16Monitor
 from stabilitykit.engine.journal import Row
 from stabilitykit.events import Event, TrainingDivergedError
@@ -102,6 +102,13 @@ class Ledger:
         loss_bad = row.loss is not None and not math.isfinite(row.loss)
         if not math.isfinite(row.total) or loss_bad:
             c.nonfinite_total += 1
+        if row.skipped and row.code & AFTER_ROLLBACK:
+            # a batch a rollback skips ahead: counted, announced by the rollback event; no streak, and
+            # never scored by the detectors (the bad data it skips must not trigger the next rollback)
+            c.skipped_total += 1
+            c.skipped_recent += 1
+            row.folded = True
+            return events, divergence
         if row.skipped:
             layer = self.bad_layer(row.layers)
             c.skipped_total += 1

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from stabilitykit.config import StabilityConfig
 from stabilitykit.distributed import AgreedStep, agree_step, is_distributed, mark_collective_step, reducer_for
 from stabilitykit.engine.clipping import ClipStrategy, PerTensorClip, make_clip_strategy
-from stabilitykit.engine.decision import TAKEN, StepDecision, decide
+from stabilitykit.engine.decision import AFTER_ROLLBACK, SKIP, TAKEN, StepDecision, decide
 from stabilitykit.engine.gate import StepGate
 from stabilitykit.engine.journal import MAX_JOURNAL_ROWS, Journal, Row, RowInfo
 from stabilitykit.engine.layers import build_layer_map
@@ -251,6 +251,7 @@ class StabilityEngine:
         scaler_active: bool = False,
         loss_scale: Tensor | None = None,
         force_skip: Tensor | None = None,
+        skip_ahead: bool = False,
     ) -> StepDecision:
         """Measure, agree, decide, clip and record this step; the host reads it now only where it must.
 
@@ -258,6 +259,8 @@ class StabilityEngine:
         are reported unscaled. ``scaler_active``: a GradScaler is in use, so a non-finite grad is an
         fp16 overflow. ``loss_scale``: the GradScaler's scale, logged on logging steps.
         ``force_skip``: a 0-d device bool (the data guard's verdict) that skips the step when true.
+        ``skip_ahead``: a batch a rollback skips (``RecoveryConfig.skip_after``): measured and logged,
+        never trained on; known on the host at once (the same on every rank), so it costs no sync.
         """
         step = self.step
         mark_collective_step(step)
@@ -276,6 +279,8 @@ class StabilityEngine:
             agreed.spike,
             scaler_active,
         )
+        if skip_ahead:
+            code = torch.full_like(code, SKIP | AFTER_ROLLBACK)
         skip = code > 0
         coef, threshold = self._clip(norms, grouped, agreed, skip)
         layer_norms = norms.layer_norms
@@ -296,11 +301,13 @@ class StabilityEngine:
             code=code,
         )
         decision = StepDecision(report=report, skip=skip, code=code, logging=self.is_logging_step(step))
+        if skip_ahead:
+            decision.settle(SKIP | AFTER_ROLLBACK)  # known on the host: no sync, skipped there
         if decision.logging or self.journal.full:
             self._read_journal(decision, loss_scale)
         elif self.can_skip and not self.fused:
             self.resolve(decision)  # the one sync a non-fused optimizer pays to skip
-        elif not self.can_skip:
+        elif not self.can_skip and not skip_ahead:
             decision.settle(TAKEN.code)
         if decision.skipped_now and self._overflowed(decision):
             self._remeasure(decision, grouped, grad_scale, force_skip)

@@ -85,6 +85,7 @@ class Recovery:
             record_dir = config.storage
         self.log = RollbackLog(Path(record_dir) if record_dir is not None else None)
         self.cooldown_until = 0  # steps before this one run with lr_scale
+        self.skip_until = 0  # steps before this one skip their batch (``skip_after``)
         self._alert: tuple[str, int] | None = None  # (trigger, step) of the earliest alert since the last step
         if is_distributed():
             warnings.warn(
@@ -142,6 +143,10 @@ class Recovery:
         finally:
             for group, lr in zip(groups, saved, strict=True):
                 group["lr"] = lr
+
+    def skips_batch(self, step: int) -> bool:
+        """``step`` is one of the batches a rollback skips ahead (``skip_after``): not trained on."""
+        return step < self.skip_until
 
     def confirm(self, rows: Iterable[Row]) -> None:
         """Journal rows the host has read (outside a step, e.g. a flush): settle pending snapshots."""
@@ -206,9 +211,11 @@ class Recovery:
             restored_step=snapshot.step,
             skipped_from=snapshot.step,
             skipped_to=at_step,
+            skip_ahead_to=at_step + cfg.skip_after if cfg.skip_after else None,
         )
         self.log.add(record)
-        self.cooldown_until = self.engine.step + cfg.cooldown_steps
+        self.skip_until = self.engine.step + cfg.skip_after
+        self.cooldown_until = self.skip_until + cfg.cooldown_steps
         self.hooks.emit(self._event(record))
         return True
 
@@ -219,6 +226,8 @@ class Recovery:
             f"{record.restored_step}; steps {record.skipped_from}..{record.skipped_to} ({record.skipped_steps} "
             f"step(s)) and their batches are skipped, training goes on at step {record.at_step + 1}"
         )
+        if record.skip_ahead_to is not None:
+            message += f"; the batches of steps {record.at_step + 1}..{record.skip_ahead_to} are skipped too"
         if cfg.lr_scale != 1.0 and cfg.cooldown_steps:
             message += f" with the learning rate times {cfg.lr_scale:g} for {cfg.cooldown_steps} step(s)"
         details: dict[str, Any] = {
@@ -239,9 +248,14 @@ class Recovery:
 
     def state_dict(self) -> dict[str, Any]:
         """The rollbacks so far and the cooldown (the snapshots themselves are not saved)."""
-        return {"rollbacks": self.log.state_dict(), "cooldown_until": self.cooldown_until}
+        return {
+            "rollbacks": self.log.state_dict(),
+            "cooldown_until": self.cooldown_until,
+            "skip_until": self.skip_until,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
         self.log.load_state_dict(list(state.get("rollbacks", [])))
         self.cooldown_until = int(state.get("cooldown_until", 0))
+        self.skip_until = int(state.get("skip_until", 0))

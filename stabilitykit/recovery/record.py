@@ -30,11 +30,17 @@ class RollbackRecord:
     restored_step: int  # the snapshot's step: training went on from the state before it
     skipped_from: int  # first step undone (== restored_step)
     skipped_to: int  # last step undone (== at_step)
+    skip_ahead_to: int | None = None  # last step of the batches skipped after the rollback (``skip_after``)
 
     @property
     def skipped_steps(self) -> int:
         """How many optimizer steps (and their batches) were undone."""
         return self.skipped_to - self.skipped_from + 1
+
+    @property
+    def last_skipped_batch(self) -> int:
+        """The last step whose batch is not trained on because of this rollback."""
+        return self.skip_ahead_to if self.skip_ahead_to is not None else self.skipped_to
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (JSON-ready), with ``skipped_steps``."""
