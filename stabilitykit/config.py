@@ -21,6 +21,7 @@ __all__ = [
     "DataGuardConfig",
     "Fp16Config",
     "GradNormConfig",
+    "MonitorConfig",
     "NaNTraceConfig",
     "PrecisionConfig",
     "QKClipConfig",
@@ -361,6 +362,47 @@ class QKClipConfig(_Strict):
     )
 
 
+class MonitorConfig(_Strict):
+    """Sampled activation, attention-logit and output-logit monitors for any model.
+
+    Off unless ``StabilityConfig(monitors=MonitorConfig(...))`` is given; hooks are installed once,
+    when the driver starts.
+
+    On a sampled step, forward hooks measure on the device: the output RMS and max |x| of the
+    selected modules, the residual-stream norm after each block, the largest attention logit of
+    each attention module (HF Llama-style ``q_proj``/``k_proj`` with rotary embeddings, GPT-2's
+    ``c_attn``), and the output logits' max and log Z. The values are read with the logging step's
+    one device-to-host copy; on other steps every hook returns at once.
+    """
+
+    every: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Measure on every n-th optimizer step (None: on logging steps). Values measured between "
+            "logging steps stay on the device until the next logging read (maxima are kept as running maxima)."
+        ),
+    )
+    modules: list[str] | None = Field(
+        None,
+        description=(
+            "Modules whose output RMS and max |x| are measured, as clean names or globs "
+            "('model.layers.*', 'lm_head'). None: each transformer block, the embeddings and the final norm."
+        ),
+    )
+    activations: bool = Field(True, description="Output RMS and max |x| of the selected modules.")
+    attention: bool = Field(True, description="Largest attention logit of each recognised attention module.")
+    logits: bool = Field(True, description="Output logits' max |logit| and mean log Z of the LM head.")
+    residual: bool = Field(True, description="Residual-stream norm (mean L2 norm per token) after each block.")
+    precursors: list[Literal["attn_logit_max", "logits_max", "log_z", "act_max", "act_rms", "resid_norm"]] = Field(
+        default_factory=lambda: ["attn_logit_max", "logits_max", "log_z"],  # type: ignore[arg-type]
+        description=(
+            "Signals fed to the spike detector's trend warnings (SpikeConfig.trend_warning); the others are "
+            "logged only."
+        ),
+    )
+
+
 class StabilityConfig(_Strict):
     """Everything stabilitykit does in one place; each feature has its own section."""
 
@@ -381,6 +423,13 @@ class StabilityConfig(_Strict):
     fp16: Fp16Config = Field(default_factory=Fp16Config)  # type: ignore[arg-type]
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)  # type: ignore[arg-type]
     qk_clip: QKClipConfig = Field(default_factory=QKClipConfig)  # type: ignore[arg-type]
+    monitors: MonitorConfig | None = Field(
+        None,
+        description=(
+            "Sampled activation / attention-logit / log Z monitors for models we did not write "
+            "(MonitorConfig); None: off."
+        ),
+    )
     module_metrics: bool = Field(
         True,
         description=(

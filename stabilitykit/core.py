@@ -544,12 +544,13 @@ class DriverCore:
         self.engine.flush(final_row=final_row)
 
     def close(self) -> None:
-        """Fold what is left, remove tracing hooks and every wrapper."""
+        """Fold what is left, remove tracing and monitor hooks and every wrapper."""
         if self.decision is not None:
             self.finish()
         self.engine.flush(final_row=True)
         if self.tracer is not None:
             self.tracer.detach()
+        self.engine.close_monitors()
         self.release()
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,159 @@
+"""Attention probes: the largest attention logit of attention modules we did not write.
+
+A probe reads the query and key projections of one attention module with forward hooks and
+computes ``max |q·kᵀ| * scaling`` on the device (``stats.max_attention_logit``), whatever kernel the
+module then runs (eager, SDPA, flash): the logits are rebuilt from q and k, never read from the
+kernel. Recognised layouts:
+
+* separate ``q_proj`` / ``k_proj`` children (HF Llama, Mistral, Qwen2/3, Gemma, ...): their outputs,
+  the optional per-head ``q_norm`` / ``k_norm``, and the rotary embedding the module receives as its
+  ``position_embeddings`` keyword (cos, sin), applied with the model file's own
+  ``apply_rotary_pos_emb``;
+* a fused ``c_attn`` child (HF GPT-2): its output split into q, k (and v).
+
+The scale is the module's own ``scaling`` when it has one (HF sets it, GPT-2's inverse layer index
+included), else ``1/sqrt(head_dim)``. Padding masks and sliding windows are not applied: the
+logits of a causal model are masked causally only.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor, nn
+
+from stabilitykit.monitors.stats import max_attention_logit
+
+__all__ = ["AttentionProbe", "FusedQKVProbe", "QKProjProbe", "attention_probe"]
+
+#: Receives (metric kind, module name, 0-d device tensor) from a probe.
+Record = Callable[[str, str, Tensor], None]
+#: True on sampled steps; read first by every hook.
+Active = Callable[[], bool]
+
+
+def _heads(module: nn.Module) -> tuple[int | None, int | None]:
+    """(number of query heads, head dim) from the module's attributes or its ``config``."""
+    config = getattr(module, "config", None)
+    heads = getattr(module, "num_heads", None) or getattr(config, "num_attention_heads", None)
+    head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)
+    if head_dim is None and heads:
+        hidden = getattr(config, "hidden_size", None)
+        head_dim = hidden // heads if hidden else None
+    return heads, head_dim
+
+
+def _scaling(module: nn.Module, head_dim: int) -> float:
+    scaling = getattr(module, "scaling", None)
+    return float(scaling) if isinstance(scaling, (int, float)) else 1.0 / math.sqrt(head_dim)
+
+
+class AttentionProbe:
+    """Hooks on one attention module; ``close()`` removes them. Subclasses say where q and k come from."""
+
+    def __init__(self, name: str, module: nn.Module, head_dim: int, active: Active, record: Record) -> None:
+        self.name = name
+        self.module = module
+        self.head_dim = head_dim
+        self.scaling = _scaling(module, head_dim)
+        self.causal = bool(getattr(module, "is_causal", True))
+        self.active = active
+        self.record = record
+        self.handles: list[Any] = []
+
+    def _emit(self, q: Tensor, k: Tensor) -> None:
+        """q: (B, H, T, D), k: (B, H_kv, T, D): record this module's max logit."""
+        self.record("attn_logit_max", self.name, max_attention_logit(q, k, self.scaling, self.causal))
+
+    def _split(self, x: Tensor) -> Tensor:
+        """(B, T, H*D) -> (B, H, T, D)."""
+        return x.detach().unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+class QKProjProbe(AttentionProbe):
+    """``q_proj`` / ``k_proj`` outputs, per-head norms and the rotary ``position_embeddings`` keyword."""
+
+    def __init__(self, name: str, module: nn.Module, head_dim: int, active: Active, record: Record) -> None:
+        super().__init__(name, module, head_dim, active, record)
+        self._q: Tensor | None = None
+        self._k: Tensor | None = None
+        self._rope: Any = None
+        self._rotate = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)
+        q_proj, k_proj = module.get_submodule("q_proj"), module.get_submodule("k_proj")
+        self.handles = [
+            module.register_forward_pre_hook(self._enter, with_kwargs=True),
+            q_proj.register_forward_hook(self._take_q),
+            k_proj.register_forward_hook(self._take_k),
+            module.register_forward_hook(self._exit),
+        ]
+
+    def _enter(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if not self.active() or not module.training:
+            return
+        self._rope = kwargs.get("position_embeddings")
+
+    def _take_q(self, module: nn.Module, args: Any, output: Tensor) -> None:
+        if not self.active() or not module.training:
+            return
+        self._q = output
+
+    def _take_k(self, module: nn.Module, args: Any, output: Tensor) -> None:
+        if not self.active() or not module.training:
+            return
+        self._k = output
+
+    def _norm(self, which: str, x: Tensor) -> Tensor:
+        """The module's own per-head ``q_norm`` / ``k_norm`` (Qwen3, Gemma 3), applied as it does."""
+        norm = getattr(self.module, which, None)
+        return norm(x) if isinstance(norm, nn.Module) else x
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.active() or not module.training:
+            return
+        q_out, k_out, rope = self._q, self._k, self._rope
+        self._q = self._k = self._rope = None
+        if q_out is None or k_out is None:
+            return
+        q = self._norm("q_norm", self._split(q_out))
+        k = self._norm("k_norm", self._split(k_out))
+        if rope is not None and self._rotate is not None:
+            cos, sin = rope
+            q, k = self._rotate(q, k, cos, sin)
+        self._emit(q, k)
+
+
+class FusedQKVProbe(AttentionProbe):
+    """GPT-2's ``c_attn``: one projection whose output is [q | k | v] along the features."""
+
+    def __init__(self, name: str, module: nn.Module, head_dim: int, active: Active, record: Record) -> None:
+        super().__init__(name, module, head_dim, active, record)
+        self.width = int(getattr(module, "split_size", 0) or getattr(module, "embed_dim", 0))
+        self.handles = [module.get_submodule("c_attn").register_forward_hook(self._take)]
+
+    def _take(self, module: nn.Module, args: Any, output: Tensor) -> None:
+        if not self.active() or not module.training:
+            return
+        q, k = output[..., : self.width], output[..., self.width : 2 * self.width]
+        self._emit(self._split(q), self._split(k))
+
+
+def attention_probe(name: str, module: nn.Module, active: Active, record: Record) -> AttentionProbe | None:
+    """A probe for ``module`` when it is an attention module of a recognised layout, else None."""
+    children = dict(module.named_children())
+    _, head_dim = _heads(module)
+    if head_dim is None:
+        return None
+    if "q_proj" in children and "k_proj" in children:
+        return QKProjProbe(name, module, int(head_dim), active, record)
+    if "c_attn" in children and not getattr(module, "is_cross_attention", False):
+        return FusedQKVProbe(name, module, int(head_dim), active, record)
+    return None

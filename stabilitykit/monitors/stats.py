@@ -1,0 +1,59 @@
+"""Device-side statistics of one forward output: no host sync, float32, nothing kept but 0-d tensors.
+
+Each function takes the tensors a hook sees and returns 0-d float32 tensors on the same device,
+detached from autograd, so a measurement never changes the graph the loss backpropagates through.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["activation_stats", "first_tensor", "logit_stats", "max_attention_logit"]
+
+
+def first_tensor(value: Any) -> Tensor | None:
+    """The tensor a module returned, or the first tensor of a tuple / list / ModelOutput."""
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return next((v for v in value if isinstance(v, Tensor)), None)
+    to_tuple = getattr(value, "to_tuple", None)
+    return first_tensor(to_tuple()) if callable(to_tuple) else None
+
+
+def activation_stats(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """RMS over all elements, max |x|, and the mean L2 norm per position (the last dimension: features).
+
+    One pass of squares serves the RMS and the per-position norms; the max is a second reduction.
+    """
+    x = x.detach()
+    per_position = x.float().square().sum(dim=-1)
+    rms = (per_position.mean() / max(1, x.shape[-1])).sqrt()
+    return rms, x.abs().amax().float(), per_position.sqrt().mean()
+
+
+def logit_stats(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """max |logit| and the mean log Z (log-sum-exp over the vocabulary) of output logits (..., vocab)."""
+    logits = logits.detach()
+    return logits.abs().amax().float(), torch.logsumexp(logits.float(), dim=-1).mean()
+
+
+def max_attention_logit(q: Tensor, k: Tensor, scaling: float, causal: bool) -> Tensor:
+    """max |q·kᵀ| * ``scaling`` over heads and (causally allowed) positions.
+
+    ``q``: (batch, heads, T_q, head_dim); ``k``: (batch, kv_heads, T_k, head_dim) with ``heads`` a
+    multiple of ``kv_heads`` (grouped-query attention: each key head serves ``heads // kv_heads``
+    query heads, as ``repeat_kv`` does, without copying the keys). Computed in the input's dtype,
+    as the model computes its own logits; positions a causal mask hides count as 0.
+    """
+    q, k = q.detach(), k.detach()
+    b, h, t_q, d = q.shape
+    kv = k.shape[1]
+    scores = q.reshape(b, kv, h // kv, t_q, d) @ k.unsqueeze(2).transpose(-2, -1)
+    scores = scores.abs()
+    if causal:
+        scores = scores.tril(diagonal=k.shape[2] - t_q)
+    return scores.amax().float() * abs(scaling)
