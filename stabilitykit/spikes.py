@@ -398,8 +398,8 @@ def alert_event(s: StepScores, reason: AlertReason, loss_drift: float) -> Event:
         f"and {s.z_loss:.1f} (loss {loss_text}); a loss spike or divergence may follow"
     )
     z = s.z_grad if reason.on_grad_norm else s.z_loss
-    details = {"z": z, "z_grad": s.z_grad, "z_loss": s.z_loss, "grad_norm": s.grad_norm, "loss": s.loss}
-    details.update(loss_drift=loss_drift, rule=reason.rule, layer=s.leading)
+    details: dict[str, Any] = {"z": z, "z_grad": s.z_grad, "z_loss": s.z_loss, "grad_norm": s.grad_norm}
+    details.update(loss=s.loss, loss_drift=loss_drift, rule=reason.rule, layer=s.leading)
     return Event("spike_alert", s.step, message, details)
 
 

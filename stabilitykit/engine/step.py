@@ -133,7 +133,7 @@ class StabilityEngine:
         #: Sampled activation / attention-logit / log Z monitors (``config.monitors``), else None.
         self.monitor: ModelMonitor | None = None
         if model is not None and self.config.monitors is not None:
-            self.monitor = ModelMonitor(model, self.config.monitors, every=self.config.log_every_n_steps or 1)
+            self.monitor = ModelMonitor(model, self.config.monitors)
             self.metric_sources.append(self.monitor)
         self._mark_measure()
 

@@ -38,15 +38,17 @@ SIGNALS = {
 
 
 class ModelMonitor:
-    """Activation, residual, attention-logit and output-logit monitors over ``model``, sampled every ``every`` steps.
+    """Activation, residual, attention-logit and output-logit monitors over ``model``.
 
-    ``every``: the sampling cadence in optimizer steps (the engine passes the logging cadence when
-    ``MonitorConfig.every`` is None). Hooks measure only while the hooked module is in training mode.
+    Sampled on the engine's logging steps when ``MonitorConfig.every`` is None (whatever cadence the
+    driver follows: Lightning and the HF Trainer log after steps n-1, 2n-1, ...), else on the
+    optimizer steps ``0, every, 2 * every, ...``. Hooks measure only while the hooked module is in
+    training mode.
     """
 
-    def __init__(self, model: nn.Module, config: MonitorConfig, every: int) -> None:
+    def __init__(self, model: nn.Module, config: MonitorConfig) -> None:
         self.config = config
-        self.every = int(config.every or every)
+        self.every = config.every
         #: True while the coming forward passes belong to a sampled step.
         self.sampling = False
         self.targets: MonitorTargets = select_targets(model, config.modules)
@@ -114,8 +116,8 @@ class ModelMonitor:
     # ------------------------------------------------------------------ the engine's side
 
     def begin_step(self, step: int, logging: bool) -> None:
-        """The engine's call before step ``step``'s forward passes: sample it when ``step % every == 0``."""
-        self.sampling = step % self.every == 0
+        """The engine's call before step ``step``'s forward passes (``logging``: it is a logging step)."""
+        self.sampling = logging if self.every is None else step % self.every == 0
 
     def stability_metrics(self) -> dict[str, Tensor]:
         """The values measured since the last read (device tensors), emptied: each is read once."""
