@@ -316,3 +316,33 @@ def test_hf_trainer_callback_logs_monitor_metrics(tmp_path: Path) -> None:
     logged = [row for row in trainer.state.log_history if "stability/grad_norm/total" in row]
     assert logged
     assert _keys(GPT2_SIGNALS) <= set(logged[-1]), set(logged[-1])
+
+
+def test_report_draws_the_monitor_panel_and_the_dashboard_charts_the_signals(tmp_path: Path) -> None:
+    from stabilitykit.cli import main
+    from stabilitykit.report_plot import load_run_log, report_figure
+
+    model = tiny_llama()
+    guard = _guard(model, [sk.sinks.JsonlSink(tmp_path / "run.jsonl")], log_every_n_steps=2)
+    _train(guard, model, token_batches(8))
+    guard.close()
+    run = load_run_log(tmp_path / "run.jsonl")
+    assert sorted(run.monitors) == [
+        "monitors/attn_logit_max/model.layers.0.self_attn",
+        "monitors/attn_logit_max/model.layers.1.self_attn",
+        "monitors/log_z/lm_head",
+        "monitors/logits_max/lm_head",
+    ]
+    fig = report_figure(run)
+    panel = next(ax for ax in fig.axes if ax.get_title().startswith("precursors on sampled steps"))
+    labels = {line.get_label() for line in panel.get_lines()}
+    assert "max attention logit: model.layers.1.self_attn" in labels and "log Z (mean): lm_head" in labels
+    assert main(["report", str(tmp_path / "run.jsonl"), "-o", str(tmp_path / "report.png")]) == 0
+
+    pytest.importorskip("wandb_workspaces")
+    workspace = sk.wandb_dashboard("team", "project", monitors=True)
+    section = workspace.sections[-1]
+    assert section.name == "monitors"
+    regexes = [p.metric_regex for p in section.panels if p.metric_regex]
+    assert "^stability/monitors/attn_logit_max/.*" in regexes and "^stability/monitors/log_z/.*" in regexes
+    assert [s.name for s in sk.wandb_dashboard("team", "project").sections][-1] == "update ratio"

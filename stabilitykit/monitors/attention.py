@@ -23,6 +23,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from stabilitykit.monitors.stats import max_attention_logit
@@ -123,12 +124,13 @@ class QKProjProbe(AttentionProbe):
         self._q = self._k = self._rope = None
         if q_out is None or k_out is None:
             return
-        q = self._norm("q_norm", self._split(q_out))
-        k = self._norm("k_norm", self._split(k_out))
-        if rope is not None and self._rotate is not None:
-            cos, sin = rope
-            q, k = self._rotate(q, k, cos, sin)
-        self._emit(q, k)
+        with torch.no_grad():  # a measurement: nothing here joins the graph the loss backpropagates through
+            q = self._norm("q_norm", self._split(q_out))
+            k = self._norm("k_norm", self._split(k_out))
+            if rope is not None and self._rotate is not None:
+                cos, sin = rope
+                q, k = self._rotate(q, k, cos, sin)
+            self._emit(q, k)
 
 
 class FusedQKVProbe(AttentionProbe):

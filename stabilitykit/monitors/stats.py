@@ -24,21 +24,28 @@ def first_tensor(value: Any) -> Tensor | None:
     return first_tensor(to_tuple()) if callable(to_tuple) else None
 
 
+def _max_abs(x: Tensor) -> Tensor:
+    """max |x| from one min/max pass (no |x| tensor is allocated)."""
+    low, high = torch.aminmax(x)
+    return torch.maximum(-low, high).float()
+
+
 def activation_stats(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """RMS over all elements, max |x|, and the mean L2 norm per position (the last dimension: features).
 
-    One pass of squares serves the RMS and the per-position norms; the max is a second reduction.
+    Two reductions over ``x``, neither allocating a tensor of its size: the per-position norms
+    (``vector_norm``, accumulated in float32) give the RMS and the mean norm; ``aminmax`` the max.
     """
     x = x.detach()
-    per_position = x.float().square().sum(dim=-1)
-    rms = (per_position.mean() / max(1, x.shape[-1])).sqrt()
-    return rms, x.abs().amax().float(), per_position.sqrt().mean()
+    norms = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
+    rms = norms.square().mean().div(max(1, x.shape[-1])).sqrt()
+    return rms, _max_abs(x), norms.mean()
 
 
 def logit_stats(logits: Tensor) -> tuple[Tensor, Tensor]:
     """max |logit| and the mean log Z (log-sum-exp over the vocabulary) of output logits (..., vocab)."""
     logits = logits.detach()
-    return logits.abs().amax().float(), torch.logsumexp(logits.float(), dim=-1).mean()
+    return _max_abs(logits), torch.logsumexp(logits.float(), dim=-1).mean()
 
 
 def max_attention_logit(q: Tensor, k: Tensor, scaling: float, causal: bool) -> Tensor:
@@ -47,13 +54,13 @@ def max_attention_logit(q: Tensor, k: Tensor, scaling: float, causal: bool) -> T
     ``q``: (batch, heads, T_q, head_dim); ``k``: (batch, kv_heads, T_k, head_dim) with ``heads`` a
     multiple of ``kv_heads`` (grouped-query attention: each key head serves ``heads // kv_heads``
     query heads, as ``repeat_kv`` does, without copying the keys). Computed in the input's dtype,
-    as the model computes its own logits; positions a causal mask hides count as 0.
+    as the model computes its own logits; positions a causal mask hides count as 0 (the scores
+    are masked in place, then one min/max pass: no other tensor of their size).
     """
     q, k = q.detach(), k.detach()
     b, h, t_q, d = q.shape
     kv = k.shape[1]
     scores = q.reshape(b, kv, h // kv, t_q, d) @ k.unsqueeze(2).transpose(-2, -1)
-    scores = scores.abs()
     if causal:
-        scores = scores.tril(diagonal=k.shape[2] - t_q)
-    return scores.amax().float() * abs(scaling)
+        scores.tril_(diagonal=k.shape[2] - t_q)
+    return _max_abs(scores) * abs(scaling)
