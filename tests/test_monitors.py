@@ -346,3 +346,16 @@ def test_report_draws_the_monitor_panel_and_the_dashboard_charts_the_signals(tmp
     regexes = [p.metric_regex for p in section.panels if p.metric_regex]
     assert "^stability/monitors/attn_logit_max/.*" in regexes and "^stability/monitors/log_z/.*" in regexes
     assert [s.name for s in sk.wandb_dashboard("team", "project").sections][-1] == "update ratio"
+
+
+def test_the_example_warns_on_the_runaway_layer_before_the_loss_moves(tmp_path: Path) -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "monitors.py"
+    spec = importlib.util.spec_from_file_location("monitors_example", path)
+    assert spec and spec.loader
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    result = example.main(["--out", str(tmp_path)])
+    assert [signal for _, signal in result["warnings"]] == ["monitors/attn_logit_max/model.layers.1.self_attn"]
+    assert result["max_logit"][1] > 5 * result["max_logit"][0]
