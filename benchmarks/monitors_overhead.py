@@ -114,7 +114,8 @@ def measure(
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["base"]
     cadence = (med["sampled"] + (CADENCE - 1) * med["unsampled"]) / CADENCE
-    print(f"\n{name}: batch {args.batch}, context {context}, {rounds} rounds, {device}")
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    print(f"\n{name}: batch {args.batch}, context {context}, {rounds} rounds, {device}{threads}")
     print(f"{'arm':<22}{'ms/step':>10}{'vs base':>10}")
     for label, value in [
         ("base", base),
@@ -132,7 +133,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU; 1 on a busy machine)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     measure("HF GPT-2, 4 layers x 256", _gpt2, args.context, args, args.rounds)
     measure("tiny HF Llama, 2 layers x 32", _llama, 16, args, args.rounds * 10)  # ms steps: more rounds
 

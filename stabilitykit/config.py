@@ -394,6 +394,14 @@ class MonitorConfig(_Strict):
     attention: bool = Field(True, description="Largest attention logit of each recognised attention module.")
     logits: bool = Field(True, description="Output logits' max |logit| and mean log Z of the LM head.")
     residual: bool = Field(True, description="Residual-stream norm (mean L2 norm per token) after each block.")
+    log_z_positions: int | None = Field(
+        256,
+        ge=1,
+        description=(
+            "Token positions (evenly spaced) whose log Z is averaged: a log-sum-exp over the whole "
+            "vocabulary at every position costs about as much as the LM head's own matmul. None: all positions."
+        ),
+    )
     precursors: list[Literal["attn_logit_max", "logits_max", "log_z", "act_max", "act_rms", "resid_norm"]] = Field(
         default_factory=lambda: ["attn_logit_max", "logits_max", "log_z"],  # type: ignore[arg-type]
         description=(

@@ -359,3 +359,26 @@ def test_the_example_warns_on_the_runaway_layer_before_the_loss_moves(tmp_path: 
     result = example.main(["--out", str(tmp_path)])
     assert [signal for _, signal in result["warnings"]] == ["monitors/attn_logit_max/model.layers.1.self_attn"]
     assert result["max_logit"][1] > 5 * result["max_logit"][0]
+
+
+def test_device_statistics_against_plain_torch() -> None:
+    from stabilitykit.monitors.stats import activation_stats, logit_stats, max_attention_logit
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 7, 5, generator=gen)
+    rms, top, norm = activation_stats(x)
+    assert float(rms) == pytest.approx(float(x.square().mean().sqrt()), rel=1e-6)
+    assert float(top) == float(x.abs().max())
+    assert float(norm) == pytest.approx(float(x.norm(dim=-1).mean()), rel=1e-6)
+    logits = torch.randn(2, 600, 11, generator=gen) * 3
+    top, log_z = logit_stats(logits)
+    assert float(top) == float(logits.abs().max())
+    assert float(log_z) == pytest.approx(float(torch.logsumexp(logits, -1).mean()), rel=1e-6)
+    _, sampled = logit_stats(logits, positions=100)  # every 12th of the 1200 positions
+    rows = logits.reshape(-1, 11)[::12]
+    assert float(sampled) == pytest.approx(float(torch.logsumexp(rows, -1).mean()), rel=1e-6)
+    q, k = torch.randn(2, 4, 6, 8, generator=gen), torch.randn(2, 2, 6, 8, generator=gen)  # grouped-query
+    full = (q @ k.repeat_interleave(2, dim=1).transpose(-2, -1)).abs() * 0.3
+    assert float(max_attention_logit(q, k, 0.3, causal=False)) == pytest.approx(float(full.max()), rel=1e-6)
+    causal = full.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), 0)
+    assert float(max_attention_logit(q, k, 0.3, causal=True)) == pytest.approx(float(causal.max()), rel=1e-6)

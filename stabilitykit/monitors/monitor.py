@@ -101,7 +101,7 @@ class ModelMonitor:
             logits = first_tensor(output)
             if logits is None or not logits.is_floating_point():
                 return
-            top, log_z = logit_stats(logits)
+            top, log_z = logit_stats(logits, self.config.log_z_positions)
             self.record("logits_max", name, top)
             self.record("log_z", name, log_z)
 

@@ -42,10 +42,18 @@ def activation_stats(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return rms, _max_abs(x), norms.mean()
 
 
-def logit_stats(logits: Tensor) -> tuple[Tensor, Tensor]:
-    """max |logit| and the mean log Z (log-sum-exp over the vocabulary) of output logits (..., vocab)."""
+def logit_stats(logits: Tensor, positions: int | None = None) -> tuple[Tensor, Tensor]:
+    """max |logit| over all output logits (..., vocab), and the mean log Z (log-sum-exp over the
+    vocabulary) over at most ``positions`` evenly spaced token positions (None: all of them).
+
+    The max is one cheap min/max pass; a log-sum-exp costs an exp per logit, about as much as the
+    LM head's matmul, so the mean log Z is estimated from a strided subset of positions.
+    """
     logits = logits.detach()
-    return _max_abs(logits), torch.logsumexp(logits.float(), dim=-1).mean()
+    rows = logits.reshape(-1, logits.shape[-1])
+    if positions is not None and rows.shape[0] > positions:
+        rows = rows[:: rows.shape[0] // positions][:positions]
+    return _max_abs(logits), torch.logsumexp(rows.float(), dim=-1).mean()
 
 
 def max_attention_logit(q: Tensor, k: Tensor, scaling: float, causal: bool) -> Tensor:
