@@ -394,6 +394,13 @@ class MonitorConfig(_Strict):
     attention: bool = Field(True, description="Largest attention logit of each recognised attention module.")
     logits: bool = Field(True, description="Output logits' max |logit| and mean log Z of the LM head.")
     residual: bool = Field(True, description="Residual-stream norm (mean L2 norm per token) after each block.")
+    causal: bool | None = Field(
+        None,
+        description=(
+            "Mask attention logits causally: None follows each attention module's is_causal attribute "
+            "(True without one); False for encoders (ViT, BERT) that do not say."
+        ),
+    )
     log_z_positions: int | None = Field(
         256,
         ge=1,

@@ -382,3 +382,24 @@ def test_device_statistics_against_plain_torch() -> None:
     assert float(max_attention_logit(q, k, 0.3, causal=False)) == pytest.approx(float(full.max()), rel=1e-6)
     causal = full.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), 0)
     assert float(max_attention_logit(q, k, 0.3, causal=True)) == pytest.approx(float(causal.max()), rel=1e-6)
+
+
+def test_a_user_written_attention_with_a_fused_qkv_is_probed_too() -> None:
+    model = sk.testing.tiny_gpt(n_layer=2, n_embd=32, n_head=4)  # CausalSelfAttention: a fused qkv, no HF
+    captured: dict[int, torch.Tensor] = {}
+    for i, block in enumerate(model.blocks):
+        block.attn.qkv.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out.detach()))
+    guard = _guard(model, log_every_n_steps=1, spikes=sk.SpikeConfig(enabled=False))
+    x, y = next(sk.testing.char_batches(batch_size=4, block_size=16))
+    guard.backward(model.loss(x, y))
+    guard.step()
+    metrics = guard.engine.last_host_metrics
+    for i, qkv in captured.items():
+        q, k, _ = (z.unflatten(-1, (4, 8)).transpose(1, 2) for z in qkv.split(32, dim=-1))
+        logits = (q @ k.transpose(-2, -1)).abs() / math.sqrt(8)
+        reference = logits.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), 0).max()
+        assert metrics[f"stability/monitors/attn_logit_max/blocks.{i}.attn"] == pytest.approx(float(reference), rel=1e-5)
+    assert "stability/monitors/resid_norm/blocks.1" in metrics and "stability/monitors/log_z/lm_head" in metrics
+    own = sk.testing.tiny_gpt(n_layer=2, n_embd=32, n_head=4, qk_norm=True)  # QKNormAttention measures itself
+    monitor = _guard(own).engine.monitor
+    assert monitor is not None and monitor.probes == []

@@ -9,11 +9,14 @@ kernel. Recognised layouts:
   the optional per-head ``q_norm`` / ``k_norm``, and the rotary embedding the module receives as its
   ``position_embeddings`` keyword (cos, sin), applied with the model file's own
   ``apply_rotary_pos_emb``;
-* a fused ``c_attn`` child (HF GPT-2): its output split into q, k (and v).
+* separate ``query`` / ``key`` children (HF BERT / ViT style), as above without rotary;
+* a fused ``c_attn`` (HF GPT-2) or ``qkv`` child (timm, nanoGPT-style models): its output split
+  into [q | k | v] along the features.
 
-The scale is the module's own ``scaling`` when it has one (HF sets it, GPT-2's inverse layer index
-included), else ``1/sqrt(head_dim)``. Padding masks and sliding windows are not applied: the
-logits of a causal model are masked causally only.
+The scale is the module's own ``scaling`` (HF sets it, GPT-2's inverse layer index included) or
+``scale`` (timm) when it has one, else ``1/sqrt(head_dim)``. The causal mask follows the module's
+``is_causal`` attribute (True when it has none, or as ``MonitorConfig.causal`` says). Padding
+masks and sliding windows are not applied.
 """
 
 from __future__ import annotations
@@ -36,31 +39,47 @@ Record = Callable[[str, str, Tensor], None]
 Active = Callable[[], bool]
 
 
-def _heads(module: nn.Module) -> tuple[int | None, int | None]:
-    """(number of query heads, head dim) from the module's attributes or its ``config``."""
+def _head_dim(module: nn.Module, q_width: int | None) -> int | None:
+    """The head dim from the module's attributes or its ``config``, else the query width / heads."""
     config = getattr(module, "config", None)
-    heads = getattr(module, "num_heads", None) or getattr(config, "num_attention_heads", None)
     head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)
-    if head_dim is None and heads:
-        hidden = getattr(config, "hidden_size", None)
-        head_dim = hidden // heads if hidden else None
-    return heads, head_dim
+    if isinstance(head_dim, int) and head_dim > 0:
+        return head_dim
+    heads = next(
+        (h for h in (getattr(module, a, None) for a in ("num_heads", "n_head", "n_heads", "num_attention_heads"))
+         if isinstance(h, int) and h > 0),
+        getattr(config, "num_attention_heads", None),
+    )  # fmt: skip
+    if isinstance(heads, int) and heads > 0 and q_width:
+        return q_width // heads
+    return None
 
 
 def _scaling(module: nn.Module, head_dim: int) -> float:
-    scaling = getattr(module, "scaling", None)
-    return float(scaling) if isinstance(scaling, (int, float)) else 1.0 / math.sqrt(head_dim)
+    for attribute in ("scaling", "scale"):
+        scaling = getattr(module, attribute, None)
+        if isinstance(scaling, (int, float)) and not isinstance(scaling, bool):
+            return float(scaling)
+    return 1.0 / math.sqrt(head_dim)
+
+
+def _out_features(module: nn.Module | None) -> int | None:
+    """A projection's output width: ``nn.Linear.out_features`` or GPT-2 ``Conv1D.nf``."""
+    width = getattr(module, "out_features", None) or getattr(module, "nf", None)
+    return int(width) if isinstance(width, int) else None
 
 
 class AttentionProbe:
     """Hooks on one attention module; ``close()`` removes them. Subclasses say where q and k come from."""
 
-    def __init__(self, name: str, module: nn.Module, head_dim: int, active: Active, record: Record) -> None:
+    def __init__(
+        self, name: str, module: nn.Module, head_dim: int, active: Active, record: Record, causal: bool | None
+    ) -> None:
         self.name = name
         self.module = module
         self.head_dim = head_dim
         self.scaling = _scaling(module, head_dim)
-        self.causal = bool(getattr(module, "is_causal", True))
+        self.causal = bool(getattr(module, "is_causal", True)) if causal is None else causal
         self.active = active
         self.record = record
         self.handles: list[Any] = []
@@ -81,15 +100,25 @@ class AttentionProbe:
 
 
 class QKProjProbe(AttentionProbe):
-    """``q_proj`` / ``k_proj`` outputs, per-head norms and the rotary ``position_embeddings`` keyword."""
+    """``q_proj`` / ``k_proj`` (or ``query`` / ``key``) outputs, per-head norms and the rotary
+    ``position_embeddings`` keyword."""
 
-    def __init__(self, name: str, module: nn.Module, head_dim: int, active: Active, record: Record) -> None:
-        super().__init__(name, module, head_dim, active, record)
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        head_dim: int,
+        active: Active,
+        record: Record,
+        causal: bool | None,
+        children: tuple[str, str] = ("q_proj", "k_proj"),
+    ) -> None:
+        super().__init__(name, module, head_dim, active, record, causal)
         self._q: Tensor | None = None
         self._k: Tensor | None = None
         self._rope: Any = None
         self._rotate = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)
-        q_proj, k_proj = module.get_submodule("q_proj"), module.get_submodule("k_proj")
+        q_proj, k_proj = module.get_submodule(children[0]), module.get_submodule(children[1])
         self.handles = [
             module.register_forward_pre_hook(self._enter, with_kwargs=True),
             q_proj.register_forward_hook(self._take_q),
@@ -134,12 +163,22 @@ class QKProjProbe(AttentionProbe):
 
 
 class FusedQKVProbe(AttentionProbe):
-    """GPT-2's ``c_attn``: one projection whose output is [q | k | v] along the features."""
+    """GPT-2's ``c_attn`` or a ``qkv`` projection: one output that is [q | k | v] along the features."""
 
-    def __init__(self, name: str, module: nn.Module, head_dim: int, active: Active, record: Record) -> None:
-        super().__init__(name, module, head_dim, active, record)
-        self.width = int(getattr(module, "split_size", 0) or getattr(module, "embed_dim", 0))
-        self.handles = [module.get_submodule("c_attn").register_forward_hook(self._take)]
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        head_dim: int,
+        active: Active,
+        record: Record,
+        causal: bool | None,
+        child: str = "c_attn",
+    ) -> None:
+        super().__init__(name, module, head_dim, active, record, causal)
+        projection = module.get_submodule(child)
+        self.width = (_out_features(projection) or 0) // 3
+        self.handles = [projection.register_forward_hook(self._take)]
 
     def _take(self, module: nn.Module, args: Any, output: Tensor) -> None:
         if not self.active() or not module.training:
@@ -148,14 +187,28 @@ class FusedQKVProbe(AttentionProbe):
         self._emit(self._split(q), self._split(k))
 
 
-def attention_probe(name: str, module: nn.Module, active: Active, record: Record) -> AttentionProbe | None:
-    """A probe for ``module`` when it is an attention module of a recognised layout, else None."""
-    children = dict(module.named_children())
-    _, head_dim = _heads(module)
-    if head_dim is None:
+def attention_probe(
+    name: str, module: nn.Module, active: Active, record: Record, causal: bool | None = None
+) -> AttentionProbe | None:
+    """A probe for ``module`` when it is an attention module of a recognised layout, else None.
+
+    ``causal``: mask the logits causally (None: the module's ``is_causal``, True without one).
+    Modules that measure themselves (``stability_metrics()``: ``QKNormAttention``) are left alone.
+    """
+    if callable(getattr(module, "stability_metrics", None)):
         return None
-    if "q_proj" in children and "k_proj" in children:
-        return QKProjProbe(name, module, int(head_dim), active, record)
-    if "c_attn" in children and not getattr(module, "is_cross_attention", False):
-        return FusedQKVProbe(name, module, int(head_dim), active, record)
+    children = dict(module.named_children())
+    for q_name, k_name in (("q_proj", "k_proj"), ("query", "key")):
+        if q_name in children and k_name in children:
+            head_dim = _head_dim(module, _out_features(children[q_name]))
+            if head_dim is None:
+                return None
+            return QKProjProbe(name, module, head_dim, active, record, causal, (q_name, k_name))
+    for fused in ("c_attn", "qkv"):
+        width = _out_features(children.get(fused))
+        if width and width % 3 == 0 and not getattr(module, "is_cross_attention", False):
+            head_dim = _head_dim(module, width // 3)
+            if head_dim is None:
+                return None
+            return FusedQKVProbe(name, module, head_dim, active, record, causal, fused)
     return None

@@ -72,7 +72,7 @@ class ModelMonitor:
                 self._handles.append(module.register_forward_hook(hook))
         if cfg.attention:
             for name, module in targets.modules:
-                probe = attention_probe(name, module, self._active, self.record)
+                probe = attention_probe(name, module, self._active, self.record, cfg.causal)
                 if probe is not None:
                     self.probes.append(probe)
         if cfg.logits and targets.head is not None:
