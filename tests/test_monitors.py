@@ -398,7 +398,8 @@ def test_a_user_written_attention_with_a_fused_qkv_is_probed_too() -> None:
         q, k, _ = (z.unflatten(-1, (4, 8)).transpose(1, 2) for z in qkv.split(32, dim=-1))
         logits = (q @ k.transpose(-2, -1)).abs() / math.sqrt(8)
         reference = logits.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), 0).max()
-        assert metrics[f"stability/monitors/attn_logit_max/blocks.{i}.attn"] == pytest.approx(float(reference), rel=1e-5)
+        value = metrics[f"stability/monitors/attn_logit_max/blocks.{i}.attn"]
+        assert value == pytest.approx(float(reference), rel=1e-5)
     assert "stability/monitors/resid_norm/blocks.1" in metrics and "stability/monitors/log_z/lm_head" in metrics
     own = sk.testing.tiny_gpt(n_layer=2, n_embd=32, n_head=4, qk_norm=True)  # QKNormAttention measures itself
     monitor = _guard(own).engine.monitor
