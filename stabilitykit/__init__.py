@@ -16,13 +16,14 @@ from stabilitykit.config import (
     NaNTraceConfig,
     PrecisionConfig,
     QKClipConfig,
+    RecoveryConfig,
     SkipConfig,
     SpikeConfig,
     StabilityConfig,
 )
 from stabilitykit.dashboard import wandb_dashboard
 from stabilitykit.engine import StabilityEngine
-from stabilitykit.events import BadBatchError, Event, TrainingDivergedError
+from stabilitykit.events import BadBatchError, Event, RollbackLimitError, TrainingDivergedError
 from stabilitykit.grads import clip_grad_norm_, grad_norms
 from stabilitykit.guard import StabilityGuard
 from stabilitykit.hooks import HookManager
@@ -48,6 +49,8 @@ __all__ = [
     "PrecisionChoice",
     "PrecisionConfig",
     "QKClipConfig",
+    "RecoveryConfig",
+    "RollbackLimitError",
     "RunSummary",
     "SkipConfig",
     "SpikeConfig",

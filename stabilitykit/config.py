@@ -25,6 +25,7 @@ __all__ = [
     "NaNTraceConfig",
     "PrecisionConfig",
     "QKClipConfig",
+    "RecoveryConfig",
     "SkipConfig",
     "SpikeConfig",
     "StabilityConfig",
@@ -370,9 +371,10 @@ class MonitorConfig(_Strict):
 
     On a sampled step, forward hooks measure on the device: the output RMS and max |x| of the
     selected modules, the residual-stream norm after each block, the largest attention logit of
-    each attention module (HF Llama-style ``q_proj``/``k_proj`` with rotary embeddings, GPT-2's
-    ``c_attn``), and the output logits' max and log Z. The values are read with the logging step's
-    one device-to-host copy; on other steps every hook returns at once.
+    each recognised attention module (``q_proj``/``k_proj`` with rotary embeddings as in HF Llama,
+    ``query``/``key``, a fused ``c_attn`` or ``qkv``), and the output logits' max and log Z. The
+    values are read with the logging step's one device-to-host copy; on other steps every hook
+    returns at once.
     """
 
     every: int | None = Field(
@@ -418,6 +420,66 @@ class MonitorConfig(_Strict):
     )
 
 
+class RecoveryConfig(_Strict):
+    """Rollback past a divergence: a ring of healthy snapshots, restored when a trigger fires, then training goes on.
+
+    Off by default. See the recovery guide for what is restored, what is skipped and what it costs.
+    """
+
+    enabled: bool = Field(False, description="Take snapshots and roll back on a trigger.")
+    snapshot_every: int = Field(
+        100, ge=1, description="Optimizer steps between snapshots (a snapshot is kept only if its step was taken)."
+    )
+    keep: int = Field(2, ge=1, description="Healthy snapshots kept (the ring's depth).")
+    trigger: list[Literal["diverged", "spike_alert", "loss_drift"]] = Field(
+        default_factory=lambda: ["diverged"],  # type: ignore[arg-type]
+        min_length=1,
+        description=(
+            "What rolls back. 'diverged': a run of SkipConfig.max_consecutive skipped steps (instead of raising "
+            "TrainingDivergedError); 'spike_alert': a spike_alert for a jump of the loss or grad norm; "
+            "'loss_drift': a spike_alert of the loss-drift rule (SpikeConfig.loss_drift_alert)."
+        ),
+    )
+    min_lookback: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Restore the newest snapshot taken at least this many steps before the onset (the first skipped "
+            "step of a divergence, the step of an alert)."
+        ),
+    )
+    lr_scale: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="After a rollback, the optimizer steps with its learning rates times this for cooldown_steps.",
+    )
+    cooldown_steps: int = Field(0, ge=0, description="Steps after a rollback that use lr_scale (0: none).")
+    max_rollbacks: int = Field(
+        3, ge=1, description="Rollbacks allowed within `window` steps; one more trigger raises TrainingDivergedError."
+    )
+    window: int = Field(1000, ge=1, description="Steps over which max_rollbacks is counted.")
+    storage: str = Field(
+        "memory",
+        min_length=1,
+        description="'memory': snapshots in host memory; any other value: a directory that holds them as files.",
+    )
+    record_dir: str | None = Field(
+        None,
+        description=(
+            "Directory of skipped_batches.json (the step ranges each rollback skipped). None: the storage "
+            "directory with disk storage, no file with memory storage."
+        ),
+    )
+    restore_rng: bool = Field(
+        False,
+        description=(
+            "Also put back the random generators (torch, CUDA, random, numpy) saved with the snapshot. Off by "
+            "default: a loop that draws its batches from them would then replay the batches it skipped."
+        ),
+    )
+
+
 class StabilityConfig(_Strict):
     """Everything stabilitykit does in one place; each feature has its own section."""
 
@@ -445,6 +507,7 @@ class StabilityConfig(_Strict):
             "(MonitorConfig); None: off."
         ),
     )
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)  # type: ignore[arg-type]
     module_metrics: bool = Field(
         True,
         description=(

@@ -37,6 +37,7 @@ from stabilitykit.nan import (
 )
 from stabilitykit.patching import replace_attribute
 from stabilitykit.precision import PrecisionChoice, apply_precision_config
+from stabilitykit.recovery import Recovery
 from stabilitykit.report import StepReport
 from stabilitykit.run_log import RunSummary
 from stabilitykit.scaler import ScalerAdapter
@@ -115,6 +116,34 @@ def _contradictions(config: StabilityConfig) -> list[str]:
         found.append(
             "stabilitykit: SpikeConfig(per_layer=True) has no effect with GradNormConfig(per_layer=False): no "
             "per-layer norms are measured for it to score. Set GradNormConfig(per_layer=True) (the default)"
+        )
+    found.extend(_recovery_contradictions(config))
+    return found
+
+
+def _recovery_contradictions(config: StabilityConfig) -> list[str]:
+    """Recovery triggers that nothing in the rest of ``config`` can ever fire."""
+    recovery = config.recovery
+    if not recovery.enabled:
+        return []
+    found = []
+    triggers = recovery.trigger
+    skip = config.skip
+    can_skip = skip.nonfinite or config.data.mode == "skip" or skip.spike
+    if "diverged" in triggers and (skip.max_consecutive is None or not can_skip):
+        found.append(
+            "stabilitykit: RecoveryConfig(trigger=['diverged', ...]) never fires without skipped steps and "
+            "SkipConfig(max_consecutive=...): nothing can diverge. Set SkipConfig(max_consecutive=10) (the default)"
+        )
+    if any(t in triggers for t in ("spike_alert", "loss_drift")) and not config.spikes.enabled:
+        found.append(
+            "stabilitykit: RecoveryConfig(trigger=['spike_alert' or 'loss_drift']) never fires with "
+            "SpikeConfig(enabled=False): no spike_alert is raised"
+        )
+    if "loss_drift" in triggers and config.spikes.enabled and config.spikes.loss_drift_alert is None:
+        found.append(
+            "stabilitykit: RecoveryConfig(trigger=['loss_drift']) never fires with SpikeConfig(loss_drift_alert=None) "
+            "(the default): set loss_drift_alert (e.g. 8.0) to run the loss-drift test"
         )
     return found
 
@@ -236,6 +265,20 @@ class DriverCore:
         self._undo: list[Callable[[], None]] = []
         self._routes: dict[int, Callable[[], None]] = {}  # optimizer id -> undo of its routed step
         self._in_closure_step = False
+        #: Rollback past a divergence (``config.recovery``), or None when it is off.
+        self.recovery: Recovery | None = None
+        if self.config.recovery.enabled:
+            self.recovery = Recovery(
+                self.config.recovery,
+                self.engine,
+                model,
+                self.optimizer,
+                self.scaler,
+                self.hooks,
+                guard_state=self._recovery_state,
+                restore_guard=self._recovered,
+            )
+            self._undo.append(self.recovery.close)
         self._trace_for(self.engine.step)
 
     # ------------------------------------------------------------------ micro-batches
@@ -324,6 +367,8 @@ class DriverCore:
             check_supported(self.model, self.optimizer, params)
             self.engine.follow_params(params)
             self._param_count = count
+            if self.recovery is not None:
+                self.recovery.forget()
 
     def _step_creates_state(self) -> bool:
         """A fused step on the device would create optimizer state (a first momentum buffer) for some
@@ -350,6 +395,9 @@ class DriverCore:
         """Run the optimizer step for the step in flight, or skip it (no step in flight: just run it)."""
         if self.decision is None:
             return step_fn()
+        if self.recovery is not None:
+            with self.recovery.scaled_lr():
+                return self.engine.apply(self.decision, step_fn, self.optimizer)
         return self.engine.apply(self.decision, step_fn, self.optimizer)
 
     def should_hold_scheduler(self) -> bool:
@@ -380,7 +428,10 @@ class DriverCore:
         self.should_hold_scheduler()  # decided once per step even when no scheduler asks (schedule_step)
         self._note_state_created(decision)
         try:
-            self.last_report = self.engine.finish(decision, log_step=self._log_step)
+            recovery = self.recovery
+            self.last_report = self.engine.finish(decision, log_step=self._log_step, raise_divergence=recovery is None)
+            if recovery is not None:
+                recovery.after_step(decision)
         finally:
             self._after_step(decision)
         return self.last_report
@@ -420,6 +471,9 @@ class DriverCore:
 
         self._in_closure_step = True
         try:
+            if self.recovery is not None:
+                with self.recovery.scaled_lr():
+                    return step_fn(guarded)
             return step_fn(guarded)
         except _StepSkipped:
             return result
@@ -459,6 +513,26 @@ class DriverCore:
         self._routes[id(target)] = undo
         self._undo.append(undo)
         return undo
+
+    def _recovery_state(self) -> dict[str, Any]:
+        """What a recovery snapshot keeps of this core: the engine's state and the held steps."""
+        return {"engine": self.engine.state_dict(), "held_steps": self.held_steps}
+
+    def _recovered(self, state: dict[str, Any]) -> None:
+        """A rollback restored a snapshot whose core state is ``state``.
+
+        The engine gets the snapshot's statistics while its step count goes on
+        (``StabilityEngine.rewind``); ``schedule_step`` becomes the snapshot's again, as the restored
+        LR schedulers' counts do; the restored buffers are what a later skip puts back.
+        """
+        self.engine.rewind(state["engine"])
+        self.held_steps = int(state["held_steps"]) + self.engine.step - int(state["engine"]["step"])
+        self.buffers.save()
+
+    def track_scheduler(self, scheduler: Any) -> None:
+        """``scheduler`` drives this optimizer: recovery saves and restores it with every snapshot."""
+        if self.recovery is not None:
+            self.recovery.track_scheduler(scheduler)
 
     def hold_scheduler(self, scheduler: Any) -> None:
         """Hold ``scheduler`` on skipped steps (its saved state is never touched) until ``release``."""
@@ -541,7 +615,9 @@ class DriverCore:
 
     def flush(self, final_row: bool = False) -> None:
         """Fold the steps since the last logging step now (one sync); ``final_row``: and log their row."""
-        self.engine.flush(final_row=final_row)
+        rows = self.engine.flush(final_row=final_row)
+        if self.recovery is not None:
+            self.recovery.confirm(rows)
 
     def close(self) -> None:
         """Fold what is left, remove tracing and monitor hooks and every wrapper."""
@@ -555,12 +631,15 @@ class DriverCore:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything that must survive a resume (plain values and small device tensors)."""
-        return {
+        state = {
             "version": STATE_VERSION,
             "engine": self.engine.state_dict(),
             "trace_left": self._trace_left,
             "held_steps": self.held_steps,
         }
+        if self.recovery is not None:
+            state["recovery"] = self.recovery.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned: validated as a whole first, then loaded all at once."""
@@ -574,4 +653,6 @@ class DriverCore:
         self.engine.load_state_dict(engine_state)
         self._trace_left = int(state.get("trace_left", 0))
         self.held_steps = int(state.get("held_steps", 0))
+        if self.recovery is not None and state.get("recovery") is not None:
+            self.recovery.load_state_dict(dict(state["recovery"]))
         self._trace_for(self.engine.step)

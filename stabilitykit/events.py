@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EVENT_KINDS", "BadBatchError", "Event", "TrainingDivergedError"]
+__all__ = ["EVENT_KINDS", "BadBatchError", "Event", "RollbackLimitError", "TrainingDivergedError"]
 
 #: Every event kind the engine emits; ``HookManager.on`` accepts these and ``"*"``.
 EVENT_KINDS = (
@@ -20,6 +20,7 @@ EVENT_KINDS = (
     "fp16_warning",
     "precision",
     "bad_batch",
+    "rollback",
 )
 
 
@@ -53,6 +54,25 @@ class TrainingDivergedError(RuntimeError):
             f"training diverged at step {step}: {consecutive} consecutive steps skipped "
             f"(reason: {reason or 'non-finite'}){where}. Lower the learning rate, enable clipping, "
             "or resume from an earlier checkpoint."
+        )
+
+
+class RollbackLimitError(TrainingDivergedError):
+    """Raised when recovery gives up: a trigger fired after ``max_rollbacks`` rollbacks within ``window`` steps."""
+
+    def __init__(self, step: int, rollbacks: int, window: int, trigger: str) -> None:
+        self.step = step
+        self.consecutive = 0
+        self.layer = None
+        self.reason = "rollback_limit"
+        self.rollbacks = rollbacks
+        self.window = window
+        self.trigger = trigger
+        RuntimeError.__init__(
+            self,
+            f"training diverged at step {step}: {trigger} again after {rollbacks} rollback(s) within {window} "
+            "steps (RecoveryConfig.max_rollbacks). Lower the learning rate, enable clipping, or inspect the "
+            "skipped data ranges (skipped_batches.json).",
         )
 
 

@@ -26,6 +26,7 @@ from stabilitykit.engine import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NaNTracer, NonFiniteRecord
 from stabilitykit.precision import PrecisionChoice
+from stabilitykit.recovery import refuse_several_optimizers
 from stabilitykit.report import StepReport
 from stabilitykit.run_log import RunSummary
 from stabilitykit.sinks.base import Sink
@@ -102,6 +103,7 @@ class StabilityGuard:
         if not self.follows_accumulation:
             _refuse_accumulating(optimizers)
         base = coerce_config(config)
+        refuse_several_optimizers(base.recovery, len(optimizers))
         many = len(optimizers) > 1
         self.cores: list[DriverCore] = []
         for i, opt in enumerate(optimizers):
@@ -129,6 +131,9 @@ class StabilityGuard:
         self.scaler = scaler
         self.schedulers = _as_list(scheduler)
         self.scheduler = scheduler
+        for core in self.cores:
+            for sched in self._schedulers_of(core):
+                core.track_scheduler(sched)  # recovery saves and restores it with each snapshot
         self._pending_losses: list[Tensor] = []  # several optimizers: losses not yet claimed by a step
         # each optimizer's step is routed through its core once, for the guard's life (undone by close())
         self._unroute = [self._route_step(core) for core in self.cores]

@@ -28,6 +28,7 @@ from stabilitykit.engine import StabilityEngine, TrainerAlignedEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NonFiniteRecord
 from stabilitykit.precision import PrecisionChoice
+from stabilitykit.recovery import refuse_several_optimizers
 from stabilitykit.report import StepReport
 from stabilitykit.sinks.base import Sink
 from stabilitykit.state import validate_state
@@ -121,6 +122,7 @@ class StabilityCallback(Callback):
             every = max(1, trainer.log_every_n_steps)  # type: ignore[attr-defined]
             config = config.model_copy(update={"log_every_n_steps": every})
         many = len(trainer.optimizers) > 1
+        refuse_several_optimizers(config.recovery, len(trainer.optimizers))
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         for logger in trainer.loggers:
             if not any(sink is logger for sink in self.hooks.sinks) and not self._wandb_sink_covers(logger):
@@ -146,12 +148,12 @@ class StabilityCallback(Callback):
         for core in self.cores:
             core.wrap_optimizer_step(core.optimizer)
         for sched_cfg in trainer.lr_scheduler_configs:
-            if sched_cfg.interval != "step":
-                continue
             target = unwrap_optimizer(getattr(sched_cfg.scheduler, "optimizer", None))
             for core in self.cores:
                 if target is None or target is core.optimizer:
-                    core.hold_scheduler(sched_cfg.scheduler)
+                    core.track_scheduler(sched_cfg.scheduler)  # recovery restores it (either interval)
+                    if sched_cfg.interval == "step":
+                        core.hold_scheduler(sched_cfg.scheduler)
                     break
 
     def _wandb_sink_covers(self, logger: Any) -> bool:

@@ -32,6 +32,7 @@ _MARKERS = {
     "loss_spike": ("v", "tab:purple", "loss spike"),
     "diverged": ("X", "black", "diverged"),
     "fp16_warning": ("s", "tab:brown", "fp16 warning"),
+    "rollback": ("D", "tab:green", "rollback"),
 }
 #: Series the report draws, by name under the metric prefix.
 _LINES = (

@@ -3,8 +3,9 @@
 Every ``HookManager`` hands each event to an ``EventLog``: skips, data-guard refusals, divergence,
 rollbacks and spike alerts are written at WARNING to the logger ``"stabilitykit"``, on rank zero
 only and rate-limited (the first ``first`` of a run, then at most one per ``every`` steps with the
-count of those left out). Drivers write ``RunSummary.line()`` at INFO when a run ends
-(``guard.close()``, the Lightning callback's fit end, the HF callback's train end).
+count of those left out; a divergence or a rollback is always written). Drivers write
+``RunSummary.line()`` at INFO when a run ends (``guard.close()``, the Lightning callback's fit end,
+the HF callback's train end).
 
 The logger gets a stderr handler of its own unless something already configured one (as Lightning
 and transformers do for theirs); silence it with ``logging.getLogger("stabilitykit").setLevel(...)``.
@@ -30,6 +31,8 @@ if not LOGGER.handlers:
 
 #: Event kinds written to the log (a skip's ``nonfinite`` twin is folded into its ``skipped`` line).
 LOGGED_KINDS = frozenset({"skipped", "bad_batch", "diverged", "rollback", "spike_alert"})
+#: Event kinds never left out by the rate limit (rare, and each one changes the run).
+ALWAYS_LOGGED = frozenset({"diverged", "rollback"})
 
 
 def _rank_zero() -> bool:
@@ -51,7 +54,7 @@ class EventLog:
         if event.kind not in LOGGED_KINDS or not _rank_zero():
             return
         due = self.written < self.first or self._last_step is None or event.step - self._last_step >= self.every
-        if event.kind == "diverged":
+        if event.kind in ALWAYS_LOGGED:
             due = True  # always said
         if not due:
             self.suppressed += 1

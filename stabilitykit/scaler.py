@@ -64,3 +64,23 @@ class ScalerAdapter:
     def scale(self, loss: Tensor) -> Tensor:
         """``scaler.scale(loss)``, or ``loss`` without a scaler."""
         return self.scaler.scale(loss) if self.enabled else loss  # type: ignore[union-attr,no-any-return]
+
+    def state_tensors(self) -> dict[str, Tensor] | None:
+        """The scale and growth tracker as device tensors (no host sync, unlike ``GradScaler.state_dict()``),
+        or None without an enabled scaler or before its first ``scale``."""
+        if not self.enabled:
+            return None
+        scale = getattr(self.scaler, "_scale", None)
+        tracker = getattr(self.scaler, "_growth_tracker", None)
+        if not isinstance(scale, torch.Tensor) or not isinstance(tracker, torch.Tensor):
+            return None
+        return {"scale": scale, "growth_tracker": tracker}
+
+    def load_state_tensors(self, state: dict[str, Tensor]) -> None:
+        """Copy what ``state_tensors`` returned back into the scaler's own tensors."""
+        current = self.state_tensors()
+        if current is None:
+            return
+        with torch.no_grad():
+            for key, value in state.items():
+                current[key].copy_(value)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from stabilitykit.config import SpikeConfig
 
 __all__ = [
+    "DRIFT_RULE",
     "AlertReason",
     "PredictiveDetector",
     "RobustDetector",
@@ -46,6 +47,8 @@ _MIN_STD = 1e-3
 #: Loss-drift CUSUM: the reference z-score subtracted per step and the clamp of each step's term.
 _DRIFT_REFERENCE = 1.0
 _DRIFT_CLAMP = 4.0
+#: The ``rule`` of a spike_alert raised by the loss-drift test (``SpikeConfig.loss_drift_alert``).
+DRIFT_RULE = "loss (climbing over several steps)"
 
 
 def _check_series(state: Mapping[str, Any], keys: Sequence[str], size: int) -> None:
@@ -372,7 +375,7 @@ class AlertReason:
 GRAD_NORM_ALERT = AlertReason("grad norm", "grad norm", on_grad_norm=True)
 LOSS_ALERT = AlertReason("loss", "loss")
 JOINT_ALERT = AlertReason("grad norm and loss", "grad norm and loss")
-DRIFT_ALERT = AlertReason("loss (climbing over several steps)", "loss", climbing=True)
+DRIFT_ALERT = AlertReason(DRIFT_RULE, "loss", climbing=True)
 
 
 def alert_reason(s: StepScores, cfg: SpikeConfig, loss_drift: float) -> AlertReason | None:

@@ -158,11 +158,27 @@ class _Engine(_State):
         return self
 
 
+class _Rollback(_State):
+    at_step: int = Field(ge=0)
+    trigger: str
+    trigger_step: int = Field(ge=0)
+    onset: int
+    restored_step: int = Field(ge=0)
+    skipped_from: int = Field(ge=0)
+    skipped_to: int = Field(ge=0)
+
+
+class _Recovery(_State):
+    rollbacks: list[_Rollback]
+    cooldown_until: int = Field(ge=0)
+
+
 class _Core(_State):
     version: int = Field(ge=1)
     engine: _Engine
     trace_left: int = Field(ge=0, default=0)
     held_steps: int = Field(ge=0, default=0)
+    recovery: _Recovery | None = None  # only with RecoveryConfig(enabled=True)
 
 
 class _Invalid(ValueError):

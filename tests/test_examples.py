@@ -152,3 +152,15 @@ def test_hand_set_lr_example_holds_the_schedule_through_skips(capsys) -> None:
         # the schedule waited once after the skip at step 23 (at once, or at the next logging read when fused)
         assert any(hand[i] == hand[i + 1] for i in range(23, 33))
     assert "identical LRs: True, identical weights: True" in capsys.readouterr().out
+
+
+def test_recovery_example_rolls_back_and_goes_on(tmp_path, capsys) -> None:
+    result = _load("recovery").main(["--steps", "90", "--out", str(tmp_path)])
+    assert len(result["rollbacks"]) == 1
+    record = result["skipped"]["rollbacks"][0]
+    assert record["trigger"] == "diverged" and record["onset"] == 50 and record["restored_step"] == 40
+    assert result["summary"]["steps"] == 90
+    assert all(loss == loss for loss in result["losses"])  # finite again after the rollback
+    _, events = sk.sinks.read_jsonl(tmp_path / "stability.jsonl")
+    assert [e["restored_step"] for e in events if e["event"] == "rollback"] == [40]
+    assert "rollback: rolled back after diverged" in capsys.readouterr().out

@@ -48,5 +48,6 @@ def on_page_markdown(markdown: str, **kwargs: Any) -> str:
         sk.PrecisionConfig,
         sk.QKClipConfig,
         sk.MonitorConfig,
+        sk.RecoveryConfig,
     ]
     return markdown.replace(MARKER, "\n".join(_table(m) for m in models))

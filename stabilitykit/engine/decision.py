@@ -131,6 +131,7 @@ class StepDecision:
     module_metrics: dict[str, float] = field(default_factory=dict)
     signals: dict[str, float] = field(default_factory=dict)  # the module metrics the spike detector watches
     update_metrics: dict[str, float] = field(default_factory=dict)  # update ratio and weight norms (logging steps)
+    divergence: Any = None  # a run of skips that reached max_consecutive, when ``finish`` did not raise it
 
     @property
     def skipped_now(self) -> bool:

@@ -475,10 +475,12 @@ class StabilityEngine:
         """
         return self.ledger.consume_scheduler_hold(decision.skipped_now)
 
-    def finish(self, decision: StepDecision, log_step: int | None = None) -> StepReport:
+    def finish(self, decision: StepDecision, log_step: int | None = None, raise_divergence: bool = True) -> StepReport:
         """Host-side bookkeeping after the step: the ledger, events, sinks, then the divergence check.
 
         ``log_step``: the step number sinks see (a framework's global step); default the engine's.
+        ``raise_divergence=False``: a divergence is left in ``decision.divergence`` for the caller
+        (recovery) instead of being reported and raised; ``report_divergence`` does that.
         """
         step = self.step
         self.step += 1
@@ -489,7 +491,10 @@ class StabilityEngine:
         if decision.logging:
             self._log_metrics(decision, step if log_step is None else log_step)
         if divergence is not None:
-            self._diverged(divergence, raise_error=True)
+            if not raise_divergence:
+                decision.divergence = divergence
+            else:
+                self.report_divergence(divergence, raise_error=True)
         return decision.report
 
     def _fold(self, rows: list[Row], step: int, signals: dict[str, float] | None = None) -> Divergence | None:
@@ -511,29 +516,31 @@ class StabilityEngine:
             first = first or divergence
         return first
 
-    def _diverged(self, divergence: Divergence, raise_error: bool) -> None:
+    def report_divergence(self, divergence: Divergence, raise_error: bool = True) -> None:
+        """Emit the "diverged" event; raise ``TrainingDivergedError`` when ``raise_error``."""
         err = divergence.error()
         details = {"consecutive": divergence.consecutive, "layer": divergence.layer, "reason": divergence.reason}
         self.hooks.emit(Event("diverged", divergence.step, str(err), details))
         if raise_error:
             raise err
 
-    def flush(self, final_row: bool = False) -> None:
+    def flush(self, final_row: bool = False) -> list[Row]:
         """Read and fold the journal now (one sync): counters, detectors and events catch up.
 
         Drivers call it at the end of training and ``summary()`` relies on it. A run of skips that
         reached ``max_consecutive`` is reported as a "diverged" event, not raised. ``final_row``:
         the run is closing, so the steps since the last logging step also get a metrics row (at
-        the newest step's number) in every sink.
+        the newest step's number) in every sink. Returns the rows read.
         """
         if not len(self.journal):
-            return
+            return []
         rows, _ = self.journal.read()
         divergence = self._fold(rows, self.step)
         if final_row and rows:
             self._log_rows(rows[-1], rows[-1].step, None, [])
         if divergence is not None:
-            self._diverged(divergence, raise_error=False)
+            self.report_divergence(divergence, raise_error=False)
+        return rows
 
     def _log_metrics(self, decision: StepDecision, step: int) -> None:
         """The logging step's metrics, from the rows just read, to every sink (names: ``metrics.py``)."""
@@ -594,6 +601,37 @@ class StabilityEngine:
             parts.spike_rule.load_state_dict(state["spike_rule"])
         self.step = int(state["step"])
         self._install(parts)
+        if self.updates is not None:
+            self.updates.reset()
+        self._mark_measure()
+
+    def rewind(self, state: dict[str, Any]) -> None:
+        """A rollback to a snapshot whose engine state is ``state``: its statistics come back, the count goes on.
+
+        The clipping statistics, the skip-on-spike rule and the spike and fp16 monitors are the
+        snapshot's, so nothing learned from the undone steps stays. The step number and the run's
+        counters go on (skips and clips of the undone steps stay counted; the skip streak ends). The
+        journal is read first (one sync), so every row so far is counted once; the snapshot's unread
+        rows were among them, and the scheduler debt is the snapshot's plus the skips among those
+        rows that a fused optimizer's scheduler stepped past. Costs one or two syncs; rollbacks are rare.
+        """
+        rows, _ = self.journal.read()
+        self._fold(rows, self.step)  # count them; a divergence among them is the one being rolled back
+        counters = self.ledger.counters
+        parts = self._fresh_parts()
+        parts.ledger.load_state_dict(state["ledger"])
+        parts.ledger.counters = counters
+        counters.consecutive = 0
+        parts.journal.load_state_dict(state.get("journal", {}))
+        unread, _ = parts.journal.read()  # the snapshot's unread rows: counted above, read here for their debt
+        if self.fused:
+            parts.ledger.scheduler_debt += sum(1 for r in unread if r.skipped and not r.on_time)
+        if parts.clip is not None and state.get("clip"):
+            parts.clip.load_state_dict(state["clip"])
+        if parts.spike_rule is not None and state.get("spike_rule"):
+            parts.spike_rule.load_state_dict(state["spike_rule"])
+        self._install(parts)
+        self.source_hint = None
         if self.updates is not None:
             self.updates.reset()
         self._mark_measure()

@@ -233,9 +233,10 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             core.load_state_dict(from_json(saved, core.engine.device))
         self._global_step = state.global_step
         self._undo.append(route_accelerated_step(core, trainer.optimizer))
+        self._undo.append(core.release)  # its wrappers, hold and recovery (idempotent)
         if trainer.lr_scheduler is not None:
+            core.track_scheduler(trainer.lr_scheduler)  # recovery restores it with each snapshot
             core.hold_scheduler(trainer.lr_scheduler)
-            self._undo.append(core.release)
         self._undo.append(route_attribute(accelerator, "backward", self._backward_route(accelerator)))
         self._undo.append(route_attribute(accelerator, "clip_grad_norm_", self._clip_route(accelerator)))
         self._undo.append(route_attribute(trainer, "log", self._log_route(trainer)))

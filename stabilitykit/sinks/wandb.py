@@ -22,8 +22,8 @@ from stabilitykit.events import Event
 __all__ = ["ALERT_KINDS", "WandbSink", "send_alert"]
 
 #: Event kinds that raise a W&B alert by default.
-ALERT_KINDS = ("spike_alert", "nonfinite", "diverged", "fp16_warning")
-_LEVELS = {"diverged": "ERROR", "nonfinite": "WARN", "spike_alert": "WARN", "fp16_warning": "WARN"}
+ALERT_KINDS = ("spike_alert", "nonfinite", "diverged", "fp16_warning", "rollback")
+_LEVELS = {"diverged": "ERROR", "nonfinite": "WARN", "spike_alert": "WARN", "fp16_warning": "WARN", "rollback": "WARN"}
 _PER_LAYER_FAMILIES = ("grad_norm/", "update_ratio/", "weight_norm/")
 
 

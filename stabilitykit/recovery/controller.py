@@ -1,0 +1,247 @@
+"""Recovery: snapshots on a cadence, triggers, the rollback itself, and the learning rate after it.
+
+The driver core calls ``after_step`` at the end of every optimizer step (after the engine has
+folded what the host read) and runs the optimizer step inside ``scaled_lr()``. In order:
+
+1. pending snapshots are settled by the decisions just read (``store.py``);
+2. a trigger (``RecoveryConfig.trigger``): the engine's divergence (a run of ``max_consecutive``
+   skips, left unraised for us), or a ``spike_alert`` seen on the hook manager since the last step;
+3. a trigger rolls back to the newest confirmed snapshot taken at least ``min_lookback`` steps
+   before its onset: parameters, buffers, optimizer, schedulers, GradScaler and, when asked, the
+   random generators in place (``snapshot.py``), the driver's own state through ``restore_guard``
+   (the core rewinds its engine: ``StabilityEngine.rewind``);
+   a ``rollback`` event names the skipped step range (``record.py``); more than ``max_rollbacks``
+   within ``window`` steps raises ``RollbackLimitError`` (a ``TrainingDivergedError``);
+4. otherwise a snapshot is taken when the step count reaches a multiple of ``snapshot_every``,
+   unless this step is known to be skipped (pending when its decision is still on the device).
+
+The step count goes on after a rollback (loggers need steps that only grow; Lightning and the HF
+Trainer own their global step); the LR schedulers are the snapshot's, so the schedule runs behind
+the step count by the steps undone. Batches keep coming from the driver's loop: those trained on
+in the undone steps are skipped, not replayed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from stabilitykit.config import RecoveryConfig
+from stabilitykit.distributed import is_distributed
+from stabilitykit.engine import StabilityEngine
+from stabilitykit.engine.decision import StepDecision
+from stabilitykit.engine.journal import Row
+from stabilitykit.events import Event, RollbackLimitError
+from stabilitykit.hooks import HookManager
+from stabilitykit.recovery.host_copy import HostCopier
+from stabilitykit.recovery.record import RollbackLog, RollbackRecord
+from stabilitykit.recovery.snapshot import TrainingObjects, restore_snapshot, take_snapshot
+from stabilitykit.recovery.store import SnapshotStore
+from stabilitykit.scaler import ScalerAdapter
+from stabilitykit.spikes import DRIFT_RULE
+
+__all__ = ["Recovery", "refuse_several_optimizers"]
+
+
+def refuse_several_optimizers(config: RecoveryConfig, count: int) -> None:
+    """Recovery restores one optimizer with the model: refuse it, by name, with several optimizers."""
+    if config.enabled and count > 1:
+        raise ValueError(
+            f"RecoveryConfig(enabled=True) supports one optimizer; this run has {count}. A rollback restores "
+            "the model's parameters, which several optimizers would have to agree on; turn recovery off here"
+        )
+
+
+class Recovery:
+    """Rollback for one guarded optimizer (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: RecoveryConfig,
+        engine: StabilityEngine,
+        model: nn.Module | None,
+        optimizer: Any,
+        scaler: ScalerAdapter,
+        hooks: HookManager,
+        guard_state: Callable[[], dict[str, Any]],
+        restore_guard: Callable[[dict[str, Any]], None],
+    ) -> None:
+        """``guard_state``: the driver's own state a snapshot keeps (the engine's included);
+        ``restore_guard``: puts such a state back after a rollback (``DriverCore`` rewinds its engine)."""
+        self.config = config
+        self.engine = engine
+        self.hooks = hooks
+        self._model = model
+        self._guard_state, self._restore_guard = guard_state, restore_guard
+        self.objects = self._objects(optimizer, scaler)
+        self.store = SnapshotStore(config.keep, config.storage, HostCopier())
+        record_dir = config.record_dir
+        if record_dir is None and config.storage != "memory":
+            record_dir = config.storage
+        self.log = RollbackLog(Path(record_dir) if record_dir is not None else None)
+        self.cooldown_until = 0  # steps before this one run with lr_scale
+        self._alert: tuple[str, int] | None = None  # (trigger, step) of the earliest alert since the last step
+        if is_distributed():
+            warnings.warn(
+                "stabilitykit: RecoveryConfig(enabled=True) under torch.distributed is not supported yet: nothing "
+                "checks that every rank holds the same snapshots and rolls back at the same step (alerts are "
+                "raised per rank), and sharded state is untested; see the recovery guide",
+                UserWarning,
+                stacklevel=4,
+            )
+        self._listening = any(t in config.trigger for t in ("spike_alert", "loss_drift"))
+        if self._listening:
+            hooks.on("spike_alert", self._on_alert)
+
+    # ------------------------------------------------------------------ what the driver core calls
+    def track_scheduler(self, scheduler: Any) -> None:
+        """Save and restore ``scheduler`` with every snapshot (snapshots taken before it are dropped)."""
+        if not any(s is scheduler for s in self.objects.schedulers):
+            self.objects.schedulers.append(scheduler)
+            self.store.clear()
+
+    def forget(self) -> None:
+        """The optimizer's parameters changed: snapshots of the old set cannot be restored."""
+        old = self.objects
+        self.objects = self._objects(old.optimizer, old.scaler)
+        self.objects.schedulers = old.schedulers
+        self.store.clear()
+
+    def _objects(self, optimizer: Any, scaler: ScalerAdapter) -> TrainingObjects:
+        return TrainingObjects.build(self._model, optimizer, self.engine.params, scaler, self._guard_state)
+
+    def close(self) -> None:
+        """Stop listening for alerts and drop every snapshot (the driver is done)."""
+        if self._listening:
+            self.hooks.off("spike_alert", self._on_alert)
+            self._listening = False
+        self.store.clear()
+
+    @contextmanager
+    def scaled_lr(self) -> Iterator[None]:
+        """Around the optimizer step: learning rates times ``lr_scale`` during the cooldown after a rollback.
+
+        The param groups hold the scheduler's values again right after the step, so no scheduler
+        ever sees (or compounds) the scaled value.
+        """
+        scale = self.config.lr_scale
+        if scale == 1.0 or self.engine.step >= self.cooldown_until:
+            yield
+            return
+        groups = self.objects.optimizer.param_groups
+        saved = [group["lr"] for group in groups]
+        for group in groups:
+            group["lr"] = group["lr"] * scale
+        try:
+            yield
+        finally:
+            for group, lr in zip(groups, saved, strict=True):
+                group["lr"] = lr
+
+    def confirm(self, rows: Iterable[Row]) -> None:
+        """Journal rows the host has read (outside a step, e.g. a flush): settle pending snapshots."""
+        self.store.confirm((row.step, not row.skipped) for row in rows)
+
+    def after_step(self, decision: StepDecision) -> bool:
+        """The step is over and folded: settle, trigger and roll back, or snapshot. True after a rollback."""
+        self.confirm(decision.rows)
+        trigger = self._trigger(decision)
+        if trigger is not None:
+            return self._roll_back(*trigger, decision)
+        step = self.engine.step  # steps done: a snapshot now holds the state before this step
+        if step % self.config.snapshot_every == 0 and not decision.skipped_now:
+            snapshot = take_snapshot(self.objects, self.store.copier, step, confirmed=not decision.pending)
+            self.store.add(snapshot)
+        return False
+
+    # ------------------------------------------------------------------ triggers
+    def _on_alert(self, event: Event) -> None:
+        trigger = "loss_drift" if event.details.get("rule") == DRIFT_RULE else "spike_alert"
+        if trigger in self.config.trigger and (self._alert is None or event.step < self._alert[1]):
+            self._alert = (trigger, event.step)
+
+    def _trigger(self, decision: StepDecision) -> tuple[str, int, int] | None:
+        """(trigger, its step, onset) of the earliest trigger this step, or None."""
+        found: list[tuple[str, int, int]] = []
+        divergence = decision.divergence
+        if divergence is not None:
+            if "diverged" not in self.config.trigger:
+                self.engine.report_divergence(divergence)  # raises, as without recovery
+            found.append(("diverged", divergence.step, divergence.step - divergence.consecutive + 1))
+        if self._alert is not None:
+            trigger, step = self._alert
+            found.append((trigger, step, step))
+            self._alert = None
+        return min(found, key=lambda t: t[2]) if found else None
+
+    # ------------------------------------------------------------------ the rollback
+    def _roll_back(self, trigger: str, trigger_step: int, onset: int, decision: StepDecision) -> bool:
+        cfg = self.config
+        at_step = self.engine.step - 1  # the step just finished
+        recent = self.log.since(at_step - cfg.window)
+        if recent >= cfg.max_rollbacks:
+            error = RollbackLimitError(at_step, recent, cfg.window, trigger)
+            details = {"reason": "rollback_limit", "rollbacks": recent, "window": cfg.window, "trigger": trigger}
+            self.hooks.emit(Event("diverged", at_step, str(error), details))
+            raise error
+        snapshot = self.store.newest_at_or_before(onset - cfg.min_lookback)
+        if snapshot is None:
+            if decision.divergence is not None:
+                self.engine.report_divergence(decision.divergence)  # nothing to go back to: raise as before
+            return False  # an alert with no snapshot before it stays an alert
+        tree = self.store.load(snapshot)
+        self._restore_guard(restore_snapshot(self.objects, tree, rng=cfg.restore_rng))
+        self._alert = None  # alerts raised while rewinding belong to the undone steps
+        self.store.drop_after(snapshot.step)
+        record = RollbackRecord(
+            at_step=at_step,
+            trigger=trigger,
+            trigger_step=trigger_step,
+            onset=onset,
+            restored_step=snapshot.step,
+            skipped_from=snapshot.step,
+            skipped_to=at_step,
+        )
+        self.log.add(record)
+        self.cooldown_until = self.engine.step + cfg.cooldown_steps
+        self.hooks.emit(self._event(record))
+        return True
+
+    def _event(self, record: RollbackRecord) -> Event:
+        cfg = self.config
+        message = (
+            f"rolled back after {record.trigger} at step {record.trigger_step}: restored the state before step "
+            f"{record.restored_step}; steps {record.skipped_from}..{record.skipped_to} ({record.skipped_steps} "
+            f"step(s)) and their batches are skipped, training goes on at step {record.at_step + 1}"
+        )
+        if cfg.lr_scale != 1.0 and cfg.cooldown_steps:
+            message += f" with the learning rate times {cfg.lr_scale:g} for {cfg.cooldown_steps} step(s)"
+        details: dict[str, Any] = {
+            **record.to_dict(),
+            "rollbacks": len(self.log.records),
+            "lr_scale": cfg.lr_scale,
+            "cooldown_until": self.cooldown_until,
+        }
+        if self.log.path is not None:
+            details["skipped_file"] = str(self.log.path)
+        return Event("rollback", record.at_step, message, details)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def snapshot_bytes(self) -> int:
+        """Host memory held by snapshots now."""
+        return self.store.nbytes
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rollbacks so far and the cooldown (the snapshots themselves are not saved)."""
+        return {"rollbacks": self.log.state_dict(), "cooldown_until": self.cooldown_until}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.log.load_state_dict(list(state.get("rollbacks", [])))
+        self.cooldown_until = int(state.get("cooldown_until", 0))

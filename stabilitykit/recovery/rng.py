@@ -1,0 +1,43 @@
+"""The random generators a snapshot saves: torch (CPU), CUDA (every device), ``random``, numpy.
+
+Reading them costs no host sync: torch keeps the CUDA generators' seed and offset on the host.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+__all__ = ["capture_rng", "restore_rng"]
+
+
+def _numpy() -> Any | None:
+    try:
+        import numpy
+    except ImportError:  # numpy is optional
+        return None
+    return numpy
+
+
+def capture_rng() -> dict[str, Any]:
+    """The state of every generator present now (numpy only when importable, CUDA only when initialized)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    np = _numpy()
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back what ``capture_rng`` returned (generators it did not save are left alone)."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["random"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np = _numpy()
+    if "numpy" in state and np is not None:
+        np.random.set_state(state["numpy"])

@@ -1,0 +1,771 @@
+"""Recovery: snapshots of healthy steps, rollback past a divergence or an alert, training goes on."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import stabilitykit as sk
+from stabilitykit.recovery import SKIPPED_FILE
+from stabilitykit.testing.syncs import count_host_syncs
+from tests.hf_models import tiny_llama, token_batches
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of ``t`` (so -0.0 and 0.0, or two NaN payloads, differ)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+        "opt": {
+            i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+            for i, s in enumerate(opt.state[p] for p in (q for g in opt.param_groups for q in g["params"]))
+        },
+        "lr": [g["lr"] for g in opt.param_groups],
+    }
+
+
+def _assert_bitwise(expected: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    now = _state(model, opt)
+    for section in ("params", "buffers"):
+        for name, value in expected[section].items():
+            assert torch.equal(_bits(value), _bits(now[section][name])), f"{section} {name} differs from the snapshot"
+    assert expected["opt"].keys() == now["opt"].keys()
+    for i, state in expected["opt"].items():
+        assert state.keys() == now["opt"][i].keys(), f"optimizer state keys of parameter {i}"
+        for key, value in state.items():
+            other = now["opt"][i][key]
+            if torch.is_tensor(value):
+                assert torch.equal(_bits(value), _bits(other)), f"optimizer state {i}.{key} differs"
+            else:
+                assert value == other
+    assert expected["lr"] == now["lr"]
+
+
+def _llama_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
+
+
+def _mlp_batches(n: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 8, generator=gen) for _ in range(n)]
+
+
+def _config(**recovery: Any) -> sk.StabilityConfig:
+    settings: dict[str, Any] = {"enabled": True, "snapshot_every": 4, "keep": 2, **recovery}
+    return sk.StabilityConfig(
+        log_every_n_steps=5,
+        skip=sk.SkipConfig(max_consecutive=3),
+        recovery=sk.RecoveryConfig(**settings),
+    )
+
+
+class Recorder:
+    """The training state at the end of every step (keyed by the steps done), and the rollbacks seen.
+
+    At each rollback event it checks, right after the restore, that the parameters, buffers,
+    optimizer state and learning rates equal the restored snapshot's bitwise.
+    """
+
+    def __init__(self, guard: sk.StabilityGuard, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+        self.states: dict[int, dict[str, Any]] = {}
+        self.skipped: set[int] = set()
+        self.rollbacks: list[sk.Event] = []
+        guard.hooks.on("rollback", self.on_rollback)
+
+    def record(self, guard: sk.StabilityGuard, report: sk.StepReport) -> None:
+        self.states[guard.step_count] = _state(self.model, self.opt)
+
+    def on_rollback(self, event: sk.Event) -> None:
+        restored = event.details["restored_step"]
+        _assert_bitwise(self.states[restored], self.model, self.opt)
+        self.rollbacks.append(event)
+
+
+def _run_llama(fused: bool, cfg: sk.StabilityConfig, poison: range, steps: int = 30) -> tuple[Any, Recorder, list]:
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, fused=fused)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+    guard = sk.StabilityGuard(model, opt, cfg, scheduler=sched)
+    recorder = Recorder(guard, model, opt)
+    reports = []
+    for i, batch in enumerate(token_batches(steps)):
+        loss = _llama_loss(model, batch)
+        if i in poison:
+            loss = loss * float("nan")
+        guard.backward(loss)
+        report = guard.step()
+        guard.zero_grad()
+        reports.append(report)
+        recorder.record(guard, report)
+    return guard, recorder, reports
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw_fused"])
+def test_nan_streak_rolls_back_bitwise_and_training_goes_on(fused: bool) -> None:
+    guard, recorder, reports = _run_llama(fused, _config(), poison=range(10, 14))
+    assert len(recorder.rollbacks) == 1
+    event = recorder.rollbacks[0]
+    d = event.details
+    assert d["trigger"] == "diverged" and d["onset"] == 10
+    assert d["restored_step"] == 8  # the newest snapshot at or before the onset (taken every 4 steps)
+    assert d["skipped_from"] == 8 and d["skipped_to"] == event.step
+    assert d["skipped_to"] >= 12  # the third skipped step in a row (a fused optimizer learns of it at a read)
+    assert len(reports) == 30 and guard.step_count == 30  # the loop went on to the end
+    last = [float(r.loss) for r in reports[-5:]]
+    assert all(math.isfinite(v) for v in last)
+    assert all(torch.isfinite(p).all() for p in guard.model.parameters())
+    guard.close()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw_fused"])
+def test_snapshots_of_skipped_steps_are_never_used(fused: bool) -> None:
+    """Snapshots every step: those taken after a skipped step are dropped (pending ones at the next read)."""
+    cfg = _config(snapshot_every=1, keep=50)
+    guard, recorder, reports = _run_llama(fused, cfg, poison=range(10, 14), steps=20)
+    skipped = {r.step for r in reports if bool(r.skipped)}
+    assert skipped >= {10, 11, 12}
+    assert recorder.rollbacks and recorder.rollbacks[0].details["restored_step"] == 10
+    recovery = guard.core.recovery
+    assert recovery is not None
+    guard.core.flush()
+    for snapshot in recovery.store.snapshots:
+        assert snapshot.confirmed
+        assert snapshot.step - 1 not in skipped, f"a snapshot after skipped step {snapshot.step - 1} was kept"
+    guard.close()
+
+
+def test_rollback_limit_raises_training_diverged() -> None:
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = sk.StabilityGuard(model, opt, _config(max_rollbacks=2, window=100))
+    events: list[sk.Event] = []
+    guard.hooks.on("rollback", events.append)
+    with pytest.raises(sk.TrainingDivergedError) as info:
+        for i, x in enumerate(_mlp_batches(60)):
+            loss = model(x).pow(2).mean()
+            if i >= 10:
+                loss = loss * float("nan")  # the run never recovers
+            guard.backward(loss)
+            guard.step()
+            guard.zero_grad()
+    assert isinstance(info.value, sk.RollbackLimitError)
+    assert len(events) == 2 and info.value.rollbacks == 2
+    guard.close()
+
+
+def test_rollback_without_a_snapshot_raises_as_before() -> None:
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = sk.StabilityGuard(model, opt, _config(snapshot_every=50))
+    with pytest.raises(sk.TrainingDivergedError) as info:
+        for i, x in enumerate(_mlp_batches(20)):
+            loss = model(x).pow(2).mean() * (float("nan") if i >= 5 else 1.0)
+            guard.backward(loss)
+            guard.step()
+            guard.zero_grad()
+    assert not isinstance(info.value, sk.RollbackLimitError)
+    guard.close()
+
+
+def test_rollback_is_recorded_in_jsonl_file_and_state(tmp_path: Path) -> None:
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
+    cfg = _config(record_dir=str(tmp_path / "records"))
+    sink = sk.sinks.JsonlSink(tmp_path / "run.jsonl")
+    guard = sk.StabilityGuard(model, opt, cfg, scheduler=sched, sinks=[sink])
+    for i, x in enumerate(_mlp_batches(25)):
+        loss = model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0)
+        guard.backward(loss)
+        guard.step()
+        guard.zero_grad()
+    state = guard.state_dict()
+    guard.close()
+    lines = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    rollbacks = [line for line in lines if line.get("event") == "rollback"]
+    assert len(rollbacks) == 1
+    row = rollbacks[0]
+    assert row["restored_step"] == 8 and row["skipped_from"] == 8 and row["skipped_to"] == row["step"]
+    assert row["skipped_steps"] == row["skipped_to"] - 8 + 1
+    saved = json.loads((tmp_path / "records" / SKIPPED_FILE).read_text())
+    assert saved["rollbacks"][0]["skipped_from"] == 8
+    assert saved["rollbacks"][0]["skipped_to"] == row["skipped_to"]
+    # the rollback count and ranges round-trip through state_dict / load_state_dict
+    assert state["recovery"]["rollbacks"][0]["restored_step"] == 8
+    model2 = _mlp()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2, fused=True)
+    guard2 = sk.StabilityGuard(model2, opt2, cfg)
+    guard2.load_state_dict(state)
+    assert guard2.state_dict()["recovery"] == state["recovery"]
+    guard2.close()
+
+
+def test_disk_storage_rolls_back_bitwise(tmp_path: Path) -> None:
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    guard = sk.StabilityGuard(model, opt, _config(storage=str(tmp_path / "snaps")))
+    recorder = Recorder(guard, model, opt)
+    for i, x in enumerate(_mlp_batches(25)):
+        loss = model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0)
+        guard.backward(loss)
+        recorder.record(guard, guard.step())
+        guard.zero_grad()
+    assert len(recorder.rollbacks) == 1
+    files = sorted(p.name for p in (tmp_path / "snaps").glob("snapshot-*.pt"))
+    assert 1 <= len(files) <= 2  # keep=2 on disk
+    assert (tmp_path / "snaps" / SKIPPED_FILE).exists()  # record_dir defaults to the storage directory
+    guard.close()
+    assert not list((tmp_path / "snaps").glob("snapshot-*.pt"))  # closing drops the snapshots
+
+
+class SpySGD(torch.optim.SGD):
+    """SGD that notes the learning rate each step runs with."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[float] = []
+
+    def step(self, closure: Any = None) -> Any:
+        self.seen.append(self.param_groups[0]["lr"])
+        return super().step(closure)
+
+
+def test_lr_is_scaled_during_the_cooldown_only() -> None:
+    model = _mlp()
+    opt = SpySGD(model.parameters(), lr=0.1)
+    guard = sk.StabilityGuard(model, opt, _config(lr_scale=0.5, cooldown_steps=3))
+    ran: dict[int, float] = {}
+    for i, x in enumerate(_mlp_batches(25)):
+        loss = model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0)
+        guard.backward(loss)
+        report = guard.step()
+        guard.zero_grad()
+        if not bool(report.skipped):
+            ran[report.step] = opt.seen[-1]
+        assert opt.param_groups[0]["lr"] == 0.1  # outside the step: the schedule's value
+    recovery = guard.core.recovery
+    assert recovery is not None and [r.at_step for r in recovery.log.records] == [12]
+    assert ran[13] == ran[14] == ran[15] == pytest.approx(0.05)
+    assert ran[9] == ran[16] == 0.1
+    guard.close()
+
+
+def test_spike_alert_trigger_rolls_back() -> None:
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = sk.StabilityConfig(
+        log_every_n_steps=1,
+        spikes=sk.SpikeConfig(warmup_steps=10),
+        recovery=sk.RecoveryConfig(enabled=True, snapshot_every=5, trigger=["spike_alert"], min_lookback=1),
+    )
+    guard = sk.StabilityGuard(model, opt, cfg)
+    events: list[sk.Event] = []
+    guard.hooks.on("rollback", events.append)
+    for i, x in enumerate(_mlp_batches(40)):
+        loss = model(x).pow(2).mean() * (1e4 if i == 30 else 1.0)
+        guard.backward(loss)
+        guard.step()
+        guard.zero_grad()
+    assert len(events) == 1
+    d = events[0].details
+    assert d["trigger"] == "spike_alert" and d["trigger_step"] == 30
+    assert d["restored_step"] == 25  # newest at or before 30 - min_lookback
+    guard.close()
+
+
+def test_snapshot_step_adds_no_host_sync() -> None:
+    """A fused optimizer between logging steps: taking a (pending) snapshot reads nothing from the device."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    guard = sk.StabilityGuard(model, opt, _config(snapshot_every=4))
+    data = _mlp_batches(10)
+    for x in data[:3]:  # the first step creates optimizer state (a one-time read); step 2 is not a logging step
+        guard.backward(model(x).pow(2).mean())
+        guard.step()
+        guard.zero_grad()
+    x = data[3]
+    loss = model(x).pow(2).mean()
+    with count_host_syncs() as counter:
+        guard.backward(loss)
+        guard.step()  # step 3 ends with 4 steps done: a snapshot, pending until step 5's read
+    assert counter.count == 0, counter.sites
+    recovery = guard.core.recovery
+    assert recovery is not None and [s.step for s in recovery.store.snapshots] == [4]
+    assert not recovery.store.snapshots[0].confirmed
+    guard.zero_grad()
+    for x in data[4:6]:
+        guard.backward(model(x).pow(2).mean())
+        guard.step()
+        guard.zero_grad()
+    assert recovery.store.snapshots[0].confirmed  # step 5 read the journal: step 3 was taken
+    guard.close()
+
+
+def test_recovery_off_keeps_state_and_divergence_as_before() -> None:
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(skip=sk.SkipConfig(max_consecutive=3)))
+    assert guard.core.recovery is None and "recovery" not in guard.state_dict()
+    with pytest.raises(sk.TrainingDivergedError):
+        for x in _mlp_batches(10):
+            guard.backward(model(x).pow(2).mean() * float("nan"))
+            guard.step()
+            guard.zero_grad()
+    guard.close()
+
+
+def test_several_optimizers_are_refused() -> None:
+    model = _mlp()
+    opts = [torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[3].parameters(), lr=0.1)]
+    with pytest.raises(ValueError, match="one optimizer"):
+        sk.StabilityGuard(model, opts, _config())
+
+
+def test_config_is_strict_and_off_by_default() -> None:
+    assert sk.StabilityConfig().recovery.enabled is False
+    with pytest.raises(ValueError, match="snapshot_evry"):
+        sk.RecoveryConfig(snapshot_evry=5)  # type: ignore[call-arg]
+    with pytest.raises(ValueError):
+        sk.RecoveryConfig(trigger=["nan"])  # type: ignore[list-item]
+    with pytest.raises(ValueError):
+        sk.RecoveryConfig(trigger=[])
+
+
+# ---------------------------------------------------------------------------------------------- Lightning
+
+
+class _StatesByStep:
+    """A Lightning callback (listed before StabilityCallback): the state at the end of each global step."""
+
+    def __init__(self) -> None:
+        import lightning.pytorch as pl
+
+        class _Callback(pl.Callback):
+            def on_train_batch_end(inner, trainer, module, outputs, batch, batch_idx) -> None:
+                self.states[trainer.global_step] = _state(module, trainer.optimizers[0])
+
+        self.callback = _Callback()
+        self.states: dict[int, dict[str, Any]] = {}
+        self.rollbacks: list[sk.Event] = []
+        self.module: Any = None
+        self.optimizer: Any = None
+
+    def on_rollback(self, event: sk.Event) -> None:
+        _assert_bitwise(self.states[event.details["restored_step"]], self.module, self.optimizer)
+        self.rollbacks.append(event)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw_fused"])
+def test_lightning_rollback_then_checkpoint_then_resume(tmp_path: Path, fused: bool) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from stabilitykit.lightning import StabilityCallback
+    from stabilitykit.testing.lightning_gpt import GPTModule, gpt_dataloader
+
+    cfg = sk.StabilityConfig(
+        log_every_n_steps=5,
+        skip=sk.SkipConfig(max_consecutive=3),
+        recovery=sk.RecoveryConfig(enabled=True, snapshot_every=5, record_dir=str(tmp_path / "records")),
+    )
+
+    def trainer(max_steps: int, callbacks: list[Any]) -> pl.Trainer:
+        checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1)
+        return pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=max_steps,
+            logger=False,
+            callbacks=[*callbacks, checkpoint],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+
+    states = _StatesByStep()
+    callback = StabilityCallback(cfg)
+    callback.hooks.on("rollback", states.on_rollback)
+    module = GPTModule(fused=fused, poison={12: float("nan"), 13: float("nan"), 14: float("nan")}, scheduler=True)
+    first = trainer(30, [states.callback, callback])
+
+    def keep_refs(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        states.module, states.optimizer = pl_module, trainer.optimizers[0]
+
+    states.callback.on_fit_start = keep_refs  # type: ignore[method-assign]
+    first.fit(module, gpt_dataloader(n_batches=40))
+    assert first.global_step == 30
+    assert len(states.rollbacks) == 1
+    d = states.rollbacks[0].details
+    assert d["restored_step"] == 10 and d["onset"] == 12 and d["skipped_to"] >= 14
+    saved = json.loads((tmp_path / "records" / SKIPPED_FILE).read_text())
+    assert saved["rollbacks"][0]["skipped_from"] == 10
+    # the checkpoint written after the rollback (global step 20) resumes
+    ckpt = tmp_path / "ckpt" / "epoch=0-step=20.ckpt"
+    assert ckpt.exists(), sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    resumed_callback = StabilityCallback(cfg)
+    resumed = trainer(40, [resumed_callback])
+    resumed.fit(GPTModule(fused=fused, scheduler=True), gpt_dataloader(n_batches=40), ckpt_path=str(ckpt))
+    assert resumed.global_step == 40
+    core = resumed_callback.cores[0]
+    assert core.recovery is not None and [r.restored_step for r in core.recovery.log.records] == [10]
+    assert all(torch.isfinite(p).all() for p in resumed.lightning_module.parameters())
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        (sk.StabilityConfig(recovery=sk.RecoveryConfig(enabled=True, trigger=["loss_drift"])), "loss_drift_alert"),
+        (
+            sk.StabilityConfig(skip=sk.SkipConfig(max_consecutive=None), recovery=sk.RecoveryConfig(enabled=True)),
+            "nothing can diverge",
+        ),
+        (
+            sk.StabilityConfig(
+                spikes=sk.SpikeConfig(enabled=False),
+                recovery=sk.RecoveryConfig(enabled=True, trigger=["spike_alert"]),
+            ),
+            "no spike_alert",
+        ),
+    ],
+)
+def test_triggers_that_cannot_fire_warn(config: sk.StabilityConfig, words: str) -> None:
+    model = _mlp()
+    with pytest.warns(UserWarning, match=words):
+        sk.StabilityGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), config).close()
+
+
+# ---------------------------------------------------------------------------------------------- HF Trainer
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_hf_trainer_rollback_then_checkpoint_then_resume(tmp_path: Path, optim: str) -> None:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from stabilitykit.integrations import stabilize
+
+    rows = [{k: v[0] for k, v in batch.items()} for batch in token_batches(160, batch_size=1, seed=3)]
+    poisoned = {6, 7, 8}
+    states: dict[int, dict[str, Any]] = {}
+    rollbacks: list[sk.Event] = []
+
+    class Poison(TrainerCallback):
+        """NaN logits during the optimizer steps that start at the poisoned global steps."""
+
+        def __init__(self, model: nn.Module) -> None:
+            self.active = False
+            model.lm_head.register_forward_hook(lambda m, i, out: out * float("nan") if self.active else None)
+
+        def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            self.active = state.global_step in poisoned
+
+        def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):  # type: ignore[no-untyped-def]
+            self.active = False
+            states[state.global_step] = _state(model, optimizer.optimizer)
+
+    def run(root: Path, max_steps: int, resume: str | None = None) -> tuple[Trainer, Any]:
+        model = tiny_llama()
+        args = TrainingArguments(
+            output_dir=str(root),
+            use_cpu=True,
+            report_to=[],
+            per_device_train_batch_size=4,
+            max_steps=max_steps,
+            learning_rate=1e-2,
+            lr_scheduler_type="linear",
+            logging_steps=3,
+            save_strategy="steps",
+            save_steps=15,
+            seed=0,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            optim=optim,
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[Poison(model)])
+        cfg = sk.StabilityConfig(
+            skip=sk.SkipConfig(max_consecutive=3),
+            recovery=sk.RecoveryConfig(enabled=True, snapshot_every=3),
+        )
+        callback = stabilize(trainer, cfg)
+
+        def check(event: sk.Event) -> None:
+            _assert_bitwise(states[event.details["restored_step"]], model, trainer.optimizer.optimizer)
+            rollbacks.append(event)
+
+        callback.hooks.on("rollback", check)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, callback
+
+    trainer, _ = run(tmp_path, 20)
+    assert trainer.state.global_step == 20 and len(rollbacks) == 1
+    assert rollbacks[0].details["restored_step"] == 6 and rollbacks[0].details["onset"] == 6
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    checkpoint = tmp_path / "checkpoint-15"
+    assert (checkpoint / "trainer_state.json").exists()
+    poisoned.clear()
+    resumed, callback = run(tmp_path, 25, resume=str(checkpoint))
+    assert resumed.state.global_step == 25
+    assert callback.core is not None and callback.core.recovery is not None
+    assert [r.restored_step for r in callback.core.recovery.log.records] == [6]
+
+
+def test_rollback_is_a_warning_log_line_and_a_wandb_alert(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    import wandb
+
+    from stabilitykit.sinks import WandbRunFile, WandbSink
+
+    run = wandb.init(project="stabilitykit-tests", dir=str(tmp_path), mode="offline", reinit="create_new")
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = sk.StabilityGuard(model, opt, _config(), sinks=[WandbSink(run)])
+    with caplog.at_level(logging.WARNING, logger="stabilitykit"):
+        for i, x in enumerate(_mlp_batches(20)):
+            loss = model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0)
+            guard.backward(loss)
+            guard.step()
+            guard.zero_grad()
+    guard.close()
+    run.finish()
+    lines = [r for r in caplog.records if r.levelno == logging.WARNING and "rolled back" in r.getMessage()]
+    assert len(lines) == 1 and "steps 8..12" in lines[0].getMessage()
+    logged = WandbRunFile.read(Path(run.dir).parent)
+    titles = [a["title"] for a in logged.alerts]
+    assert "stabilitykit: rollback at step 12" in titles
+    alert = logged.alerts[titles.index("stabilitykit: rollback at step 12")]
+    assert alert["level"] == "WARN" and "restored the state before step 8" in alert["text"]
+    assert [r["trainer/global_step"] for r in logged.history if "stability/events/rollback" in r] == [12]
+
+
+def test_grad_scaler_and_rng_come_back_with_the_snapshot() -> None:
+    """A streak of bad batches (data guard, mode "skip") under a GradScaler: the scale, its growth
+    tracker and (restore_rng=True) the torch generator are the snapshot's after the rollback."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    cfg = sk.StabilityConfig(
+        log_every_n_steps=5,
+        skip=sk.SkipConfig(max_consecutive=3),
+        data=sk.DataGuardConfig(mode="skip"),
+        recovery=sk.RecoveryConfig(enabled=True, snapshot_every=4, restore_rng=True),
+    )
+    guard = sk.StabilityGuard(model, opt, cfg, scaler=scaler)
+    saved: dict[int, tuple[float, int, torch.Tensor]] = {}
+    seen: list[tuple[sk.Event, float, int, torch.Tensor]] = []
+
+    def on_rollback(event: sk.Event) -> None:
+        seen.append((event, scaler.get_scale(), scaler.state_dict()["_growth_tracker"], torch.get_rng_state()))
+
+    guard.hooks.on("rollback", on_rollback)
+    for i, x in enumerate(_mlp_batches(20)):
+        if 10 <= i < 13:
+            x = x * float("nan")  # a bad batch: skipped by the data guard before its forward
+        guard.check_batch(x)
+        loss = model(x).pow(2).mean()
+        guard.backward(loss)
+        guard.step()
+        guard.zero_grad()
+        saved[guard.step_count] = (scaler.get_scale(), scaler.state_dict()["_growth_tracker"], torch.get_rng_state())
+        torch.rand(1)  # the loop draws from the generator every step
+    assert len(seen) == 1
+    event, scale, tracker, rng = seen[0]
+    restored = event.details["restored_step"]
+    assert event.details["trigger"] == "diverged" and restored == 8
+    assert (scale, tracker) == saved[restored][:2]
+    assert saved[restored][0] != saved[12][0]  # the scale moved after the snapshot: the restore is visible
+    assert torch.equal(rng, saved[restored][2])
+    guard.close()
+
+
+def test_loss_drift_and_spike_alert_are_told_apart() -> None:
+    """Only the alerts of the configured rule roll back (the drift rule is named in the alert's details)."""
+    from stabilitykit.spikes import DRIFT_RULE
+
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = sk.StabilityConfig(
+        log_every_n_steps=1,
+        spikes=sk.SpikeConfig(loss_drift_alert=8.0),
+        recovery=sk.RecoveryConfig(enabled=True, snapshot_every=4, trigger=["loss_drift"]),
+    )
+    guard = sk.StabilityGuard(model, opt, cfg)
+    events: list[sk.Event] = []
+    guard.hooks.on("rollback", events.append)
+    for i, x in enumerate(_mlp_batches(20)):
+        guard.backward(model(x).pow(2).mean())
+        guard.step()
+        guard.zero_grad()
+        if i == 9:  # an alert of another rule: no rollback
+            guard.hooks.emit(sk.Event("spike_alert", 9, "loss jumped", {"rule": "loss"}))
+        if i == 14:  # the drift rule's alert, as the spike monitor raises it
+            guard.hooks.emit(sk.Event("spike_alert", 14, "loss climbed", {"rule": DRIFT_RULE}))
+    assert [(e.details["trigger"], e.details["trigger_step"], e.details["restored_step"]) for e in events] == [
+        ("loss_drift", 14, 12)
+    ]
+    guard.close()
+
+
+def test_schedule_step_follows_the_restored_scheduler() -> None:
+    """``guard.schedule_step`` (for an LR set by hand) is the restored scheduler's count after a rollback."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+    guard = sk.StabilityGuard(model, opt, _config(), scheduler=sched)
+    at_rollback: list[tuple[int, int, int]] = []
+    guard.hooks.on("rollback", lambda e: at_rollback.append((guard.step_count, guard.schedule_step, sched.last_epoch)))
+    for i, x in enumerate(_mlp_batches(20)):
+        guard.backward(model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0))
+        guard.step()
+        guard.zero_grad()
+        assert guard.schedule_step == sched.last_epoch
+    assert at_rollback == [(13, 8, 8)]  # the step count goes on; the schedule is the snapshot's (step 8)
+    guard.close()
+
+
+# ---------------------------------------------------------------------------------------------- Accelerate
+
+
+def test_accelerate_guard_rolls_back_with_accumulation() -> None:
+    """AccelerateGuard (a StabilityGuard) inherits recovery: accumulation over 2 micro-batches, bf16,
+    AcceleratedOptimizer and AcceleratedScheduler restored in place."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from stabilitykit.integrations import AccelerateGuard
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2)
+        model = tiny_llama()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+        guard = AccelerateGuard(accelerator, model, optimizer, _config(), scheduler=scheduler)
+        inner = optimizer.optimizer
+        recorder = Recorder(guard, model, inner)
+        for i, batch in enumerate(token_batches(40, batch_size=2, seed=1)):
+            step = i // 2
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss * (float("nan") if 10 <= step < 13 else 1.0)
+                guard.backward(loss)
+                report = guard.step()
+                guard.zero_grad()
+            if report is not None:
+                recorder.record(guard, report)
+        assert guard.step_count == 20 and len(recorder.rollbacks) == 1
+        assert recorder.rollbacks[0].details["restored_step"] == 8
+        assert scheduler.scheduler.last_epoch < 20 - 3  # the schedule is the snapshot's, behind the step count
+        guard.close()
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def test_fabric_guard_rolls_back() -> None:
+    from lightning.fabric import Fabric
+
+    from stabilitykit.integrations import FabricGuard
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer.optimizer, step_size=2, gamma=0.9)
+    guard = FabricGuard(fabric, model, optimizer, _config(), scheduler=scheduler)
+    recorder = Recorder(guard, model, optimizer.optimizer)
+    for i, x in enumerate(_mlp_batches(20)):
+        guard.backward(model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0))
+        recorder.record(guard, guard.step())
+        guard.zero_grad()
+    assert len(recorder.rollbacks) == 1 and recorder.rollbacks[0].details["restored_step"] == 8
+    assert guard.step_count == 20 and guard.schedule_step == scheduler.last_epoch
+    guard.close()
+
+
+def test_snapshots_and_host_buffers_stay_bounded_over_a_long_run() -> None:
+    """Nothing grows per step: ``keep`` snapshots, a few pending, and a pool of reused host buffers."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = sk.StabilityGuard(model, opt, _config(snapshot_every=2, keep=2))
+    recovery = guard.core.recovery
+    assert recovery is not None
+    held, pooled = [], []
+    data = _mlp_batches(8)
+    for i in range(400):
+        guard.backward(model(data[i % 8]).pow(2).mean())
+        guard.step()
+        guard.zero_grad()
+        held.append(len(recovery.store.snapshots))
+        pooled.append(recovery.store.copier.pooled)
+    assert max(held) <= 2 + 3  # keep, plus the pending ones of one logging interval (5 steps, every 2)
+    assert max(pooled[200:]) == max(pooled[:200])  # the pool stopped growing early
+    per_snapshot = recovery.store.snapshots[-1].nbytes
+    assert recovery.snapshot_bytes <= 5 * per_snapshot
+    guard.close()
+
+
+def test_a_rollback_is_never_left_out_by_the_log_rate_limit(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from stabilitykit.run_log import EventLog
+
+    log = EventLog(first=3, every=100)
+    with caplog.at_level(logging.WARNING, logger="stabilitykit"):
+        for step in range(10):
+            log(sk.Event("skipped", step, f"step {step} skipped: nonfinite_loss"))
+        log(sk.Event("rollback", 10, "rolled back after diverged at step 9"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 4 and messages[-1].startswith("rolled back after diverged")
+
+
+def test_a_param_group_added_mid_run_drops_the_old_snapshots() -> None:
+    """Fine-tuning style: the head trains first, the body joins at step 9. The snapshots of steps 4 and
+    8 hold the old set of parameters, so a divergence right after has nothing to go back to."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model[3].parameters(), lr=1e-2)
+    guard = sk.StabilityGuard(model, opt, _config())
+    recovery = guard.core.recovery
+    assert recovery is not None
+    with pytest.raises(sk.TrainingDivergedError) as info:
+        for i, x in enumerate(_mlp_batches(30)):
+            if i == 9:
+                assert [s.step for s in recovery.store.snapshots] == [4, 8]
+                opt.add_param_group({"params": list(model[0].parameters()), "lr": 1e-3})
+            guard.backward(model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0))
+            guard.step()
+            guard.zero_grad()
+    assert not isinstance(info.value, sk.RollbackLimitError) and info.value.step == 12
+    assert recovery.store.snapshots == []  # step 11 was skipped: no snapshot of the new set yet
+    guard.close()
+
+
+def test_a_param_group_added_mid_run_is_restored_with_the_new_set() -> None:
+    model = _mlp()
+    opt = torch.optim.AdamW(model[3].parameters(), lr=1e-2)
+    guard = sk.StabilityGuard(model, opt, _config())
+    recorder = Recorder(guard, model, opt)
+    for i, x in enumerate(_mlp_batches(30)):
+        if i == 9:
+            opt.add_param_group({"params": list(model[0].parameters()), "lr": 1e-3})
+        guard.backward(model(x).pow(2).mean() * (float("nan") if 14 <= i < 17 else 1.0))
+        recorder.record(guard, guard.step())
+        guard.zero_grad()
+    assert [e.details["restored_step"] for e in recorder.rollbacks] == [12]  # bitwise, both groups
+    guard.close()
