@@ -183,8 +183,8 @@ class FusedQKVProbe(AttentionProbe):
     def _take(self, module: nn.Module, args: Any, output: Tensor) -> None:
         if not self.active() or not module.training:
             return
-        q, k = output[..., : self.width], output[..., self.width : 2 * self.width]
-        self._emit(self._split(q), self._split(k))
+        qkv = output.detach()
+        self._emit(self._split(qkv[..., : self.width]), self._split(qkv[..., self.width : 2 * self.width]))
 
 
 def attention_probe(
