@@ -283,7 +283,9 @@ def test_lightning_callback_logs_monitor_metrics(tmp_path: Path) -> None:
         log_every_n_steps=2,
         callbacks=[StabilityCallback(cfg)],
     )
-    trainer.fit(HFModule(kind="llama", scheduler=None), hf_dataloader(4))
+    module = HFModule(kind="llama", scheduler=None)
+    trainer.fit(module, hf_dataloader(4))
+    assert not [n for n, m in module.named_modules() if m._forward_hooks or m._forward_pre_hooks]  # removed
     rows = list(csv.DictReader((Path(trainer.logger.log_dir) / "metrics.csv").open()))
     logged = {k for row in rows if row.get("stability/monitors/log_z/model.lm_head") for k, v in row.items() if v}
     assert [int(r["step"]) for r in rows if r.get("stability/monitors/log_z/model.lm_head")] == [1, 3]
@@ -310,9 +312,11 @@ def test_hf_trainer_callback_logs_monitor_metrics(tmp_path: Path) -> None:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=rows)
+    model = tiny_gpt2()
+    trainer = Trainer(model=model, args=args, train_dataset=rows)
     stabilize(trainer, sk.StabilityConfig(monitors=sk.MonitorConfig()))
     trainer.train()
+    assert not [n for n, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]  # removed
     logged = [row for row in trainer.state.log_history if "stability/grad_norm/total" in row]
     assert logged
     assert _keys(GPT2_SIGNALS) <= set(logged[-1]), set(logged[-1])
@@ -404,3 +408,21 @@ def test_a_user_written_attention_with_a_fused_qkv_is_probed_too() -> None:
     own = sk.testing.tiny_gpt(n_layer=2, n_embd=32, n_head=4, qk_norm=True)  # QKNormAttention measures itself
     monitor = _guard(own).engine.monitor
     assert monitor is not None and monitor.probes == []
+
+
+def test_sampling_more_often_than_logging_keeps_the_running_max_on_the_device() -> None:
+    model = tiny_llama()
+    model.set_attn_implementation("sk_reference_eager")
+    guard = _guard(model, log_every_n_steps=3, monitors=sk.MonitorConfig(every=1))
+    seen: list[float] = []
+    for step, batch in enumerate(token_batches(7, seed=2)):
+        REFERENCE.clear()
+        with count_host_syncs() as counter:
+            _train(guard, model, [batch])
+        seen.append(REFERENCE[1])
+        ours = [site for site in counter.sites if "/stabilitykit/" in site]  # the reference itself syncs
+        assert len(ours) == (1 if step % 3 == 0 else 0)  # sampled every step, read on logging steps only
+        if step % 3 == 0:
+            value = guard.engine.last_host_metrics["stability/monitors/attn_logit_max/model.layers.1.self_attn"]
+            assert value == pytest.approx(max(seen), rel=1e-5)  # the max over the steps since the last read
+            seen = []
