@@ -634,4 +634,6 @@ class StabilityEngine:
         self.source_hint = None
         if self.updates is not None:
             self.updates.reset()
+        if self.monitor is not None:
+            self.monitor.discard()  # values measured on the undone steps are not the restored model's
         self._mark_measure()

@@ -124,6 +124,10 @@ class ModelMonitor:
         out, self._store = self._store, {}
         return out
 
+    def discard(self) -> None:
+        """Drop the values measured since the last read (a rollback undid the steps they came from)."""
+        self._store = {}
+
     def is_precursor(self, key: str) -> bool:
         """Whether the spike detector's trend warnings should watch ``key`` (``MonitorConfig.precursors``)."""
         parts = key.split("/", 2)
