@@ -426,3 +426,14 @@ def test_sampling_more_often_than_logging_keeps_the_running_max_on_the_device() 
             value = guard.engine.last_host_metrics["stability/monitors/attn_logit_max/model.layers.1.self_attn"]
             assert value == pytest.approx(max(seen), rel=1e-5)  # the max over the steps since the last read
             seen = []
+
+
+def test_two_optimizers_hook_the_model_once() -> None:
+    model = tiny_gpt2()
+    blocks = [p for n, p in model.named_parameters() if n.startswith("transformer.h.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("transformer.h.")]
+    optimizers = [torch.optim.AdamW(blocks, lr=1e-3), torch.optim.AdamW(rest, lr=1e-3)]
+    cfg = sk.StabilityConfig(log_every_n_steps=1, monitors=sk.MonitorConfig())
+    guard = sk.StabilityGuard(model, optimizers, config=cfg, sinks=[sk.sinks.ConsoleSink(stream=io.StringIO())])
+    assert [core.engine.monitor is not None for core in guard.cores] == [True, False]
+    assert len(model.transformer.h[0]._forward_hooks) == 1
