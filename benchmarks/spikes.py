@@ -74,7 +74,7 @@ def ours_alert_stream() -> Flag:
     step = [0]
 
     def flag(x: float) -> bool:
-        events = monitor.update(step[0], x, None, None, False)
+        events = monitor.update(step[0], x, None, None)
         step[0] += 1
         return any(e.kind == "spike_alert" for e in events)
 
@@ -98,7 +98,7 @@ def ours_real(kind: str, signal_every: int = 1, **config: Any) -> Callable[[list
             signals = None
             if step[0] % signal_every == 0:
                 signals = {k: row[k] for k in ("max_attn_logit", "log_z", "update") if k in row}
-            events = monitor.update(step[0], row["grad_norm"], row["loss"], layers, False, signals=signals)
+            events = monitor.update(step[0], row["grad_norm"], row["loss"], layers, signals=signals)
             step[0] += 1
             return any(e.kind == kind for e in events)
 

@@ -21,6 +21,7 @@ __all__ = [
     "DataGuardConfig",
     "Fp16Config",
     "GradNormConfig",
+    "MonitorConfig",
     "NaNTraceConfig",
     "PrecisionConfig",
     "QKClipConfig",
@@ -362,6 +363,63 @@ class QKClipConfig(_Strict):
     )
 
 
+class MonitorConfig(_Strict):
+    """Sampled activation, attention-logit and output-logit monitors for any model.
+
+    Off unless ``StabilityConfig(monitors=MonitorConfig(...))`` is given; hooks are installed once,
+    when the driver starts.
+
+    On a sampled step, forward hooks measure on the device: the output RMS and max |x| of the
+    selected modules, the residual-stream norm after each block, the largest attention logit of
+    each recognised attention module (``q_proj``/``k_proj`` with rotary embeddings as in HF Llama,
+    ``query``/``key``, a fused ``c_attn`` or ``qkv``), and the output logits' max and log Z. The
+    values are read with the logging step's one device-to-host copy; on other steps every hook
+    returns at once.
+    """
+
+    every: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Measure on every n-th optimizer step (None: on logging steps). Values measured between "
+            "logging steps stay on the device until the next logging read (maxima are kept as running maxima)."
+        ),
+    )
+    modules: list[str] | None = Field(
+        None,
+        description=(
+            "Modules whose output RMS and max |x| are measured, as clean names or globs "
+            "('model.layers.*', 'lm_head'). None: each transformer block, the embeddings and the final norm."
+        ),
+    )
+    activations: bool = Field(True, description="Output RMS and max |x| of the selected modules.")
+    attention: bool = Field(True, description="Largest attention logit of each recognised attention module.")
+    logits: bool = Field(True, description="Output logits' max |logit| and mean log Z of the LM head.")
+    residual: bool = Field(True, description="Residual-stream norm (mean L2 norm per token) after each block.")
+    causal: bool | None = Field(
+        None,
+        description=(
+            "Mask attention logits causally: None follows each attention module's is_causal attribute "
+            "(True without one); False for encoders (ViT, BERT) that do not say."
+        ),
+    )
+    log_z_positions: int | None = Field(
+        256,
+        ge=1,
+        description=(
+            "Token positions (evenly spaced) whose log Z is averaged: a log-sum-exp over the whole "
+            "vocabulary at every position costs about as much as the LM head's own matmul. None: all positions."
+        ),
+    )
+    precursors: list[Literal["attn_logit_max", "logits_max", "log_z", "act_max", "act_rms", "resid_norm"]] = Field(
+        default_factory=lambda: ["attn_logit_max", "logits_max", "log_z"],  # type: ignore[arg-type]
+        description=(
+            "Signals fed to the spike detector's trend warnings (SpikeConfig.trend_warning); the others are "
+            "logged only."
+        ),
+    )
+
+
 class RecoveryConfig(_Strict):
     """Rollback past a divergence: a ring of healthy snapshots, restored when a trigger fires, then training goes on.
 
@@ -451,6 +509,13 @@ class StabilityConfig(_Strict):
     fp16: Fp16Config = Field(default_factory=Fp16Config)  # type: ignore[arg-type]
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)  # type: ignore[arg-type]
     qk_clip: QKClipConfig = Field(default_factory=QKClipConfig)  # type: ignore[arg-type]
+    monitors: MonitorConfig | None = Field(
+        None,
+        description=(
+            "Sampled activation / attention-logit / log Z monitors for models we did not write "
+            "(MonitorConfig); None: off."
+        ),
+    )
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)  # type: ignore[arg-type]
     module_metrics: bool = Field(
         True,

@@ -263,6 +263,7 @@ class DriverCore:
         self.tracer: NaNTracer | None = None
         self._trace_left = 0
         self._undo: list[Callable[[], None]] = []
+        self._undo.append(self.engine.close_monitors)  # the monitors' forward hooks (config.monitors)
         self._routes: dict[int, Callable[[], None]] = {}  # optimizer id -> undo of its routed step
         self._in_closure_step = False
         #: Rollback past a divergence (``config.recovery``), or None when it is off.
@@ -621,7 +622,7 @@ class DriverCore:
             self.recovery.confirm(rows)
 
     def close(self) -> None:
-        """Fold what is left, remove tracing hooks and every wrapper."""
+        """Fold what is left, remove tracing hooks and every wrapper (monitor hooks included)."""
         if self.decision is not None:
             self.finish()
         self.engine.flush(final_row=True)

@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["SECTIONS", "wandb_dashboard"]
+__all__ = ["MONITORS_SECTION", "SECTIONS", "wandb_dashboard"]
 
 #: Section names, in order.
 SECTIONS = ("overview", "per-layer grad norms", "precision", "logits and attention", "update ratio")
+#: The section added with ``monitors=True``.
+MONITORS_SECTION = "monitors"
 
 
 def _imports() -> tuple[Any, Any]:
@@ -31,6 +33,7 @@ def wandb_dashboard(
     layers: Sequence[str] | None = None,
     prefix: str = "stability",
     step_metric: str = "trainer/global_step",
+    monitors: bool = False,
 ) -> Any:
     """A ``wandb_workspaces.workspaces.Workspace`` with the stabilitykit sections (``SECTIONS``).
 
@@ -101,5 +104,22 @@ def wandb_dashboard(
     ]
     update_panels += [line(f"update ratio: {layer}", [f"update_ratio/{layer}"], log_y=True) for layer in layers or []]
     updates = ws.Section(name=SECTIONS[4], panels=update_panels)
+    monitor_charts = [
+        ("max attention logit per attention module", "attn_logit_max", True),
+        ("output logits: max |logit|", "logits_max", True),
+        ("output logits: mean log Z", "log_z", False),
+        ("residual-stream norm per block", "resid_norm", True),
+        ("activation RMS per module", "act_rms", True),
+        ("activation max |x| per module", "act_max", True),
+    ]
+    monitor_panels = [
+        wr.LinePlot(title=title, x=step_metric, metric_regex=f"^{prefix}/monitors/{signal}/.*", log_y=log_y or None)
+        for title, signal, log_y in monitor_charts
+    ]
+    monitor_panels.append(
+        line("spike warnings (precursor trends included)", ["events/spike_warning", "spikes/max_trend"])
+    )
     sections = [overview, per_layer, precision, logits, updates]
+    if monitors:
+        sections.append(ws.Section(name=MONITORS_SECTION, is_open=True, panels=monitor_panels))
     return ws.Workspace(entity=entity, project=project, name=name, sections=sections)

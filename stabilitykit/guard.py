@@ -108,8 +108,9 @@ class StabilityGuard:
         self.cores: list[DriverCore] = []
         for i, opt in enumerate(optimizers):
             cfg = base
-            if many:
-                cfg = base.model_copy(update={"metric_prefix": f"{base.metric_prefix}/opt{i}".strip("/")})
+            if many:  # one set of monitor hooks on the model: the first optimizer's core reads it
+                prefix = f"{base.metric_prefix}/opt{i}".strip("/")
+                cfg = base.model_copy(update={"metric_prefix": prefix, "monitors": base.monitors if i == 0 else None})
             first = i == 0
             self.cores.append(
                 DriverCore(

@@ -129,8 +129,11 @@ class StabilityCallback(Callback):
                 self.hooks.add_sink(logger)  # type: ignore[arg-type]  # a Logger has the sink's shape
         for i, optimizer in enumerate(trainer.optimizers):
             cfg = config
-            if many:
-                cfg = config.model_copy(update={"metric_prefix": f"{config.metric_prefix}/opt{i}".strip("/")})
+            if many:  # one set of monitor hooks on the module: the first optimizer's core reads it
+                prefix = f"{config.metric_prefix}/opt{i}".strip("/")
+                cfg = config.model_copy(
+                    update={"metric_prefix": prefix, "monitors": config.monitors if i == 0 else None}
+                )
             core = DriverCore(
                 pl_module,
                 optimizer,

@@ -2,7 +2,9 @@
 
 Panels: loss; total grad norm (log scale) with the clip threshold; the grad-norm z-score with
 the warning line; the update-to-weight ratio, total and per layer, when the run logged it
-(``GradNormConfig(update_ratio=True)``); a per-layer grad-norm heatmap (layers x steps). Skipped steps, spike warnings,
+(``GradNormConfig(update_ratio=True)``); the monitors' precursor signals (max attention logit per
+layer, output logits' max and log Z) when the run logged them (``MonitorConfig``); a per-layer
+grad-norm heatmap (layers x steps). Skipped steps, spike warnings,
 loss spikes and alerts are marked on every line panel. Needs matplotlib (``plots`` extra).
 
 The log is read one line at a time into a bounded number of step bins per series (min, max and
@@ -44,6 +46,8 @@ _LINES = (
     "skipped/total",
     "update_ratio",
 )
+#: Monitor signals the report draws (``monitors/<signal>/<module>``): the precursors.
+_MONITOR_SIGNALS = ("attn_logit_max", "logits_max", "log_z")
 #: The rule-of-thumb update/weight ratio per step drawn as a reference line (Adam-style optimizers).
 _RATIO_GUIDE = 1e-3
 _ANCHOR = "grad_norm/total"  # every metric row of the guard holds it: it tells the prefix
@@ -169,6 +173,8 @@ class RunLog:
     layers: dict[str, _Bins] = field(default_factory=dict)
     #: per-layer update/weight ratios (``update_ratio/<layer>``), when the run logged them
     update_layers: dict[str, _Bins] = field(default_factory=dict)
+    #: monitor signals (``monitors/<signal>/<module>`` without the prefix), when the run logged them
+    monitors: dict[str, _Bins] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
     n_rows: int = 0
     first_step: int | None = None
@@ -188,9 +194,14 @@ class RunLog:
         """The run logged the update/weight ratio (total or per layer)."""
         return "update_ratio" in self.lines or bool(self.update_layers)
 
+    @property
+    def has_monitors(self) -> bool:
+        """The run logged monitor precursors (max attention logit, output logits' max, log Z)."""
+        return bool(self.monitors)
+
     def all_bins(self) -> list[_Bins]:
         """Every series' bins."""
-        return [*self.lines.values(), *self.layers.values(), *self.update_layers.values()]
+        return [*self.lines.values(), *self.layers.values(), *self.update_layers.values(), *self.monitors.values()]
 
     @property
     def binned(self) -> bool:
@@ -228,6 +239,8 @@ class _Builder:
             return self.log.layers.setdefault(name[len("grad_norm/") :], _Bins(max(2, self.bins // 4)))
         if name.startswith("update_ratio/"):
             return self.log.update_layers.setdefault(name[len("update_ratio/") :], _Bins(max(2, self.bins // 4)))
+        if name.startswith("monitors/") and name.split("/")[1] in _MONITOR_SIGNALS:
+            return self.log.monitors.setdefault(name, _Bins(max(2, self.bins // 4)))
         return None
 
     def add_row(self, row: dict[str, Any], step: int) -> None:
@@ -454,23 +467,27 @@ def report_figure(log: str | os.PathLike[str] | RunLog, title: str | None = None
     """The report as a matplotlib ``Figure`` (not registered with pyplot, so no backend is touched).
 
     Panels, top to bottom, each drawn by its own function: loss, grad norm, z-score, the update
-    ratio (when logged), the per-layer heatmap (when per-layer norms were logged); event marks on
-    every line panel.
+    ratio (when logged), the monitor precursors (when logged), the per-layer heatmap (when
+    per-layer norms were logged); event marks on every line panel.
     """
     from matplotlib.figure import Figure
 
     run = log if isinstance(log, RunLog) else load_run_log(log, prefix)
     layers = run.layer_names()
     updates = run.has_update_ratio
-    fig = Figure(figsize=(12, 9 + (4 if layers else 0) + (3.5 if updates else 0)))
-    axes = fig.subplots(3 + updates + bool(layers), 1, sharex=False)
+    monitors = run.has_monitors
+    fig = Figure(figsize=(12, 9 + (4 if layers else 0) + (3.5 if updates else 0) + (3.5 if monitors else 0)))
+    axes = fig.subplots(3 + updates + monitors + bool(layers), 1, sharex=False)
     line_axes = [axes[0], axes[1], axes[2]]
     _panel_loss(axes[0], run)
     _panel_grad_norm(axes[1], run)
     _panel_z_score(axes[2], run)
     if updates:
-        line_axes.append(axes[3])
-        _plot_update_ratio(axes[3], run)
+        line_axes.append(axes[len(line_axes)])
+        _plot_update_ratio(line_axes[-1], run)
+    if monitors:
+        line_axes.append(axes[len(line_axes)])
+        _panel_monitors(line_axes[-1], run)
     _panel_events(line_axes, run)
     for ax in line_axes:
         _step_axis(ax, run)
@@ -537,6 +554,32 @@ def _panel_z_score(ax: Any, run: RunLog) -> None:
     ax.axhline(z_warning, color="tab:red", lw=0.8, ls="--", label=f"warning (z = {z_warning:g})")
     ax.set_ylabel("grad-norm z-score")
     ax.legend(loc="upper right", fontsize=8)
+
+
+def _panel_monitors(ax: Any, run: RunLog) -> None:
+    """The monitors' precursors (log scale): the max attention logit of each attention module (first
+    purple, last yellow), the output logits' max |logit| (black) and mean log Z (gray, dashed)."""
+    from matplotlib import colormaps
+
+    attention = sorted(name for name in run.monitors if name.startswith("monitors/attn_logit_max/"))
+    cmap = colormaps["viridis"]
+    for i, name in enumerate(attention):
+        module = name.split("/", 2)[2]
+        label = f"max attention logit: {module}" if len(attention) <= 8 else None
+        color = cmap(i / max(1, len(attention) - 1))
+        _plot_series(ax, run.monitors[name], True, color=color, lw=0.9, label=label)
+    for name, bins in run.monitors.items():
+        signal, module = name.split("/", 2)[1:]
+        if signal == "logits_max":
+            _plot_series(ax, bins, True, color="black", lw=1.2, label=f"max |logit|: {module}")
+        elif signal == "log_z":
+            _plot_series(ax, bins, True, color="gray", lw=1.2, ls="--", label=f"log Z (mean): {module}")
+    ax.set_yscale("log")
+    _plain_log_ticks(ax)
+    ax.set_ylabel("monitors")
+    many = f"; {len(attention)} attention modules, purple (first) to yellow (last)" if len(attention) > 8 else ""
+    ax.set_title(f"precursors on sampled steps: attention logits, output logits, log Z{many}", fontsize=8)
+    ax.legend(loc="upper left", fontsize=7, ncol=2)
 
 
 def _panel_events(line_axes: list[Any], run: RunLog) -> None:

@@ -12,8 +12,10 @@ This costs nothing on the step path and scores every step, not only logging step
 from __future__ import annotations
 
 import math
+import warnings
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from stabilitykit.events import Event
@@ -21,7 +23,20 @@ from stabilitykit.events import Event
 if TYPE_CHECKING:
     from stabilitykit.config import SpikeConfig
 
-__all__ = ["DRIFT_RULE", "PredictiveDetector", "RobustDetector", "SpikeMonitor", "SpikeScore", "TrendDetector"]
+__all__ = [
+    "DRIFT_RULE",
+    "AlertReason",
+    "PredictiveDetector",
+    "RobustDetector",
+    "SpikeMonitor",
+    "SpikeScore",
+    "StepScores",
+    "TrendDetector",
+    "alert_event",
+    "alert_reason",
+    "loss_spike_rule",
+    "warning_rule",
+]
 
 #: |residual| EMA * 1.2533 estimates the standard deviation of a normal residual.
 _ABS_TO_STD = 1.2533
@@ -310,6 +325,87 @@ class SpikeScore:
         self.values = deque((float(v) for v in state["values"]), maxlen=self.window)
 
 
+@dataclass(frozen=True)
+class StepScores:
+    """What the rules of one step read: the step's values and their scores."""
+
+    step: int
+    grad_norm: float
+    loss: float | None
+    z_grad: float
+    z_loss: float
+    leading: str | None  # the layer whose z-score reached z_warning (per_layer), else None
+    trend_name: str | None  # the precursor that crossed trend_warning at this step (the largest), else None
+    trend_growth: float  # its growth in log units (0 without one)
+
+
+def warning_rule(s: StepScores, cfg: SpikeConfig) -> Event | None:
+    """``spike_warning``: the grad norm's z-score, else a layer's, else a precursor's trend crossing."""
+    where = f"; largest layer z-score: {s.leading}" if s.leading else ""
+    details = {"z": s.z_grad, "grad_norm": s.grad_norm, "layer": s.leading}
+    if s.z_grad >= cfg.z_warning or s.leading is not None:
+        signal = "grad_norm" if s.z_grad >= cfg.z_warning else f"layer {s.leading}"
+        message = f"grad-norm z-score {s.z_grad:.1f} at step {s.step} (warning at {cfg.z_warning}){where}"
+        return Event("spike_warning", s.step, message, {**details, "signal": signal})
+    if s.trend_name is not None and s.trend_growth >= cfg.trend_warning:
+        message = f"{s.trend_name} grew {math.exp(s.trend_growth):.1f}x over its long-run level at step {s.step}"
+        return Event("spike_warning", s.step, message, {**details, "signal": s.trend_name})
+    return None
+
+
+def loss_spike_rule(s: StepScores, cfg: SpikeConfig) -> Event | None:
+    """``loss_spike``: the loss's z-score reaches ``z_spike`` (kept for existing hooks)."""
+    if s.z_loss < cfg.z_spike:
+        return None
+    message = f"loss z-score {s.z_loss:.1f} at step {s.step} (spike at {cfg.z_spike})"
+    return Event("loss_spike", s.step, message, {"z": s.z_loss, "loss": s.loss})
+
+
+@dataclass(frozen=True)
+class AlertReason:
+    """Why a step alerts: ``rule`` (the event's ``details["rule"]``), the words that open its message,
+    whether the loss climbed over several steps (rather than jumped), and which z-score it reports."""
+
+    rule: str
+    subject: str
+    climbing: bool = False
+    on_grad_norm: bool = False
+
+
+GRAD_NORM_ALERT = AlertReason("grad norm", "grad norm", on_grad_norm=True)
+LOSS_ALERT = AlertReason("loss", "loss")
+JOINT_ALERT = AlertReason("grad norm and loss", "grad norm and loss")
+DRIFT_ALERT = AlertReason(DRIFT_RULE, "loss", climbing=True)
+
+
+def alert_reason(s: StepScores, cfg: SpikeConfig, loss_drift: float) -> AlertReason | None:
+    """The four-way alert rule: without a loss, the grad norm alone; with one, the loss alone, then
+    both together, then (opt-in) the loss's CUSUM. None: no alert at this step."""
+    if s.loss is None:
+        return GRAD_NORM_ALERT if s.z_grad >= cfg.z_alert else None
+    if s.z_loss >= cfg.z_loss_alert:
+        return LOSS_ALERT
+    if min(s.z_grad, s.z_loss) >= cfg.z_joint:
+        return JOINT_ALERT
+    if cfg.loss_drift_alert is not None and loss_drift >= cfg.loss_drift_alert:
+        return DRIFT_ALERT
+    return None
+
+
+def alert_event(s: StepScores, reason: AlertReason, loss_drift: float) -> Event:
+    """The ``spike_alert`` event of ``reason`` at this step."""
+    verb = f"climbed (cumulative excess {loss_drift:.1f})" if reason.climbing else "jumped"
+    loss_text = "n/a" if s.loss is None else f"{s.loss:.4g}"
+    message = (
+        f"{reason.subject} {verb} at step {s.step}: z-scores {s.z_grad:.1f} (grad norm {s.grad_norm:.3g}) "
+        f"and {s.z_loss:.1f} (loss {loss_text}); a loss spike or divergence may follow"
+    )
+    z = s.z_grad if reason.on_grad_norm else s.z_loss
+    details: dict[str, Any] = {"z": z, "z_grad": s.z_grad, "z_loss": s.z_loss, "grad_norm": s.grad_norm}
+    details.update(loss=s.loss, loss_drift=loss_drift, rule=reason.rule, layer=s.leading)
+    return Event("spike_alert", s.step, message, details)
+
+
 class SpikeMonitor:
     """Early warning over journal rows: a *warning* for the dashboard, an *alert* to page a person.
 
@@ -317,18 +413,18 @@ class SpikeMonitor:
     steps included) with host floats, and ``metrics()`` on logging steps. Everything it keeps
     round-trips through ``state_dict``.
 
-    * ``spike_warning`` (frequent, cheap to ignore): the total grad norm's one-step-ahead z-score
-      reaches ``z_warning``, a layer's reaches it (``per_layer``), or a precursor signal passed in
-      ``signals`` (max attention logit, log Z, update size) crosses ``trend_warning`` (log units of
-      growth over its long-run level; once per crossing).
-    * ``spike_alert`` (rare): with a loss, the grad norm and the loss jump together (both z-scores
-      reach ``z_joint``) or the loss alone reaches ``z_loss_alert``; a grad-norm jump the loss does
-      not share is a one-batch outlier and only warns. Without a loss (``loss=None``), the grad
-      norm's z-score reaching ``z_alert`` alerts. Opt-in (``loss_drift_alert``): a CUSUM of the
-      loss z-score (``max(0, S + min(z, 4) - 1)``) reaching the threshold alerts on a loss that
+    * ``spike_warning`` (frequent, cheap to ignore; ``warning_rule``): the total grad norm's
+      one-step-ahead z-score reaches ``z_warning``, a layer's reaches it (``per_layer``), or a
+      precursor signal passed in ``signals`` (max attention logit, log Z, update size) crosses
+      ``trend_warning`` (log units of growth over its long-run level; once per crossing).
+    * ``spike_alert`` (rare; ``alert_reason``): with a loss, the grad norm and the loss jump together
+      (both z-scores reach ``z_joint``) or the loss alone reaches ``z_loss_alert``; a grad-norm jump
+      the loss does not share is a one-batch outlier and only warns. Without a loss (``loss=None``),
+      the grad norm's z-score reaching ``z_alert`` alerts. Opt-in (``loss_drift_alert``): a CUSUM of
+      the loss z-score (``max(0, S + min(z, 4) - 1)``) reaching the threshold alerts on a loss that
       climbs over several steps. At most one per ``alert_cooldown`` steps. Only alerts are meant
       for ``run.alert``.
-    * ``loss_spike``: the loss's z-score reaches ``z_spike`` (kept for existing hooks).
+    * ``loss_spike`` (``loss_spike_rule``): the loss's z-score reaches ``z_spike`` (kept for existing hooks).
 
     Both z-scores come from ``PredictiveDetector`` (log space, autocorrelation-aware, robust
     scale). Non-finite values are never ingested, so the monitor is never blind after a NaN.
@@ -362,31 +458,59 @@ class SpikeMonitor:
         grad_norm: float,
         loss: float | None,
         layer_norms: Sequence[float] | None,
-        skipped: bool,
+        *legacy: Any,
         signals: Mapping[str, float] | None = None,
     ) -> list[Event]:
         """Score one step; the events it raises (``spike_warning``, ``spike_alert``, ``loss_spike``).
 
         ``signals``: optional precursors measured at this step, by name (e.g.
         ``{"attention/max_logit": 31.0, "log_z": 6.2, "update_rms": 1e-3}``); a missing or
-        non-finite one is simply not scored.
+        non-finite one is simply not scored. ``legacy``: the former ``skipped`` flag, which was never
+        used; still accepted in its place, with a ``DeprecationWarning``.
         """
+        if legacy:
+            warnings.warn(
+                "SpikeMonitor.update no longer takes `skipped` (it was unused); drop the argument",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         cfg = self.config
         z_grad, z_loss = self.detector.update([grad_norm, math.nan if loss is None else loss])
         self.last_z = (z_grad, z_loss)
         self.max_z_grad_recent = max(self.max_z_grad_recent, z_grad)
         self.max_z_loss_recent = max(self.max_z_loss_recent, z_loss)
         self.spike_score.update(grad_norm)
-        leading: str | None = None
-        layer_top = 0.0
-        if self.layer_detector is not None and layer_norms is not None:
-            layer_z = self.layer_detector.update(layer_norms)
-            if layer_z:
-                top = max(range(len(layer_z)), key=layer_z.__getitem__)
-                layer_top = layer_z[top]
-                if layer_top >= cfg.z_warning:
-                    leading = self.layer_names[top]
-        trend_name, trend_top = None, 0.0
+        leading = self._leading_layer(layer_norms)
+        trend_name, trend_growth = self._trend_crossing(step, signals)
+        self.max_trend_recent = max(self.max_trend_recent, trend_growth)
+        scores = StepScores(step, grad_norm, loss, z_grad, z_loss, leading, trend_name, trend_growth)
+        events = [e for e in (warning_rule(scores, cfg), loss_spike_rule(scores, cfg)) if e is not None]
+        if loss is not None:
+            self.loss_drift = max(0.0, self.loss_drift + min(z_loss, _DRIFT_CLAMP) - _DRIFT_REFERENCE)
+        reason = alert_reason(scores, cfg, self.loss_drift)
+        if reason is not None:
+            if self.last_alert_step is None or step - self.last_alert_step >= cfg.alert_cooldown:
+                events.append(alert_event(scores, reason, self.loss_drift))
+                self.last_alert_step = step
+                self.alerts += 1
+            self.loss_drift = 0.0  # this excursion is alerted (or inside the cooldown of its alert)
+        return events
+
+    def _leading_layer(self, layer_norms: Sequence[float] | None) -> str | None:
+        """The layer with the largest z-score when it reaches ``z_warning`` (``per_layer``), else None."""
+        if self.layer_detector is None or layer_norms is None:
+            return None
+        layer_z = self.layer_detector.update(layer_norms)
+        if not layer_z:
+            return None
+        top = max(range(len(layer_z)), key=layer_z.__getitem__)
+        return self.layer_names[top] if layer_z[top] >= self.config.z_warning else None
+
+    def _trend_crossing(self, step: int, signals: Mapping[str, float] | None) -> tuple[str | None, float]:
+        """Fold each precursor into its trend; the one that crossed ``trend_warning`` now with the
+        largest growth, and that growth ((None, 0.0) when none crossed)."""
+        cfg = self.config
+        name_top, growth_top = None, 0.0
         for name, value in (signals or {}).items():
             detector = self.trends.get(name)
             if detector is None:
@@ -396,57 +520,9 @@ class SpikeMonitor:
                 self.trend_high.discard(name)
             elif name not in self.trend_high:
                 self.trend_high.add(name)
-                if growth > trend_top:
-                    trend_name, trend_top = name, growth
-        self.max_trend_recent = max(self.max_trend_recent, trend_top)
-        events: list[Event] = []
-        warn_signal = None
-        if z_grad >= cfg.z_warning:
-            warn_signal = "grad_norm"
-        elif leading is not None:
-            warn_signal = f"layer {leading}"
-        elif trend_name is not None and trend_top >= cfg.trend_warning:
-            warn_signal = trend_name
-        if warn_signal is not None:
-            where = f"; largest layer z-score: {leading}" if leading else ""
-            if warn_signal == trend_name:
-                message = f"{trend_name} grew {math.exp(trend_top):.1f}x over its long-run level at step {step}"
-            else:
-                message = f"grad-norm z-score {z_grad:.1f} at step {step} (warning at {cfg.z_warning}){where}"
-            details = {"z": z_grad, "grad_norm": grad_norm, "layer": leading, "signal": warn_signal}
-            events.append(Event("spike_warning", step, message, details))
-        if z_loss >= cfg.z_spike:
-            message = f"loss z-score {z_loss:.1f} at step {step} (spike at {cfg.z_spike})"
-            events.append(Event("loss_spike", step, message, {"z": z_loss, "loss": loss}))
-        cooled = self.last_alert_step is None or step - self.last_alert_step >= cfg.alert_cooldown
-        if loss is not None:
-            self.loss_drift = max(0.0, self.loss_drift + min(z_loss, _DRIFT_CLAMP) - _DRIFT_REFERENCE)
-        if loss is None:
-            why = "grad norm" if z_grad >= cfg.z_alert else None
-        elif z_loss >= cfg.z_loss_alert:
-            why = "loss"
-        elif min(z_grad, z_loss) >= cfg.z_joint:
-            why = "grad norm and loss"
-        elif cfg.loss_drift_alert is not None and self.loss_drift >= cfg.loss_drift_alert:
-            why = DRIFT_RULE
-        else:
-            why = None
-        if cooled and why is not None:
-            verb = f"climbed (cumulative excess {self.loss_drift:.1f})" if why.startswith("loss (") else "jumped"
-            message = (
-                f"{why.split(' (')[0]} {verb} at step {step}: z-scores {z_grad:.1f} (grad norm {grad_norm:.3g}) "
-                f"and {z_loss:.1f} (loss {'n/a' if loss is None else f'{loss:.4g}'}); a loss spike or divergence "
-                "may follow"
-            )
-            z = z_grad if why == "grad norm" else z_loss
-            details = {"z": z, "z_grad": z_grad, "z_loss": z_loss, "grad_norm": grad_norm, "loss": loss}
-            details.update(loss_drift=self.loss_drift, rule=why, layer=leading)
-            events.append(Event("spike_alert", step, message, details))
-            self.last_alert_step = step
-            self.alerts += 1
-        if why is not None:
-            self.loss_drift = 0.0  # this excursion is alerted (or inside the cooldown of its alert)
-        return events
+                if growth > growth_top:
+                    name_top, growth_top = name, growth
+        return name_top, growth_top
 
     def metrics(self) -> dict[str, float]:
         """The logging step's spike metrics (names without the metric prefix); starts a new interval."""

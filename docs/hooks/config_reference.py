@@ -47,6 +47,7 @@ def on_page_markdown(markdown: str, **kwargs: Any) -> str:
         sk.Fp16Config,
         sk.PrecisionConfig,
         sk.QKClipConfig,
+        sk.MonitorConfig,
         sk.RecoveryConfig,
     ]
     return markdown.replace(MARKER, "\n".join(_table(m) for m in models))

@@ -134,6 +134,7 @@ class StepDecision:
     rows: list[Any] = field(default_factory=list)  # journal rows the host read during this step
     loss_scale: float | None = None
     module_metrics: dict[str, float] = field(default_factory=dict)
+    signals: dict[str, float] = field(default_factory=dict)  # the module metrics the spike detector watches
     update_metrics: dict[str, float] = field(default_factory=dict)  # update ratio and weight norms (logging steps)
     divergence: Any = None  # a run of skips that reached max_consecutive, when ``finish`` did not raise it
 

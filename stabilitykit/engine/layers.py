@@ -16,7 +16,15 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-__all__ = ["LayerMap", "build_layer_map", "clean_name", "layer_names_for", "unwrap_model", "user_name"]
+__all__ = [
+    "LayerMap",
+    "build_layer_map",
+    "clean_name",
+    "find_blocks",
+    "layer_names_for",
+    "unwrap_model",
+    "user_name",
+]
 
 #: Path parts that wrappers insert between a model and its own modules.
 _WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
@@ -74,6 +82,15 @@ def _block_prefix(module_names: Sequence[tuple[str, nn.Module]]) -> str | None:
         if best is None or key > best[0]:
             best = (key, name)
     return None if best is None else best[1]
+
+
+def find_blocks(model: nn.Module) -> str | None:
+    """The clean path of ``model``'s block list (``model.layers`` in an HF Llama), None without one.
+
+    The same rule that groups parameters into layers: the largest ModuleList/Sequential whose
+    children share one type. ``model`` may be wrapped (DDP, FSDP1, ``torch.compile``).
+    """
+    return _block_prefix([(clean_name(n), m) for n, m in unwrap_model(model).named_modules()])
 
 
 def _auto_layer(name: str, blocks: str | None) -> str:

@@ -136,7 +136,7 @@ class Ledger:
             c.max_norm_recent = max(c.max_norm_recent, row.total)
         if self.spikes is not None:
             layers = row.layers if self.layer_names and len(row.layers) == len(self.layer_names) else None
-            events.extend(self.spikes.update(row.step, row.total, row.loss, layers, row.skipped, signals=signals))
+            events.extend(self.spikes.update(row.step, row.total, row.loss, layers, signals=signals))
         row.folded = True
         return events, divergence
 

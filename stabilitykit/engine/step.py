@@ -61,6 +61,7 @@ from stabilitykit.engine.updates import UpdateMonitor
 from stabilitykit.events import Event
 from stabilitykit.grads import GradNormPlan, NormResult, apply_clip_coefficient, clip_coefficient
 from stabilitykit.hooks import HookManager
+from stabilitykit.monitors import ModelMonitor
 from stabilitykit.nn.qk_clip import QKClip
 from stabilitykit.report import StepReport
 from stabilitykit.spike_skip import SpikeSkipRule
@@ -129,6 +130,11 @@ class StabilityEngine:
         self.qk_clip = QKClip.from_config(self.config.qk_clip, model, self.params)
         if self.qk_clip is not None and self.config.module_metrics:
             self.metric_sources.append(self.qk_clip)
+        #: Sampled activation / attention-logit / log Z monitors (``config.monitors``), else None.
+        self.monitor: ModelMonitor | None = None
+        if model is not None and self.config.monitors is not None:
+            self.monitor = ModelMonitor(model, self.config.monitors)
+            self.metric_sources.append(self.monitor)
         self._mark_measure()
 
     def _bind_params(self, params: Sequence[nn.Parameter | Tensor]) -> None:
@@ -403,8 +409,10 @@ class StabilityEngine:
         """Copy the journal rows since the last read to the host: the logging step's one sync."""
         names: list[str] = []
         extras: list[Tensor] = []
+        quiet: set[str] = set()  # module metrics logged only, not watched by the spike detector
         if decision.logging:
-            for key, value in self._module_metrics().items():
+            metrics, quiet = self._module_metrics()
+            for key, value in metrics.items():
                 names.append(key)
                 extras.append(value)
         if loss_scale is not None:
@@ -420,25 +428,40 @@ class StabilityEngine:
         values = dict(zip(names, tail[: len(names)], strict=True))
         decision.loss_scale = values.pop("scaler/scale", None)
         decision.module_metrics = values
+        decision.signals = {k: v for k, v in values.items() if k not in quiet}
         decision.rows.extend(rows)
         if rows and rows[-1].step == decision.report.step and decision.pending:
             decision.settle(rows[-1].code)
 
-    def _module_metrics(self) -> dict[str, Tensor]:
-        """Device tensors from ``stability_metrics()`` modules; a key several modules share keeps the max."""
+    def _module_metrics(self) -> tuple[dict[str, Tensor], set[str]]:
+        """Device tensors from ``stability_metrics()`` sources (a key several share keeps the max), and
+        the keys that are not precursors (a source's ``is_precursor(key)`` said no): logged, not scored."""
         merged: dict[str, list[Tensor]] = {}
+        quiet: set[str] = set()
         for module in self.metric_sources:
+            is_precursor = getattr(module, "is_precursor", None)
             for key, value in module.stability_metrics().items():
                 if value is not None:
                     merged.setdefault(key, []).append(value.detach().float().reshape(()))
-        return {k: v[0] if len(v) == 1 else torch.stack(v).amax() for k, v in merged.items()}
+                    if is_precursor is not None and not is_precursor(key):
+                        quiet.add(key)
+        return {k: v[0] if len(v) == 1 else torch.stack(v).amax() for k, v in merged.items()}, quiet
 
     def _mark_measure(self) -> None:
-        """Tell measuring modules whether the coming step is a logging step."""
+        """Tell measuring sources about the coming step: ``begin_step(step, logging)`` where they have
+        it (monitors sample on their own cadence), else ``measure_metrics = logging``."""
         logging = self.is_logging_step()
         for module in self.metric_sources:
-            if hasattr(module, "measure_metrics"):
+            begin_step = getattr(module, "begin_step", None)
+            if callable(begin_step):
+                begin_step(self.step, logging)
+            elif hasattr(module, "measure_metrics"):
                 module.measure_metrics = logging
+
+    def close_monitors(self) -> None:
+        """Remove the monitors' hooks from the model (a driver calls it when training ends)."""
+        if self.monitor is not None:
+            self.monitor.close()
 
     def open_step(self, decision: StepDecision, optimizer: Any | None = None) -> StepGate:
         """The gate around the optimizer step (``gate.py``): no step when ``skip_now``; ``close()`` after."""
@@ -471,7 +494,7 @@ class StabilityEngine:
         if self.updates is not None:
             self.updates.measure()  # after the optimizer step: this step's update, if it was snapshotted
         self._mark_measure()
-        divergence = self._fold(decision.rows, step, decision.module_metrics)
+        divergence = self._fold(decision.rows, step, decision.signals)
         if decision.logging:
             self._log_metrics(decision, step if log_step is None else log_step)
         if divergence is not None:
@@ -618,4 +641,6 @@ class StabilityEngine:
         self.source_hint = None
         if self.updates is not None:
             self.updates.reset()
+        if self.monitor is not None:
+            self.monitor.discard()  # values measured on the undone steps are not the restored model's
         self._mark_measure()

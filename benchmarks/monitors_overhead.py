@@ -1,0 +1,145 @@
+"""What the monitors (``MonitorConfig``) cost per training step. Prints milliseconds and ratios.
+
+    python benchmarks/monitors_overhead.py [--rounds 20] [--batch 4] [--context 256] [--device cpu]
+
+Models: a 4-layer, 256-wide HF GPT-2 (4 heads, vocabulary 8192) at context 256, and a tiny HF Llama
+(2 layers, 32 wide, the test suite's ``tiny_llama``) at context 16. Arms, run interleaved in one
+process (round-robin, same batch, each its own copy of the same weights), every one a whole step
+(forward, backward, ``guard.step()`` with fused AdamW, ``zero_grad``) with no logging step inside
+the timed region (the tiny Llama gets ten times the rounds: its steps take milliseconds):
+
+* ``base``: the guard without monitors; ``base_again``: the same on another copy (the noise floor);
+* ``sampled``: the guard with ``MonitorConfig()``, the step sampled (every hook measures);
+* ``unsampled``: the same guard on a step that is not sampled (every hook returns at once).
+
+``default cadence`` is the mean over a logging interval of 10 steps (``log_every_n_steps=10``, one
+sampled step and nine others). This is a script, not a test: timings depend on the machine; the
+ratios are what to compare (medians over rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import stabilitykit as sk
+
+CADENCE = 10
+
+
+def _gpt2(context: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=8192, n_positions=context, n_embd=256, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0
+    )
+    config.attn_pdrop = config.resid_pdrop = config.embd_pdrop = 0.0
+    return GPT2LMHeadModel(config)
+
+
+def _llama(context: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _arm(model: torch.nn.Module, monitors: bool, sampled: bool, batch: dict[str, torch.Tensor]) -> Callable[[], None]:
+    """One whole training step of ``model`` under a guard; the monitor's sampling is set by hand."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    cfg = sk.StabilityConfig(
+        log_every_n_steps=10**9,  # step 0 logs (untimed warm-up); no timed step does
+        monitors=sk.MonitorConfig() if monitors else None,
+        precision=sk.PrecisionConfig(report_choice=False),
+    )
+    guard = sk.StabilityGuard(model, opt, config=cfg, sinks=[sk.sinks.ConsoleSink(stream=io.StringIO())])
+    monitor = guard.cores[0].engine.monitor
+
+    def step() -> None:
+        if monitor is not None:
+            monitor.sampling = sampled  # what begin_step decides at a sampled / unsampled step
+        guard.backward(model(**batch).loss)
+        guard.step()
+        guard.zero_grad()
+        if monitor is not None:
+            monitor.stability_metrics()  # what the logging read takes (drops the device values)
+
+    return step
+
+
+def _time(fn: Callable[[], None], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure(
+    name: str, make: Callable[[int], torch.nn.Module], context: int, args: argparse.Namespace, rounds: int
+) -> None:
+    device = torch.device(args.device)
+    base_model = make(context).to(device)
+    vocab = base_model.config.vocab_size
+    ids = torch.randint(0, vocab, (args.batch, context), generator=torch.Generator().manual_seed(0)).to(device)
+    batch = {"input_ids": ids, "labels": ids}
+    arms = {
+        "base": _arm(copy.deepcopy(base_model), False, False, batch),
+        "base_again": _arm(copy.deepcopy(base_model), False, False, batch),
+        "sampled": _arm(copy.deepcopy(base_model), True, True, batch),
+        "unsampled": _arm(copy.deepcopy(base_model), True, False, batch),
+    }
+    for fn in arms.values():  # warm-up: the logging step 0, allocator, kernels
+        for _ in range(2):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for _ in range(rounds):
+        for key, fn in arms.items():
+            times[key].append(_time(fn, device))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    base = med["base"]
+    cadence = (med["sampled"] + (CADENCE - 1) * med["unsampled"]) / CADENCE
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    print(f"\n{name}: batch {args.batch}, context {context}, {rounds} rounds, {device}{threads}")
+    print(f"{'arm':<22}{'ms/step':>10}{'vs base':>10}")
+    for label, value in [
+        ("base", base),
+        ("base again (noise)", med["base_again"]),
+        ("sampled step", med["sampled"]),
+        ("unsampled step", med["unsampled"]),
+        (f"default cadence ({CADENCE})", cadence),
+    ]:
+        print(f"{label:<22}{value * 1e3:>10.2f}{(value / base - 1) * 100:>+9.1f}%")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU; 1 on a busy machine)")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    measure("HF GPT-2, 4 layers x 256", _gpt2, args.context, args, args.rounds)
+    measure("tiny HF Llama, 2 layers x 32", _llama, 16, args, args.rounds * 10)  # ms steps: more rounds
+
+
+if __name__ == "__main__":
+    main()
