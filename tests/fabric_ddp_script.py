@@ -80,6 +80,11 @@ def main() -> None:
     result["resume_exact"] = all(torch.equal(a, b.detach()) for a, b in zip(first, model.parameters(), strict=True))
     result["skipped_after_resume"] = guard.skipped_total
     (out / f"rank{rank}.json").write_text(json.dumps(result))
+    guard.close()
+    # An orderly teardown: a gloo process group left to the interpreter's exit can abort it
+    # ("terminate called without an active exception") while its threads are still running.
+    fabric.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -92,8 +92,10 @@ def _kill_and_resume(ctx: Any, workdir: Path, sig: signal.Signals, delay: float,
     rows = _check_lines(workdir / "run.jsonl")
     rewinds = [j for j in range(1, len(rows)) if rows[j]["step"] <= rows[j - 1]["step"]]
     resumed_rows = [r for r in rows[rewinds[-1] if rewinds else 0 :] if r["step"] >= (saved or 0)]
-    # every logging step, then close()'s final row for the steps after the last one
-    assert [r["step"] for r in resumed_rows] == [*range(saved or 0, STEPS, 2), STEPS - 1]
+    # every logging step, then close()'s final row for the steps after the last one (none when the
+    # checkpoint was the run's last step: the resumed run has no step left to take)
+    final_row = [STEPS - 1] if (saved or 0) < STEPS else []
+    assert [r["step"] for r in resumed_rows] == [*range(saved or 0, STEPS, 2), *final_row]
     for row in resumed_rows:  # the resumed segment logs what the uninterrupted run logged
         ref = reference["rows"][row["step"]]
         assert row["stability/skipped/total"] == ref["stability/skipped/total"], (workdir, row["step"])
