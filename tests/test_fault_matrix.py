@@ -49,6 +49,7 @@ def test_fault_matrix_subset(world: int, tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed_matrix
+@pytest.mark.timeout(5600)  # longer than the suite's 300 s: the 4-process matrix runs for several minutes
 @pytest.mark.skipif(not FULL, reason="the whole fault matrix runs with STABILITYKIT_FULL_MATRIX=1")
 @pytest.mark.parametrize("world", [2, 4])
 def test_fault_matrix_every_cell(world: int, tmp_path: Path) -> None:
