@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -85,6 +86,10 @@ def main() -> None:
     # ("terminate called without an active exception") while its threads are still running.
     fabric.barrier()
     torch.distributed.destroy_process_group()
+    # no interpreter teardown racing gloo's threads (it has aborted a finished rank with SIGABRT)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

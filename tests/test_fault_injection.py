@@ -82,7 +82,11 @@ def _kill_and_resume(ctx: Any, workdir: Path, sig: signal.Signals, delay: float,
     ckpt = workdir / "ckpt.pt"
     saved = torch.load(ckpt, weights_only=False)["step"] if ckpt.exists() else None
 
-    assert _run(ctx, workdir, script.resume_and_draw, (str(workdir), STEPS)) == 0
+    code = _run(ctx, workdir, script.resume_and_draw, (str(workdir), STEPS))
+    # 255 is multiprocessing's "could not read the exit status from the forkserver" (the child's own
+    # status never got through, seen once in many runs). The resume's work is then judged by what it
+    # wrote: the report is its last act, and everything below checks its results.
+    assert code == 0 or (code == 255 and (workdir / "report.png").exists()), code
     result = json.loads((workdir / "result.json").read_text())
     assert result["resumed_from"] == saved
     if saved is not None:  # the restored guard counts exactly what happened before the checkpoint
