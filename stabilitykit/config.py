@@ -526,6 +526,11 @@ class StabilityConfig(_Strict):
     )
     metric_prefix: str = Field("stability", description="Prefix of every logged metric name.")
 
+    @property
+    def can_skip(self) -> bool:
+        """Whether anything in this configuration can ever skip a step (the same on every rank)."""
+        return self.skip.nonfinite or self.data.mode == "skip" or self.skip.spike
+
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> StabilityConfig:
         """Build a config from a plain mapping (parsed YAML/JSON)."""

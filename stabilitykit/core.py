@@ -11,6 +11,7 @@ step is over.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 import warnings
@@ -88,8 +89,7 @@ def _contradictions(config: StabilityConfig) -> list[str]:
     """One message per setting the rest of ``config`` makes ineffective."""
     found = []
     skip, clip, data = config.skip, config.clip, config.data
-    can_skip = skip.nonfinite or data.mode == "skip" or skip.spike
-    if "max_consecutive" in skip.model_fields_set and skip.max_consecutive is not None and not can_skip:
+    if "max_consecutive" in skip.model_fields_set and skip.max_consecutive is not None and not config.can_skip:
         found.append(
             "stabilitykit: SkipConfig(max_consecutive=...) has no effect with SkipConfig(nonfinite=False) and no "
             "other skip source (DataGuardConfig(mode='skip')): nothing is ever skipped, so nothing can diverge"
@@ -128,9 +128,7 @@ def _recovery_contradictions(config: StabilityConfig) -> list[str]:
         return []
     found = []
     triggers = recovery.trigger
-    skip = config.skip
-    can_skip = skip.nonfinite or config.data.mode == "skip" or skip.spike
-    if "diverged" in triggers and (skip.max_consecutive is None or not can_skip):
+    if "diverged" in triggers and (config.skip.max_consecutive is None or not config.can_skip):
         found.append(
             "stabilitykit: RecoveryConfig(trigger=['diverged', ...]) never fires without skipped steps and "
             "SkipConfig(max_consecutive=...): nothing can diverge. Set SkipConfig(max_consecutive=10) (the default)"
@@ -238,7 +236,6 @@ class DriverCore:
         self._param_count = self._count_params()
         self._state_checked: tuple[int, tuple[bool, ...]] | None = None
         self._state_before: tuple[int, tuple[bool, ...]] | None = None  # the key of a host-decided step
-        self._applied_without_state: tuple[int, tuple[bool, ...]] | None = None
         self.hooks = hooks or HookManager()
         self.scaler = ScalerAdapter(scaler)
         self.engine = engine_cls(
@@ -384,9 +381,6 @@ class DriverCore:
         key = (len(state), self.engine.plan.present)
         if key == self._state_checked:
             return False
-        if key == self._applied_without_state:  # a step was applied and created nothing: it never will
-            self._state_checked = key
-            return False
         creates = any(p.grad is not None and not state.get(p) for p in self.engine.params)
         if not creates:
             self._state_checked = key
@@ -397,10 +391,12 @@ class DriverCore:
         """Run the optimizer step for the step in flight, or skip it (no step in flight: just run it)."""
         if self.decision is None:
             return step_fn()
-        if self.recovery is not None:
-            with self.recovery.scaled_lr():
-                return self.engine.apply(self.decision, step_fn, self.optimizer)
-        return self.engine.apply(self.decision, step_fn, self.optimizer)
+        with self._recovery_lr():
+            return self.engine.apply(self.decision, step_fn, self.optimizer)
+
+    def _recovery_lr(self) -> contextlib.AbstractContextManager[Any]:
+        """Around the optimizer step: the LR scaled during a rollback's cooldown (nothing without recovery)."""
+        return self.recovery.scaled_lr() if self.recovery is not None else contextlib.nullcontext()
 
     def should_hold_scheduler(self) -> bool:
         """True when LR schedulers must not advance this step; decided once per step, whoever asks."""
@@ -444,8 +440,8 @@ class DriverCore:
         if before is None or decision.pending or decision.skipped_now:
             return
         after = (len(self.optimizer.state), self.engine.plan.present)
-        if after == before:
-            self._applied_without_state = after
+        if after == before:  # applied and created nothing: it never will, so the check is settled
+            self._state_checked = after
 
     # ------------------------------------------------------------------ wrapping framework objects
     def run_closure_step(self, step_fn: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any]) -> Any:
@@ -473,10 +469,8 @@ class DriverCore:
 
         self._in_closure_step = True
         try:
-            if self.recovery is not None:
-                with self.recovery.scaled_lr():
-                    return step_fn(guarded)
-            return step_fn(guarded)
+            with self._recovery_lr():
+                return step_fn(guarded)
         except _StepSkipped:
             return result
         finally:

@@ -114,7 +114,7 @@ class StabilityEngine:
         self.step = 0  # optimizer steps attempted so far (skipped ones included)
         self._install(self._fresh_parts())
         #: Whether anything can ever skip a step (configuration only, so the same on every rank).
-        self.can_skip = self.config.skip.nonfinite or self.config.data.mode == "skip" or self.spike_rule is not None
+        self.can_skip = self.config.can_skip
         self._false = torch.zeros((), dtype=torch.bool, device=self.device)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
         self._nan = torch.full((), math.nan, dtype=torch.float32, device=self.device)
@@ -207,6 +207,18 @@ class StabilityEngine:
             spike_rule=rule,
             journal=Journal(capacity, len(self.layer_names) if self.per_layer else 0, self.device),
         )
+
+    def _parts_from(self, state: dict[str, Any]) -> _Parts:
+        """Fresh parts holding a saved engine state's ledger, clipping, skip rule and journal rows
+        (for ``load_state_dict`` and a rollback's ``rewind``); nothing is installed yet."""
+        parts = self._fresh_parts()
+        parts.ledger.load_state_dict(state["ledger"])
+        if parts.clip is not None and state.get("clip"):
+            parts.clip.load_state_dict(state["clip"])
+        parts.journal.load_state_dict(state.get("journal", {}))
+        if parts.spike_rule is not None and state.get("spike_rule"):
+            parts.spike_rule.load_state_dict(state["spike_rule"])
+        return parts
 
     # ----------------------------------------------------------------------------- helpers
 
@@ -599,13 +611,7 @@ class StabilityEngine:
                 "engine state was saved for other layers: "
                 f"{saved_layers[:3]}... vs {self.layer_names[:3]}... (different model or grouping)"
             )
-        parts = self._fresh_parts()
-        parts.ledger.load_state_dict(state["ledger"])
-        if parts.clip is not None and state.get("clip"):
-            parts.clip.load_state_dict(state["clip"])
-        parts.journal.load_state_dict(state.get("journal", {}))
-        if parts.spike_rule is not None and state.get("spike_rule"):
-            parts.spike_rule.load_state_dict(state["spike_rule"])
+        parts = self._parts_from(state)
         self.step = int(state["step"])
         self._install(parts)
         if self.updates is not None:
@@ -625,18 +631,12 @@ class StabilityEngine:
         rows, _ = self.journal.read()
         self._fold(rows, self.step)  # count them; a divergence among them is the one being rolled back
         counters = self.ledger.counters
-        parts = self._fresh_parts()
-        parts.ledger.load_state_dict(state["ledger"])
+        parts = self._parts_from(state)
         parts.ledger.counters = counters
         counters.consecutive = 0
-        parts.journal.load_state_dict(state.get("journal", {}))
         unread, _ = parts.journal.read()  # the snapshot's unread rows: counted above, read here for their debt
         if self.fused:
             parts.ledger.scheduler_debt += sum(1 for r in unread if r.skipped and not r.on_time)
-        if parts.clip is not None and state.get("clip"):
-            parts.clip.load_state_dict(state["clip"])
-        if parts.spike_rule is not None and state.get("spike_rule"):
-            parts.spike_rule.load_state_dict(state["spike_rule"])
         self._install(parts)
         self.source_hint = None
         if self.updates is not None:
