@@ -141,7 +141,7 @@ def _recovery_contradictions(config: StabilityConfig) -> list[str]:
     if "loss_drift" in triggers and config.spikes.enabled and config.spikes.loss_drift_alert is None:
         found.append(
             "stabilitykit: RecoveryConfig(trigger=['loss_drift']) never fires with SpikeConfig(loss_drift_alert=None) "
-            "(the default): set loss_drift_alert (e.g. 8.0) to run the loss-drift test"
+            "(the loss-drift test turned off): set loss_drift_alert (4.0 is the default) to run it"
         )
     return found
 

@@ -430,7 +430,13 @@ def test_lightning_rollback_then_checkpoint_then_resume(tmp_path: Path, fused: b
 @pytest.mark.parametrize(
     ("config", "words"),
     [
-        (sk.StabilityConfig(recovery=sk.RecoveryConfig(enabled=True, trigger=["loss_drift"])), "loss_drift_alert"),
+        (
+            sk.StabilityConfig(
+                spikes=sk.SpikeConfig(loss_drift_alert=None),
+                recovery=sk.RecoveryConfig(enabled=True, trigger=["loss_drift"]),
+            ),
+            "loss_drift_alert",
+        ),
         (
             sk.StabilityConfig(skip=sk.SkipConfig(max_consecutive=None), recovery=sk.RecoveryConfig(enabled=True)),
             "nothing can diverge",
