@@ -118,6 +118,7 @@ class StabilityEngine:
         self._false = torch.zeros((), dtype=torch.bool, device=self.device)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
         self._nan = torch.full((), math.nan, dtype=torch.float32, device=self.device)
+        self._no_request = torch.zeros((), dtype=torch.float32, device=self.device)
         self._loss_sum: Tensor | None = None
         self.last_host_metrics: dict[str, float] = {}
         #: Where a driver's tracer saw the first non-finite value; named by this step's skip events.
@@ -270,6 +271,7 @@ class StabilityEngine:
         loss_scale: Tensor | None = None,
         force_skip: Tensor | None = None,
         skip_ahead: bool = False,
+        request: int = 0,
     ) -> StepDecision:
         """Measure, agree, decide, clip and record this step; the host reads it now only where it must.
 
@@ -279,6 +281,8 @@ class StabilityEngine:
         ``force_skip``: a 0-d device bool (the data guard's verdict) that skips the step when true.
         ``skip_ahead``: a batch a rollback skips (``RecoveryConfig.skip_after``): measured and logged,
         never trained on; known on the host at once (the same on every rank), so it costs no sync.
+        ``request``: a rollback request of this rank (a non-negative integer, ``recovery/agreement.py``),
+        agreed in this step's all-reduce and written to its row (the largest any rank sent).
         """
         step = self.step
         mark_collective_step(step)
@@ -286,7 +290,7 @@ class StabilityEngine:
         norms, grouped = self.plan.compute(grad_scale, extra=update_sums)
         loss = self._loss_sum  # the sum of what was backpropagated: with ``loss / accumulate`` the batch mean
         self._loss_sum = None
-        here, agreed = self._verdict(norms, loss, force_skip)
+        here, agreed = self._verdict(norms, loss, force_skip, request)
         code = decide(
             self.config.skip.nonfinite,
             here.grads_finite,
@@ -304,7 +308,7 @@ class StabilityEngine:
         layer_norms = norms.layer_norms
         self.journal.write(
             RowInfo(step, loss is not None, scaler_active),
-            [agreed.total, self._or_nan(loss), code, coef, threshold],
+            [agreed.total, self._or_nan(loss), code, coef, threshold, agreed.request],
             layer_norms,
         )
         report = StepReport(
@@ -337,7 +341,7 @@ class StabilityEngine:
         return value if value is not None else self._nan
 
     def _verdict(
-        self, norms: NormResult, loss: Tensor | None, force_skip: Tensor | None
+        self, norms: NormResult, loss: Tensor | None, force_skip: Tensor | None, request: int
     ) -> tuple[AgreedStep, AgreedStep]:
         """This rank's verdict inputs, and the same made identical on every rank (one all-reduce).
 
@@ -350,10 +354,11 @@ class StabilityEngine:
         spike = self._false
         if self.spike_rule is not None:
             spike = self.spike_rule.decide(norms.total, loss, grads_finite & loss_finite)
-        here = AgreedStep(norms.total, grads_finite, loss_finite, bad_batch, spike)
+        asked = self._no_request if request == 0 else torch.full((), float(request), device=self.device)
+        here = AgreedStep(norms.total, grads_finite, loss_finite, bad_batch, spike, asked)
         if not self.config.skip.sync_ranks:
             return here, here
-        return here, agree_step(norms.total, grads_finite, loss_finite, bad_batch, spike)
+        return here, agree_step(norms.total, grads_finite, loss_finite, bad_batch, spike, asked)
 
     def _clip(
         self, norms: NormResult, grouped: list[list[Tensor]], agreed: AgreedStep, skip: Tensor
