@@ -1,18 +1,24 @@
 """Recovery under torch.distributed: a fault on one rank rolls every rank back, at the same step, to the same snapshot.
 
-Real gloo processes (``distributed_recovery_script.py``), a tiny HF Llama under DDP and FSDP2; the
-request encoding of ``recovery/agreement.py`` is checked here directly.
+Real gloo processes (``distributed_recovery_script.py``), a tiny HF Llama under DDP and FSDP2, and
+the real HF Trainer under ``torchrun`` (``hf_ddp_recovery_script.py``); the request encoding of
+``recovery/agreement.py`` is checked here directly.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from stabilitykit.engine.journal import Row
 from stabilitykit.recovery.agreement import Agreement, decode_request, encode_request
-from tests.distributed_script_runner import run_world
+from tests.distributed_script_runner import free_port, run_world
 
 SCRIPT = Path(__file__).parent / "distributed_recovery_script.py"
 CASES = ["ddp-alert", "ddp-nan", "fsdp2-alert", "fsdp2-nan", "fsdp2-alert-disk"]
@@ -65,6 +71,31 @@ def test_fsdp2_shards_round_trip_through_disk_snapshots(ranks: list[dict]) -> No
         assert any(name.startswith("snapshot-") for name in files)
     assert ranks[0]["fsdp2-alert-disk"]["rollbacks"] == ranks[0]["fsdp2-alert"]["rollbacks"]
     assert ranks[0]["fsdp2-alert-disk"]["digest"] == ranks[0]["fsdp2-alert"]["digest"]  # same run, from disk
+
+
+def test_hf_trainer_ddp_ranks_roll_back_together_on_one_ranks_alert(tmp_path: Path) -> None:
+    """The real HF Trainer under ``torchrun`` (DDP over gloo through Accelerate): rank 1 alone alerts."""
+    script = Path(__file__).parent / "hf_ddp_recovery_script.py"
+    env = {**os.environ, "SK_OUT": str(tmp_path), "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    cmd += ["--master_port", str(free_port()), str(script)]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        _, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("the HF Trainer DDP run did not finish in 240 s") from None
+    assert proc.returncode == 0, err[-4000:]
+    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert first["world"] == second["world"] == 2
+    assert first["alerts"] == [] and second["alerts"] == [12]
+    assert len(first["rollbacks"]) == 1 and first["rollbacks"] == second["rollbacks"]
+    assert first["rollbacks"][0]["restored_step"] == 12
+    assert first["steps"] == second["steps"] == 24
+    assert first["checksum"] == second["checksum"] and first["finite"]
 
 
 def _row(step: int, request: int) -> Row:
