@@ -614,7 +614,7 @@ class DriverCore:
         """Fold the steps since the last logging step now (one sync); ``final_row``: and log their row."""
         rows = self.engine.flush(final_row=final_row)
         if self.recovery is not None:
-            self.recovery.confirm(rows)
+            self.recovery.flush(rows)
 
     def close(self) -> None:
         """Fold what is left, remove tracing hooks and every wrapper (monitor hooks included)."""

@@ -103,6 +103,8 @@ def run(kind: str, fault: str, rank: int, storage: str = "memory") -> dict[str, 
     restored_equal: list[bool] = []
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
     for step in range(STEPS):
+        if step == FAULT and storage != "memory":
+            guard.summary()  # waits for the snapshot files: their host copies are freed, the rollback reads a file
         ids = torch.randint(0, 96, (4, 16), generator=gen)
         loss = model(input_ids=ids, labels=ids).loss
         if rank == 1 and fault == "alert" and step == FAULT:
@@ -117,6 +119,8 @@ def run(kind: str, fault: str, rank: int, storage: str = "memory") -> dict[str, 
             restored = int(rollbacks[-1]["restored_step"])
             restored_equal.append(equal(state_copy(model, opt), copies[restored]))
         copies[step + 1] = state_copy(model, opt)
+    if storage != "memory":
+        guard.summary()  # the files being written are on disk
     files = sorted(p.name for p in Path(storage).iterdir()) if storage != "memory" else []
     guard.close()
     params = [local(p) for p in model.parameters()]

@@ -129,7 +129,7 @@ class Recovery:
         if self._listening:
             self.hooks.off("spike_alert", self._on_alert)
             self._listening = False
-        self.store.clear()
+        self.store.close()
 
     @contextmanager
     def scaled_lr(self) -> Iterator[None]:
@@ -167,6 +167,11 @@ class Recovery:
         self.store.confirm((row.step, not row.skipped) for row in rows)
         if self.agreement is not None:
             self.agreement.read(rows)
+
+    def flush(self, rows: Iterable[Row]) -> None:
+        """The driver folded ``rows`` outside a step (a flush): settle them, and wait for snapshot files."""
+        self.confirm(rows)
+        self.store.wait_for_writes()
 
     def after_step(self, decision: StepDecision) -> bool:
         """The step is over and folded: settle, trigger and roll back, or snapshot. True after a rollback."""

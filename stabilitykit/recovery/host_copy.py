@@ -7,7 +7,7 @@ tensor is copied into a pinned host buffer with ``non_blocking=True`` on a side 
 waits for the compute stream; the compute stream then waits for the side stream. Both waits are on
 the device, so the host never blocks, and the next step's in-place updates cannot overwrite a
 tensor before it has been copied. ``HostTree.wait()`` is the one host sync, paid only when the copy
-is read (a restore, a write to disk).
+is read (a restore on the step thread; before a write to disk, on the writer thread).
 
 A DTensor (FSDP2, tensor parallel) is copied as its local shard: each rank keeps its own part and
 puts it back into its own part, with no collective; ``Saved.layout`` remembers the DTensor's mesh
