@@ -2,9 +2,11 @@
 
     python tests/distributed_recovery_script.py 2 OUT_DIR PORT
 
-A tiny random-init Hugging Face ``LlamaForCausalLM`` under DDP or FSDP2 (``fully_shard`` per
-decoder layer and at the root) trains 48 steps with ``RecoveryConfig`` on (a snapshot every 4
-steps, 3 kept; logging every 2 steps). The fault is on **rank 1 only**:
+A tiny random-init Hugging Face ``LlamaForCausalLM`` under DDP, FSDP2 (``fully_shard`` per
+decoder layer and at the root), FSDP1 (per decoder layer, ``use_orig_params=True``) or tensor
+parallel (attention and MLP projections split over both ranks, the same batches on both) trains
+48 steps with ``RecoveryConfig`` on (a snapshot every 4 steps, 3 kept; logging every 2 steps).
+The fault is on **rank 1 only**:
 
 * ``alert``: at step 30 rank 1's recorded loss jumps 1000x (a constant added to the loss: the
   grads are unchanged), so only rank 1's detector raises a ``spike_alert``; trigger ``spike_alert``;
@@ -40,12 +42,42 @@ FAULT = 30
 NAN_STEPS = range(FAULT, FAULT + 5)
 
 
+#: Tensor parallel over both ranks: attention and MLP projections split Megatron-style.
+TP_PLAN = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+
+
 def make_model(kind: str) -> nn.Module:
     from tests.hf_models import tiny_llama
 
     model = tiny_llama(seed=0)  # the same init on every rank
     if kind == "ddp":
         return nn.parallel.DistributedDataParallel(model)
+    if kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        policy = ModuleWrapPolicy({LlamaDecoderLayer})
+        return FullyShardedDataParallel(
+            model, auto_wrap_policy=policy, use_orig_params=True, device_id=torch.device("cpu")
+        )
+    if kind == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (2,))
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh, {name: styles[style]() for name, style in TP_PLAN.items()})
+        return model
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
@@ -101,7 +133,7 @@ def run(kind: str, fault: str, rank: int, storage: str = "memory") -> dict[str, 
     guard.hooks.on("rollback", lambda e: rollbacks.append(dict(e.details)))
     copies: dict[int, list[Tensor]] = {0: state_copy(model, opt)}  # state before step s
     restored_equal: list[bool] = []
-    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
+    gen = torch.Generator().manual_seed(100 + (0 if kind == "tp" else rank))  # data parallel: each rank its own
     for step in range(STEPS):
         if step == FAULT and storage != "memory":
             guard.summary()  # waits for the snapshot files: their host copies are freed, the rollback reads a file
@@ -140,6 +172,8 @@ def run(kind: str, fault: str, rank: int, storage: str = "memory") -> dict[str, 
 
 def worker(rank: int, world: int) -> dict[str, Any]:
     results = {f"{kind}-{fault}": run(kind, fault, rank) for kind in ("ddp", "fsdp2") for fault in ("alert", "nan")}
+    results["fsdp1-alert"] = run("fsdp1", "alert", rank)
+    results["tp-alert"] = run("tp", "alert", rank)
     with tempfile.TemporaryDirectory() as directory:  # each rank writes its own shard's snapshots
         results["fsdp2-alert-disk"] = run("fsdp2", "alert", rank, storage=directory)
     return results

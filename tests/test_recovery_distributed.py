@@ -1,6 +1,7 @@
 """Recovery under torch.distributed: a fault on one rank rolls every rank back, at the same step, to the same snapshot.
 
-Real gloo processes (``distributed_recovery_script.py``), a tiny HF Llama under DDP and FSDP2, and
+Real gloo processes (``distributed_recovery_script.py``), a tiny HF Llama under DDP, FSDP2, FSDP1 and
+tensor parallel, and
 the real HF Trainer under ``torchrun`` (``hf_ddp_recovery_script.py``); the request encoding of
 ``recovery/agreement.py`` is checked here directly.
 """
@@ -21,7 +22,7 @@ from stabilitykit.recovery.agreement import Agreement, decode_request, encode_re
 from tests.distributed_script_runner import free_port, run_world
 
 SCRIPT = Path(__file__).parent / "distributed_recovery_script.py"
-CASES = ["ddp-alert", "ddp-nan", "fsdp2-alert", "fsdp2-nan", "fsdp2-alert-disk"]
+CASES = ["ddp-alert", "ddp-nan", "fsdp2-alert", "fsdp2-nan", "fsdp2-alert-disk", "fsdp1-alert", "tp-alert"]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def test_every_rank_rolls_back_once_at_the_same_step_to_the_same_snapshot(ranks:
     assert rollback["at_step"] > 30
 
 
-@pytest.mark.parametrize("case", ["ddp-alert", "fsdp2-alert", "fsdp2-alert-disk"])
+@pytest.mark.parametrize("case", [c for c in CASES if "alert" in c])
 def test_a_rank_rolls_back_on_another_ranks_alert(ranks: list[dict], case: str) -> None:
     """Only rank 1's loss jumped: rank 0 raised no alert of its own and still rolled back with it."""
     assert ranks[0][case]["alerts"] == []
