@@ -78,7 +78,7 @@ def test_hf_trainer_ddp_ranks_roll_back_together_on_one_ranks_alert(tmp_path: Pa
     """The real HF Trainer under ``torchrun`` (DDP over gloo through Accelerate): rank 1 alone alerts."""
     script = Path(__file__).parent / "hf_ddp_recovery_script.py"
     env = {**os.environ, "SK_OUT": str(tmp_path), "PYTHONPATH": str(Path(__file__).parent.parent)}
-    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline")
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", TMPDIR=str(tmp_path))  # torchrun's temp dirs go here
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
     cmd += ["--master_port", str(free_port()), str(script)]
     proc = subprocess.Popen(
