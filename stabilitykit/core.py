@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from stabilitykit.buffers import BufferGuard, running_stat_buffers
 from stabilitykit.config import StabilityConfig
 from stabilitykit.engine import StabilityEngine, StepDecision, StepGate, is_fused
-from stabilitykit.engine.journal import upgrade_v1_rows
+from stabilitykit.engine.journal import upgrade_v1_rows, upgrade_v2_rows
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import (
     NaNTracer,
@@ -324,6 +324,7 @@ class DriverCore:
             loss_scale=self.scaler.loss_scale(),
             force_skip=self._bad_batch,
             skip_ahead=self.recovery is not None and self.recovery.skips_batch(self.engine.step),
+            request=self.recovery.request(self.engine.step) if self.recovery is not None else 0,
         )
         self._bad_batch = None
         self._hold = None
@@ -613,7 +614,7 @@ class DriverCore:
         """Fold the steps since the last logging step now (one sync); ``final_row``: and log their row."""
         rows = self.engine.flush(final_row=final_row)
         if self.recovery is not None:
-            self.recovery.confirm(rows)
+            self.recovery.flush(rows)
 
     def close(self) -> None:
         """Fold what is left, remove tracing hooks and every wrapper (monitor hooks included)."""
@@ -640,10 +641,12 @@ class DriverCore:
         """Restore what ``state_dict`` returned: validated as a whole first, then loaded all at once."""
         validate_state(state, reference=self.state_dict())
         engine_state = dict(state["engine"])
-        if int(state["version"]) < 2:  # unread rows of a version-1 state hold skip flags: make them codes
-            journal = dict(engine_state["journal"])
-            if journal.get("infos"):
+        version = int(state["version"])
+        journal = dict(engine_state["journal"])
+        if version < 3 and journal.get("infos"):  # unread rows of an older layout: today's columns
+            if version < 2:  # a version-1 state's third column holds skip flags: make them codes
                 journal["rows"] = upgrade_v1_rows(journal["rows"], list(journal["infos"]))
+            journal["rows"] = upgrade_v2_rows(journal["rows"])
             engine_state["journal"] = journal
         self.engine.load_state_dict(engine_state)
         self._trace_left = int(state.get("trace_left", 0))

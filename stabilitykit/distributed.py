@@ -362,10 +362,17 @@ class AgreedStep:
     loss_finite: Tensor  # every rank's loss finite
     bad_batch: Tensor  # the data guard flagged a micro-batch on some rank
     spike: Tensor  # the skip-on-spike rule fired on some rank
+    request: Tensor  # the largest rollback request any rank sent (0: none; ``recovery/agreement.py``)
 
 
 def agree_step(
-    total: Tensor, grads_finite: Tensor, loss_finite: Tensor, bad_batch: Tensor, spike: Tensor, group: Any | None = None
+    total: Tensor,
+    grads_finite: Tensor,
+    loss_finite: Tensor,
+    bad_batch: Tensor,
+    spike: Tensor,
+    request: Tensor,
+    group: Any | None = None,
 ) -> AgreedStep:
     """Make a step's verdict inputs identical on every rank with ONE MAX all-reduce (no host sync).
 
@@ -373,17 +380,19 @@ def agree_step(
     replicas and each rank measures them alone, so a fault on one rank (a bit flip, a per-rank
     grad) would otherwise give ranks different norms, clip coefficients and decisions. Flags travel
     as numbers and a NaN total as a separate flag: gloo's MAX drops a NaN from a non-zero rank.
+    ``request`` (a 0-d tensor holding a non-negative integer) rides along: a rollback one rank asks
+    for reaches every rank in the same step's row.
     """
     if not is_distributed():
-        return AgreedStep(total, grads_finite, loss_finite, bad_batch, spike)
+        return AgreedStep(total, grads_finite, loss_finite, bad_batch, spike, request)
     dtype = total.dtype
     flags = torch.stack([~grads_finite, ~loss_finite, bad_batch, spike, torch.isnan(total)]).to(dtype)
     value = torch.where(torch.isfinite(total), total, torch.full_like(total, math.inf)).reshape(1)
-    packed = torch.cat([flags, value])
+    packed = torch.cat([flags, value, request.to(dtype).reshape(1)])
     if dist.get_backend(group) == "nccl" and packed.device.type != "cuda":  # pragma: no cover - GPU only
         packed = packed.cuda()
     all_reduce(packed, dist.ReduceOp.MAX, group)
     packed = packed.to(total.device)
     raised = packed[:5] > 0
     agreed_total = torch.where(raised[4], torch.full_like(total, math.nan), packed[5])
-    return AgreedStep(agreed_total, ~raised[0], ~raised[1], raised[2], raised[3])
+    return AgreedStep(agreed_total, ~raised[0], ~raised[1], raised[2], raised[3], packed[6])

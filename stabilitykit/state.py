@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 __all__ = ["STATE_VERSION", "validate_state"]
 
 #: Version of the state a driver saves; older versions this release knows are read too.
-STATE_VERSION = 2  # 2: the journal's third column holds the decision code (1: skip flags)
+STATE_VERSION = 3  # 3: the journal has a "request" column; 2: its third column holds the decision code (1: skip flags)
 
 
 class _State(BaseModel):
@@ -223,15 +223,17 @@ def validate_state(state: Any, reference: Mapping[str, Any] | None = None) -> No
         ) from None
     if reference is not None:
         try:
-            _match_reference(state["engine"], reference["engine"])
+            saved_version = version if isinstance(version, int) else STATE_VERSION
+            _match_reference(state["engine"], reference["engine"], saved_version)
         except _Invalid as exc:
             raise ValueError(
                 f"invalid stabilitykit state at 'engine.{exc.where}': {exc.what}. Nothing was loaded."
             ) from None
 
 
-def _match_reference(saved: Mapping[str, Any], ours: Mapping[str, Any]) -> None:
-    """The sizes the loading engine fixes (``ours``: its own state) against a schema-valid saved engine state."""
+def _match_reference(saved: Mapping[str, Any], ours: Mapping[str, Any], version: int) -> None:
+    """The sizes the loading engine fixes (``ours``: its own state) against a schema-valid saved engine state
+    of ``version`` (before version 3 journal rows had one column less: no ``request``)."""
     if list(saved["layer_names"]) != list(ours["layer_names"]):
         raise _Invalid(
             "layer_names",
@@ -242,10 +244,11 @@ def _match_reference(saved: Mapping[str, Any], ours: Mapping[str, Any]) -> None:
     for section in ("clip", "spike_rule"):
         _match_tensors(section, saved.get(section), ours.get(section))
     saved_rows, our_rows = saved["journal"]["rows"], ours["journal"]["rows"]
-    if saved["journal"]["infos"] and saved_rows.shape[1] != our_rows.shape[1]:
+    width = our_rows.shape[1] - (1 if version < 3 else 0)
+    if saved["journal"]["infos"] and saved_rows.shape[1] != width:
         raise _Invalid(
             "journal.rows",
-            f"unread rows are {saved_rows.shape[1]} wide, this guard's are {our_rows.shape[1]} "
+            f"unread rows are {saved_rows.shape[1]} wide, this guard's are {width} "
             "(per-layer norms switched or layers changed)",
         )
     saved_spikes, our_spikes = saved["ledger"]["spikes"], ours["ledger"]["spikes"]

@@ -3,7 +3,9 @@
 Each rank writes ``rank<r>.json``: a parameter checksum, the skip count, the skipped step, and
 whether parameters and optimizer state were bitwise unchanged across it; then the run is saved
 with ``fabric.save`` at step 6, trained on, reloaded with ``fabric.load`` and retrained, and the
-two endings compared bit for bit.
+two endings compared bit for bit. Then a second run with recovery on: rank 1's loss (only the value
+the detector sees) jumps 1000x at step 8, rank 1 alone raises a ``spike_alert``, and both ranks
+must roll back once, together, keeping the replicas identical.
 """
 
 from __future__ import annotations
@@ -30,6 +32,36 @@ def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[t
     for value in state.values():
         tensors.extend(v.clone() for v in value.values() if torch.is_tensor(v))
     return tensors
+
+
+def recovery_run(fabric: Fabric, rank: int) -> dict:
+    """Recovery under Fabric DDP with an alert on rank 1 only: the rollbacks each rank saw, a checksum."""
+    model = tiny_gpt(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, optimizer = fabric.setup(model, optimizer)
+    model.mark_forward_method("loss")
+    config = sk.StabilityConfig(
+        log_every_n_steps=2,
+        recovery=sk.RecoveryConfig(enabled=True, snapshot_every=2, keep=3, trigger=["spike_alert"]),
+        spikes=sk.SpikeConfig(warmup_steps=5),
+    )
+    guard = FabricGuard(fabric, model, optimizer, config)
+    rollbacks: list[dict] = []
+    alerts: list[int] = []
+    guard.hooks.on("rollback", lambda e: rollbacks.append({k: e.details[k] for k in ("at_step", "restored_step")}))
+    guard.hooks.on("spike_alert", lambda e: alerts.append(e.step))
+    data = char_batches(seed=10 + rank)
+    for step in range(14):
+        x, y = next(data)
+        loss = model.loss(x, y)
+        if step == 8 and rank == 1:
+            loss = loss + 1000.0 * loss.detach()  # the value the detector sees; the grads are unchanged
+        guard.backward(loss)
+        guard.step()
+        guard.zero_grad()
+    guard.close()
+    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+    return {"rollbacks": rollbacks, "alerts": alerts, "checksum": checksum}
 
 
 def main() -> None:
@@ -80,8 +112,9 @@ def main() -> None:
     guard.core.flush()
     result["resume_exact"] = all(torch.equal(a, b.detach()) for a, b in zip(first, model.parameters(), strict=True))
     result["skipped_after_resume"] = guard.skipped_total
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
     guard.close()
+    result["recovery"] = recovery_run(fabric, rank)
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
     # An orderly teardown: a gloo process group left to the interpreter's exit can abort it
     # ("terminate called without an active exception") while its threads are still running.
     fabric.barrier()

@@ -1,7 +1,9 @@
 """Run by test_lightning.py: Lightning on 2 CPU processes with a NaN on rank 1 only.
 
 ``SK_STRATEGY``: "ddp" (default), or "fsdp2" (``ModelParallelStrategy`` with ``fully_shard`` in
-``configure_model``; Lightning's ``FSDPStrategy`` requires CUDA).
+``configure_model``; Lightning's ``FSDPStrategy`` requires CUDA). ``SK_RECOVERY=1``: recovery on
+(a snapshot every 2 steps, a divergence after 3 skips) and a NaN on rank 1 only at steps 5-7, so
+both ranks roll back together; each rank reports its rollback events.
 """
 
 from __future__ import annotations
@@ -34,8 +36,22 @@ class FullyShardedGPT(GPTModule):
 def main() -> None:
     out = Path(os.environ["SK_OUT"])
     kind = os.environ.get("SK_STRATEGY", "ddp")
+    recovery = os.environ.get("SK_RECOVERY") == "1"
     torch.set_num_threads(1)
-    callback = StabilityCallback(sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0)))
+    cfg = sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0))
+    poison = {5: float("nan")}
+    if recovery:
+        cfg = sk.StabilityConfig(
+            clip=sk.ClipConfig(mode="fixed", max_norm=1.0),
+            skip=sk.SkipConfig(max_consecutive=3),
+            recovery=sk.RecoveryConfig(enabled=True, snapshot_every=2, keep=2),
+        )
+        poison = {5: float("nan"), 6: float("nan"), 7: float("nan")}
+    callback = StabilityCallback(cfg)
+    rollbacks: list[dict[str, int]] = []
+    callback.hooks.on(
+        "rollback", lambda e: rollbacks.append({k: int(e.details[k]) for k in ("at_step", "onset", "restored_step")})
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -49,7 +65,7 @@ def main() -> None:
         callbacks=[callback],
     )
     cls = FullyShardedGPT if kind == "fsdp2" else GPTModule
-    module = cls(fused=False, poison={5: float("nan")}, poison_rank=1)
+    module = cls(fused=False, poison=poison, poison_rank=1)
     trainer.fit(module, gpt_dataloader(30))
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in module.parameters()]
     checksum = sum(float(p.detach().double().sum()) for p in full)
@@ -58,6 +74,8 @@ def main() -> None:
         "checksum": checksum,
         "skipped": int(callback.engine.counters.skipped_total),
         "steps": trainer.global_step,
+        "rollbacks": rollbacks,
+        "finite": all(bool(torch.isfinite(p).all()) for p in full),
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

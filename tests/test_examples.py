@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -152,6 +154,19 @@ def test_hand_set_lr_example_holds_the_schedule_through_skips(capsys) -> None:
         # the schedule waited once after the skip at step 23 (at once, or at the next logging read when fused)
         assert any(hand[i] == hand[i + 1] for i in range(23, 33))
     assert "identical LRs: True, identical weights: True" in capsys.readouterr().out
+
+
+def test_recovery_ddp_example_rolls_both_ranks_back_together(tmp_path) -> None:
+    script = Path(__file__).parent.parent / "examples" / "recovery_ddp.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "every rank rolled back together: True" in proc.stdout
+    assert "replicas identical: True" in proc.stdout
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["restored_step"] for r in ranks[0]["rollbacks"]] == [50]
+    assert (tmp_path / "rank0" / "skipped_batches.json").exists()
 
 
 def test_recovery_example_rolls_back_and_goes_on(tmp_path, capsys) -> None:

@@ -34,6 +34,12 @@ def test_two_gloo_processes_nan_on_one_rank_skips_everywhere_and_resumes(tmp_pat
         assert r["restored_step"] == 6 and r["resume_exact"] and r["skipped_after_resume"] == 1
         assert r["layer_names"][0] == "tok_emb", "names follow the user's module, not Fabric's wrappers"
     assert ranks[0]["checksum"] == ranks[1]["checksum"]
+    # recovery: rank 1 alone alerted; both rolled back once, at the same step, and stayed identical
+    first, second = ranks[0]["recovery"], ranks[1]["recovery"]
+    assert first["alerts"] == [] and second["alerts"] == [8]
+    assert len(first["rollbacks"]) == 1 and first["rollbacks"] == second["rollbacks"]
+    assert first["rollbacks"][0]["restored_step"] == 8
+    assert first["checksum"] == second["checksum"]
 
 
 def test_fabric_mixed_precision_grad_scaler_true_norm_and_skip() -> None:

@@ -137,23 +137,39 @@ def test_two_instances_keep_separate_state(tmp_path: Path) -> None:
     assert first.state_key != second.state_key
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_processes_nan_on_one_rank(tmp_path: Path, strategy: str) -> None:
+def _two_process_lightning(tmp_path: Path, strategy: str, recovery: bool = False) -> list[dict[str, Any]]:
     script = Path(__file__).parent / "lightning_ddp_script.py"
     env = {
         **os.environ,
         "SK_OUT": str(tmp_path),
         "SK_STRATEGY": strategy,
+        "SK_RECOVERY": "1" if recovery else "0",
         "PYTHONPATH": str(Path(__file__).parent.parent),
     }
     proc = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_nan_on_one_rank(tmp_path: Path, strategy: str) -> None:
+    results = _two_process_lightning(tmp_path, strategy)
     assert results[0]["checksum"] == results[1]["checksum"]
     assert results[0]["skipped"] == results[1]["skipped"] == 1
     assert results[0]["steps"] == results[1]["steps"] == 12
+
+
+def test_two_processes_roll_back_together_on_one_ranks_nan_streak(tmp_path: Path) -> None:
+    """Recovery under Lightning DDP: a NaN streak on rank 1 only rolls both ranks back at the same step."""
+    results = _two_process_lightning(tmp_path, "ddp", recovery=True)
+    assert len(results[0]["rollbacks"]) == 1
+    assert results[0]["rollbacks"] == results[1]["rollbacks"]
+    assert results[0]["rollbacks"][0]["onset"] == 5
+    assert results[0]["checksum"] == results[1]["checksum"]  # the replicas are still identical
+    assert results[0]["finite"] and results[1]["finite"]
+    assert results[0]["steps"] == 12
 
 
 class ManualGPT(GPTModule):

@@ -222,16 +222,42 @@ def test_disk_storage_rolls_back_bitwise(tmp_path: Path) -> None:
     guard = sk.StabilityGuard(model, opt, _config(storage=str(tmp_path / "snaps")))
     recorder = Recorder(guard, model, opt)
     for i, x in enumerate(_mlp_batches(25)):
+        if i == 10:
+            guard.summary()  # a flush waits for the files: their host copies are freed, the rollback reads a file
         loss = model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0)
         guard.backward(loss)
         recorder.record(guard, guard.step())
         guard.zero_grad()
     assert len(recorder.rollbacks) == 1
+    guard.summary()
     files = sorted(p.name for p in (tmp_path / "snaps").glob("snapshot-*.pt"))
     assert 1 <= len(files) <= 2  # keep=2 on disk
     assert (tmp_path / "snaps" / SKIPPED_FILE).exists()  # record_dir defaults to the storage directory
     guard.close()
     assert not list((tmp_path / "snaps").glob("snapshot-*.pt"))  # closing drops the snapshots
+
+
+def test_a_snapshot_that_cannot_be_written_warns_and_training_goes_on(tmp_path: Path) -> None:
+    """Disk storage under a path that is a file: every write fails on the writer thread; each failure is a
+    warning naming the snapshot, the run keeps training, and the divergence then raises as without recovery."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the snapshot directory should be")
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = sk.StabilityGuard(model, opt, _config(storage=str(blocker / "snaps"), record_dir=str(tmp_path / "records")))
+    with pytest.warns(RuntimeWarning, match="could not write the recovery snapshot of step 4"):
+        for x in _mlp_batches(9):
+            guard.backward(model(x).pow(2).mean())
+            guard.step()
+            guard.zero_grad()
+        guard.summary()  # waits for the writes: their failures are reported
+    assert guard.core.recovery is not None and guard.core.recovery.store.confirmed == []
+    with pytest.raises(sk.TrainingDivergedError):  # nothing to roll back to: raised as before
+        for x in _mlp_batches(6):
+            guard.backward(model(x).pow(2).mean() * float("nan"))
+            guard.step()
+            guard.zero_grad()
+    guard.close()
 
 
 class SpySGD(torch.optim.SGD):

@@ -224,10 +224,8 @@ def test_skip_on_spike_skips_a_finite_outlier_on_the_device_with_state_intact() 
     assert guard.summary()["skipped"] == 1
 
 
-def test_a_version_1_state_with_unread_rows_still_loads() -> None:
-    """Version 1 kept skip flags in the journal's third column; they are read as decision codes now."""
-    from stabilitykit.engine.decision import SKIP
-
+def _fused_guard_with_unread_nan_row() -> tuple[torch.nn.Module, dict]:
+    """A fused guard whose state holds two unread rows, the second a NaN step."""
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters(), fused=True)
     guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(log_every_n_steps=10))
@@ -236,11 +234,28 @@ def test_a_version_1_state_with_unread_rows_still_loads() -> None:
         guard.step()
         guard.zero_grad()
     state = guard.state_dict()
-    assert state["version"] == 2
-    rows = state["engine"]["journal"]["rows"]
+    assert state["version"] == 3
+    return model, state
+
+
+def _without_request_column(rows: torch.Tensor) -> torch.Tensor:
+    """Rows as versions 1 and 2 laid them out: no ``request`` column (the sixth)."""
+    return torch.cat([rows[:, :5], rows[:, 6:]], dim=1)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_state_with_unread_rows_still_loads(version: int) -> None:
+    """Version 1 kept skip flags in the journal's third column, versions 1 and 2 had no request column:
+    unread rows of both are read in today's layout."""
+    from stabilitykit.engine.decision import SKIP
+
+    model, state = _fused_guard_with_unread_nan_row()
+    rows = _without_request_column(state["engine"]["journal"]["rows"])
     assert int(rows[1, 2]) & SKIP  # the NaN step's code
-    rows[1, 2] = 1.0  # what version 1 wrote for it: the skip flag alone
-    state["version"] = 1
+    if version == 1:
+        rows[1, 2] = 1.0  # what version 1 wrote for it: the skip flag alone
+    state["engine"]["journal"]["rows"] = rows
+    state["version"] = version
     fresh = sk.StabilityGuard(
         model, torch.optim.AdamW(model.parameters(), fused=True), sk.StabilityConfig(log_every_n_steps=10)
     )

@@ -2,7 +2,8 @@
 
 A row holds ``total`` (pre-clip norm), ``loss``, ``code`` (the step's decision code, see
 ``engine/decision.py``: 0 taken, else why it was skipped), ``coef`` (clip coefficient),
-``threshold`` and then one norm per layer. Rows stay on the device until a logging step (or a
+``threshold``, ``request`` (a rollback request agreed across ranks in this step's all-reduce, 0 for
+none: ``recovery/agreement.py``) and then one norm per layer. Rows stay on the device until a logging step (or a
 step whose decision the host must know now) reads them.
 """
 
@@ -17,11 +18,11 @@ from torch import Tensor
 
 from stabilitykit.engine.decision import BAD_BATCH, BAD_GRAD, BAD_LOSS, OVERFLOW, REMOTE, SKIP, SPIKE
 
-__all__ = ["COLUMNS", "MAX_JOURNAL_ROWS", "Journal", "Row", "RowInfo", "upgrade_v1_rows"]
+__all__ = ["COLUMNS", "MAX_JOURNAL_ROWS", "Journal", "Row", "RowInfo", "upgrade_v1_rows", "upgrade_v2_rows"]
 
 #: The scalar columns of a row, in order; the per-layer norms follow.
-COLUMNS = ("total", "loss", "code", "coef", "threshold")
-TOTAL, LOSS, CODE, COEF, THRESHOLD = range(len(COLUMNS))
+COLUMNS = ("total", "loss", "code", "coef", "threshold", "request")
+TOTAL, LOSS, CODE, COEF, THRESHOLD, REQUEST = range(len(COLUMNS))
 #: Rows kept on the device between reads. A log cadence above this reads the journal early (one sync).
 MAX_JOURNAL_ROWS = 1024
 
@@ -47,6 +48,7 @@ class Row:
     threshold: float
     code: int  # the decision code (0: taken), see engine/decision.py
     layers: list[float] = field(default_factory=list)
+    request: int = 0  # the rollback request agreed in this step's all-reduce (0: none)
     on_time: bool = False  # read before its own optimizer and scheduler step (so the skip was applied there)
     folded: bool = False
 
@@ -74,7 +76,7 @@ class Journal:
         return len(self.infos) >= self.capacity
 
     def write(self, info: RowInfo, scalars: list[Tensor], layer_norms: Tensor | None) -> None:
-        """Append one row from 0-d device tensors (no sync)."""
+        """Append one row from 0-d device tensors, one per column of ``COLUMNS`` (no sync)."""
         row = self.buffer[len(self.infos)]
         torch.stack([t.to(row) for t in scalars], out=row[: len(COLUMNS)])
         if layer_norms is not None:
@@ -82,10 +84,11 @@ class Journal:
         self.infos.append(info)
 
     def rewrite_last(self, scalars: list[Tensor], layer_norms: Tensor | None) -> None:
-        """Overwrite the newest row while it is still held (a step re-measured after it was written)."""
+        """Overwrite the newest row's first ``len(scalars)`` columns and its layer norms while it is still
+        held (a step re-measured after it was written; its ``request`` stays)."""
         if self.infos:
             row = self.buffer[len(self.infos) - 1]
-            torch.stack([t.to(row) for t in scalars], out=row[: len(COLUMNS)])
+            torch.stack([t.to(row) for t in scalars], out=row[: len(scalars)])
             if layer_norms is not None:
                 row[len(COLUMNS) :].copy_(layer_norms)
 
@@ -100,6 +103,7 @@ class Journal:
             values[THRESHOLD],
             code,
             values[len(COLUMNS) :],
+            request=round(values[REQUEST]),
             folded=info.folded,
         )
 
@@ -168,3 +172,9 @@ def upgrade_v1_rows(rows: Tensor, infos: list[dict[str, Any]]) -> Tensor:
                 code |= REMOTE if code == SKIP else 0
         out[i, CODE] = code
     return out
+
+
+def upgrade_v2_rows(rows: Tensor) -> Tensor:
+    """Unread rows saved by state version 2 (no ``request`` column) with a zero ``request`` column."""
+    zeros = torch.zeros(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+    return torch.cat([rows[:, :REQUEST], zeros, rows[:, REQUEST:]], dim=1)

@@ -48,7 +48,8 @@ def remeasure_overflow(
     bad_batch = force_skip if force_skip is not None else torch.zeros_like(grads_finite)
     total, finite, loss_finite, bad_batch = norms.total, grads_finite, loss_finite, bad_batch
     if sync_ranks:  # every rank is here (the caller's branch was taken from agreed values)
-        agreed = agree_step(norms.total, grads_finite, loss_finite, bad_batch, torch.zeros_like(grads_finite))
+        none = torch.zeros_like(grads_finite)
+        agreed = agree_step(norms.total, grads_finite, loss_finite, bad_batch, none, none.to(norms.total.dtype))
         total, finite, loss_finite, bad_batch = agreed.total, agreed.grads_finite, agreed.loss_finite, agreed.bad_batch
     if bool(~finite | ~loss_finite | bad_batch):
         return None  # a NaN or Inf is really there

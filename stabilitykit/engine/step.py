@@ -57,6 +57,7 @@ from stabilitykit.engine.layers import build_layer_map
 from stabilitykit.engine.ledger import Divergence, Ledger
 from stabilitykit.engine.metrics import MetricNames
 from stabilitykit.engine.overflow import remeasure_overflow
+from stabilitykit.engine.sources import MetricSources
 from stabilitykit.engine.updates import UpdateMonitor
 from stabilitykit.events import Event
 from stabilitykit.grads import GradNormPlan, NormResult, apply_clip_coefficient, clip_coefficient
@@ -118,23 +119,13 @@ class StabilityEngine:
         self._false = torch.zeros((), dtype=torch.bool, device=self.device)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
         self._nan = torch.full((), math.nan, dtype=torch.float32, device=self.device)
+        self._no_request = torch.zeros((), dtype=torch.float32, device=self.device)
         self._loss_sum: Tensor | None = None
         self.last_host_metrics: dict[str, float] = {}
         #: Where a driver's tracer saw the first non-finite value; named by this step's skip events.
         self.source_hint: Any | None = None
-        #: Modules with ``stability_metrics()`` (ZLoss, QKNormAttention): read on logging steps.
-        self.metric_sources: list[Any] = []
-        if model is not None and self.config.module_metrics:
-            self.metric_sources = [m for m in model.modules() if callable(getattr(m, "stability_metrics", None))]
-        #: QK-clip (``config.qk_clip``) over the attention modules this optimizer updates, else None.
-        self.qk_clip = QKClip.from_config(self.config.qk_clip, model, self.params)
-        if self.qk_clip is not None and self.config.module_metrics:
-            self.metric_sources.append(self.qk_clip)
-        #: Sampled activation / attention-logit / log Z monitors (``config.monitors``), else None.
-        self.monitor: ModelMonitor | None = None
-        if model is not None and self.config.monitors is not None:
-            self.monitor = ModelMonitor(model, self.config.monitors)
-            self.metric_sources.append(self.monitor)
+        #: Modules that measure themselves, QK-clip and the model monitor (``engine/sources.py``).
+        self.sources = MetricSources(self.config, model, self.params)
         self._mark_measure()
 
     def _bind_params(self, params: Sequence[nn.Parameter | Tensor]) -> None:
@@ -184,7 +175,7 @@ class StabilityEngine:
             parts.clip = old.clip
         parts.spike_rule = old.spike_rule
         self._install(parts)
-        self.qk_clip = QKClip.from_config(self.config.qk_clip, self._model, self.params)
+        self.sources.follow_params(self.params)
 
     def _install(self, parts: _Parts) -> None:
         """Swap ``parts`` in (all at once, after they were built and loaded)."""
@@ -221,6 +212,16 @@ class StabilityEngine:
         return parts
 
     # ----------------------------------------------------------------------------- helpers
+
+    @property
+    def monitor(self) -> ModelMonitor | None:
+        """The sampled model monitor (``config.monitors``), or None."""
+        return self.sources.monitor
+
+    @property
+    def qk_clip(self) -> QKClip | None:
+        """QK-clip over the attention modules this optimizer updates (``config.qk_clip``), or None."""
+        return self.sources.qk_clip
 
     @property
     def logged_layers(self) -> list[int]:
@@ -270,6 +271,7 @@ class StabilityEngine:
         loss_scale: Tensor | None = None,
         force_skip: Tensor | None = None,
         skip_ahead: bool = False,
+        request: int = 0,
     ) -> StepDecision:
         """Measure, agree, decide, clip and record this step; the host reads it now only where it must.
 
@@ -279,6 +281,8 @@ class StabilityEngine:
         ``force_skip``: a 0-d device bool (the data guard's verdict) that skips the step when true.
         ``skip_ahead``: a batch a rollback skips (``RecoveryConfig.skip_after``): measured and logged,
         never trained on; known on the host at once (the same on every rank), so it costs no sync.
+        ``request``: a rollback request of this rank (a non-negative integer, ``recovery/agreement.py``),
+        agreed in this step's all-reduce and written to its row (the largest any rank sent).
         """
         step = self.step
         mark_collective_step(step)
@@ -286,7 +290,7 @@ class StabilityEngine:
         norms, grouped = self.plan.compute(grad_scale, extra=update_sums)
         loss = self._loss_sum  # the sum of what was backpropagated: with ``loss / accumulate`` the batch mean
         self._loss_sum = None
-        here, agreed = self._verdict(norms, loss, force_skip)
+        here, agreed = self._verdict(norms, loss, force_skip, request)
         code = decide(
             self.config.skip.nonfinite,
             here.grads_finite,
@@ -304,7 +308,7 @@ class StabilityEngine:
         layer_norms = norms.layer_norms
         self.journal.write(
             RowInfo(step, loss is not None, scaler_active),
-            [agreed.total, self._or_nan(loss), code, coef, threshold],
+            [agreed.total, self._or_nan(loss), code, coef, threshold, agreed.request],
             layer_norms,
         )
         report = StepReport(
@@ -337,7 +341,7 @@ class StabilityEngine:
         return value if value is not None else self._nan
 
     def _verdict(
-        self, norms: NormResult, loss: Tensor | None, force_skip: Tensor | None
+        self, norms: NormResult, loss: Tensor | None, force_skip: Tensor | None, request: int
     ) -> tuple[AgreedStep, AgreedStep]:
         """This rank's verdict inputs, and the same made identical on every rank (one all-reduce).
 
@@ -350,10 +354,11 @@ class StabilityEngine:
         spike = self._false
         if self.spike_rule is not None:
             spike = self.spike_rule.decide(norms.total, loss, grads_finite & loss_finite)
-        here = AgreedStep(norms.total, grads_finite, loss_finite, bad_batch, spike)
+        asked = self._no_request if request == 0 else torch.full((), float(request), device=self.device)
+        here = AgreedStep(norms.total, grads_finite, loss_finite, bad_batch, spike, asked)
         if not self.config.skip.sync_ranks:
             return here, here
-        return here, agree_step(norms.total, grads_finite, loss_finite, bad_batch, spike)
+        return here, agree_step(norms.total, grads_finite, loss_finite, bad_batch, spike, asked)
 
     def _clip(
         self, norms: NormResult, grouped: list[list[Tensor]], agreed: AgreedStep, skip: Tensor
@@ -423,7 +428,7 @@ class StabilityEngine:
         extras: list[Tensor] = []
         quiet: set[str] = set()  # module metrics logged only, not watched by the spike detector
         if decision.logging:
-            metrics, quiet = self._module_metrics()
+            metrics, quiet = self.sources.collect()
             for key, value in metrics.items():
                 names.append(key)
                 extras.append(value)
@@ -445,39 +450,17 @@ class StabilityEngine:
         if rows and rows[-1].step == decision.report.step and decision.pending:
             decision.settle(rows[-1].code)
 
-    def _module_metrics(self) -> tuple[dict[str, Tensor], set[str]]:
-        """Device tensors from ``stability_metrics()`` sources (a key several share keeps the max), and
-        the keys that are not precursors (a source's ``is_precursor(key)`` said no): logged, not scored."""
-        merged: dict[str, list[Tensor]] = {}
-        quiet: set[str] = set()
-        for module in self.metric_sources:
-            is_precursor = getattr(module, "is_precursor", None)
-            for key, value in module.stability_metrics().items():
-                if value is not None:
-                    merged.setdefault(key, []).append(value.detach().float().reshape(()))
-                    if is_precursor is not None and not is_precursor(key):
-                        quiet.add(key)
-        return {k: v[0] if len(v) == 1 else torch.stack(v).amax() for k, v in merged.items()}, quiet
-
     def _mark_measure(self) -> None:
-        """Tell measuring sources about the coming step: ``begin_step(step, logging)`` where they have
-        it (monitors sample on their own cadence), else ``measure_metrics = logging``."""
-        logging = self.is_logging_step()
-        for module in self.metric_sources:
-            begin_step = getattr(module, "begin_step", None)
-            if callable(begin_step):
-                begin_step(self.step, logging)
-            elif hasattr(module, "measure_metrics"):
-                module.measure_metrics = logging
+        """Tell the metric sources about the coming step (monitors sample on their own cadence)."""
+        self.sources.begin_step(self.step, self.is_logging_step())
 
     def close_monitors(self) -> None:
         """Remove the monitors' hooks from the model (a driver calls it when training ends)."""
-        if self.monitor is not None:
-            self.monitor.close()
+        self.sources.close()
 
     def open_step(self, decision: StepDecision, optimizer: Any | None = None) -> StepGate:
         """The gate around the optimizer step (``gate.py``): no step when ``skip_now``; ``close()`` after."""
-        return StepGate(decision, optimizer if self.fused else None, self.qk_clip)
+        return StepGate(decision, optimizer if self.fused else None, self.sources.qk_clip)
 
     def apply(self, decision: StepDecision, step_fn: Callable[[], Any], optimizer: Any | None = None) -> Any:
         """Run the optimizer step unless this step is skipped; fused optimizers skip on the device."""
@@ -641,6 +624,5 @@ class StabilityEngine:
         self.source_hint = None
         if self.updates is not None:
             self.updates.reset()
-        if self.monitor is not None:
-            self.monitor.discard()  # values measured on the undone steps are not the restored model's
+        self.sources.discard()  # values measured on the undone steps are not the restored model's
         self._mark_measure()

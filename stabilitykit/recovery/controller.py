@@ -15,6 +15,9 @@ folded what the host read) and runs the optimizer step inside ``scaled_lr()``. I
 4. otherwise a snapshot is taken when the step count reaches a multiple of ``snapshot_every``,
    unless this step is known to be skipped (pending when its decision is still on the device).
 
+With several ranks a trigger is not acted on where it is found: it is queued, agreed in the next
+step's all-reduce and acted on at the next logging step, by every rank at once (``agreement.py``).
+
 The step count goes on after a rollback (loggers need steps that only grow; Lightning and the HF
 Trainer own their global step); the LR schedulers are the snapshot's, so the schedule runs behind
 the step count by the steps undone. Batches keep coming from the driver's loop: those trained on
@@ -23,7 +26,6 @@ in the undone steps are skipped, not replayed.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,8 +38,10 @@ from stabilitykit.distributed import is_distributed
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.engine.decision import StepDecision
 from stabilitykit.engine.journal import Row
+from stabilitykit.engine.ledger import Divergence
 from stabilitykit.events import Event, RollbackLimitError
 from stabilitykit.hooks import HookManager
+from stabilitykit.recovery.agreement import Agreement
 from stabilitykit.recovery.host_copy import HostCopier
 from stabilitykit.recovery.record import RollbackLog, RollbackRecord
 from stabilitykit.recovery.snapshot import TrainingObjects, restore_snapshot, take_snapshot
@@ -70,9 +74,11 @@ class Recovery:
         hooks: HookManager,
         guard_state: Callable[[], dict[str, Any]],
         restore_guard: Callable[[dict[str, Any]], None],
+        agree: bool | None = None,
     ) -> None:
         """``guard_state``: the driver's own state a snapshot keeps (the engine's included);
-        ``restore_guard``: puts such a state back after a rollback (``DriverCore`` rewinds its engine)."""
+        ``restore_guard``: puts such a state back after a rollback (``DriverCore`` rewinds its engine);
+        ``agree``: agree every rollback across ranks (``agreement.py``; default: under torch.distributed)."""
         self.config = config
         self.engine = engine
         self.hooks = hooks
@@ -87,13 +93,15 @@ class Recovery:
         self.cooldown_until = 0  # steps before this one run with lr_scale
         self.skip_until = 0  # steps before this one skip their batch (``skip_after``)
         self._alert: tuple[str, int] | None = None  # (trigger, step) of the earliest alert since the last step
-        if is_distributed():
-            warnings.warn(
-                "stabilitykit: RecoveryConfig(enabled=True) under torch.distributed is not supported yet: nothing "
-                "checks that every rank holds the same snapshots and rolls back at the same step (alerts are "
-                "raised per rank), and sharded state is untested; see the recovery guide",
-                UserWarning,
-                stacklevel=4,
+        if agree is None:
+            agree = is_distributed()
+        #: With several ranks: this rank's queued trigger and the agreed request (None: act at once).
+        self.agreement: Agreement | None = Agreement() if agree else None
+        self._divergence: Divergence | None = None  # the divergence behind a queued "diverged" trigger
+        if agree and not engine.config.skip.sync_ranks:
+            raise ValueError(
+                "RecoveryConfig(enabled=True) under torch.distributed needs SkipConfig(sync_ranks=True): ranks agree "
+                "on a rollback in the step's all-reduce, which sync_ranks=False turns off"
             )
         self._listening = any(t in config.trigger for t in ("spike_alert", "loss_drift"))
         if self._listening:
@@ -121,7 +129,7 @@ class Recovery:
         if self._listening:
             self.hooks.off("spike_alert", self._on_alert)
             self._listening = False
-        self.store.clear()
+        self.store.close()
 
     @contextmanager
     def scaled_lr(self) -> Iterator[None]:
@@ -148,16 +156,37 @@ class Recovery:
         """``step`` is one of the batches a rollback skips ahead (``skip_after``): not trained on."""
         return step < self.skip_until
 
+    def request(self, step: int) -> int:
+        """What step ``step`` sends in its all-reduce: this rank's queued trigger, encoded (0: none)."""
+        return self.agreement.request(step) if self.agreement is not None else 0
+
     def confirm(self, rows: Iterable[Row]) -> None:
-        """Journal rows the host has read (outside a step, e.g. a flush): settle pending snapshots."""
+        """Journal rows the host has read (outside a step, e.g. a flush): settle pending snapshots, note
+        agreed rollback requests."""
+        rows = list(rows)
         self.store.confirm((row.step, not row.skipped) for row in rows)
+        if self.agreement is not None:
+            self.agreement.read(rows)
+
+    def flush(self, rows: Iterable[Row]) -> None:
+        """The driver folded ``rows`` outside a step (a flush): settle them, and wait for snapshot files."""
+        self.confirm(rows)
+        self.store.wait_for_writes()
 
     def after_step(self, decision: StepDecision) -> bool:
         """The step is over and folded: settle, trigger and roll back, or snapshot. True after a rollback."""
         self.confirm(decision.rows)
         trigger = self._trigger(decision)
-        if trigger is not None:
-            return self._roll_back(*trigger, decision)
+        if self.agreement is None:
+            if trigger is not None:
+                return self._roll_back(*trigger, decision.divergence)
+        else:
+            if trigger is not None:
+                self.agreement.queue(trigger[0], trigger[2])
+                self._divergence = decision.divergence or self._divergence
+            agreed = self.agreement.take() if decision.logging else None  # every rank has read the row
+            if agreed is not None:
+                return self._roll_back(*self._agreed_trigger(*agreed))
         step = self.engine.step  # steps done: a snapshot now holds the state before this step
         if step % self.config.snapshot_every == 0 and not decision.skipped_now:
             snapshot = take_snapshot(self.objects, self.store.copier, step, confirmed=not decision.pending)
@@ -184,8 +213,18 @@ class Recovery:
             self._alert = None
         return min(found, key=lambda t: t[2]) if found else None
 
+    def _agreed_trigger(self, trigger: str, onset: int) -> tuple[str, int, int, Divergence | None]:
+        """(trigger, its step, onset, divergence) of a request every rank agreed on."""
+        if trigger != "diverged":
+            return trigger, onset, onset, None
+        divergence, self._divergence = self._divergence, None
+        if divergence is None:  # another rank saw it first: the streak that reached the limit
+            consecutive = self.engine.config.skip.max_consecutive or 1
+            divergence = Divergence(onset + consecutive - 1, consecutive, None, None)
+        return trigger, divergence.step, onset, divergence
+
     # ------------------------------------------------------------------ the rollback
-    def _roll_back(self, trigger: str, trigger_step: int, onset: int, decision: StepDecision) -> bool:
+    def _roll_back(self, trigger: str, trigger_step: int, onset: int, divergence: Divergence | None) -> bool:
         cfg = self.config
         at_step = self.engine.step - 1  # the step just finished
         recent = self.log.since(at_step - cfg.window)
@@ -196,12 +235,15 @@ class Recovery:
             raise error
         snapshot = self.store.newest_at_or_before(onset - cfg.min_lookback)
         if snapshot is None:
-            if decision.divergence is not None:
-                self.engine.report_divergence(decision.divergence)  # nothing to go back to: raise as before
+            if divergence is not None:
+                self.engine.report_divergence(divergence)  # nothing to go back to: raise as before
             return False  # an alert with no snapshot before it stays an alert
         tree = self.store.load(snapshot)
         self._restore_guard(restore_snapshot(self.objects, tree, rng=cfg.restore_rng))
         self._alert = None  # alerts raised while rewinding belong to the undone steps
+        if self.agreement is not None:
+            self.agreement.clear()
+        self._divergence = None
         self.store.drop_after(snapshot.step)
         record = RollbackRecord(
             at_step=at_step,

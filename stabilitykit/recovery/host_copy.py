@@ -7,7 +7,11 @@ tensor is copied into a pinned host buffer with ``non_blocking=True`` on a side 
 waits for the compute stream; the compute stream then waits for the side stream. Both waits are on
 the device, so the host never blocks, and the next step's in-place updates cannot overwrite a
 tensor before it has been copied. ``HostTree.wait()`` is the one host sync, paid only when the copy
-is read (a restore, a write to disk).
+is read (a restore on the step thread; before a write to disk, on the writer thread).
+
+A DTensor (FSDP2, tensor parallel) is copied as its local shard: each rank keeps its own part and
+puts it back into its own part, with no collective; ``Saved.layout`` remembers the DTensor's mesh
+and placements so a state that has to be recreated comes back as the same DTensor.
 
 Host buffers of snapshots that are dropped go back to a pool and are reused, so a run that takes
 snapshots for 100k steps allocates host memory for ``keep`` (plus pending) snapshots only.
@@ -24,19 +28,60 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from stabilitykit.distributed import is_dtensor, to_local
+
 __all__ = ["HostCopier", "HostTree", "Saved", "map_saved", "saved_tensors"]
+
+
+@dataclass(frozen=True)
+class DTensorLayout:
+    """How a DTensor was laid out: enough to rebuild it from its saved local shard."""
+
+    mesh: Any
+    placements: tuple[Any, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tensor: Tensor) -> DTensorLayout:
+        """The layout of the DTensor ``tensor``."""
+        return cls(tensor.device_mesh, tuple(tensor.placements), tensor.shape, tensor.stride())  # type: ignore[attr-defined]
+
+    def __reduce__(self) -> Any:
+        """Written to disk without its mesh (a process group cannot be saved): the shard is still restored
+        in place into the existing DTensor; only a state that must be recreated needs the mesh."""
+        return (DTensorLayout, (None, self.placements, self.shape, self.stride))
 
 
 @dataclass
 class Saved:
-    """One tensor's host copy and where the tensor lived."""
+    """One tensor's host copy (a DTensor's local shard) and where the tensor lived."""
 
     data: Tensor
     device: torch.device
+    layout: DTensorLayout | None = None  # set when the tensor was a DTensor
 
     def to_device(self) -> Tensor:
-        """A new tensor on the original device holding the saved values."""
-        return self.data.to(self.device, copy=True)
+        """A new tensor on the original device holding the saved values (a DTensor again if it was one)."""
+        local = self.data.to(self.device, copy=True)
+        if self.layout is None:
+            return local
+        if self.layout.mesh is None:
+            raise ValueError("a DTensor state saved to disk cannot be recreated on its own: it has no device mesh")
+        from torch.distributed.tensor import DTensor
+
+        layout = self.layout
+        return DTensor.from_local(
+            local, layout.mesh, layout.placements, run_check=False, shape=layout.shape, stride=layout.stride
+        )
+
+    def copy_into(self, target: Tensor) -> bool:
+        """Copy the saved values into ``target`` (a DTensor: into its local shard) when shape and dtype match."""
+        local = to_local(target)
+        if local.shape != self.data.shape or local.dtype != self.data.dtype:
+            return False
+        local.copy_(self.data)
+        return True
 
 
 @dataclass
@@ -98,14 +143,15 @@ class HostCopier:
 
         def leaf(t: Tensor) -> Saved:
             nonlocal nbytes
-            src = t.detach()
+            layout = DTensorLayout.of(t) if is_dtensor(t) else None
+            src = to_local(t.detach())
             host = self._buffer(src)
             nbytes += host.numel() * host.element_size()
             if src.device.type == "cuda":
                 pending[src.device].append((host, src))
             else:
                 host.copy_(src)
-            return Saved(host, src.device)
+            return Saved(host, src.device, layout)
 
         out = _map_tensors(tree, leaf)
         ready = None

@@ -8,7 +8,9 @@ state (``StabilityEngine.state_dict()``) and the random generators. Tensors are 
 
 Restoring copies into the tensors that exist (``Tensor.copy_``): the parameters, buffers and
 optimizer state tensors keep their identity, so the optimizer's references, fused kernels and
-anything holding a parameter keep working, and the values equal the snapshot bitwise. Optimizer
+anything holding a parameter keep working, and the values equal the snapshot bitwise. A DTensor
+(FSDP2, tensor parallel) is saved and restored as this rank's local shard: every rank restores its
+own part, with no collective. Optimizer
 state a parameter did not have at the snapshot is removed; state it had and lost is recreated on
 the parameter's device.
 """
@@ -99,8 +101,7 @@ def take_snapshot(objects: TrainingObjects, copier: HostCopier, step: int, confi
 
 def _copy_into(target: Any, saved: Saved) -> Any:
     """``saved``'s values in ``target`` when it is a tensor of the same shape and dtype, else a new tensor."""
-    if isinstance(target, Tensor) and target.shape == saved.data.shape and target.dtype == saved.data.dtype:
-        target.copy_(saved.data)
+    if isinstance(target, Tensor) and saved.copy_into(target):
         return target
     return saved.to_device()
 
@@ -135,7 +136,8 @@ def restore_snapshot(objects: TrainingObjects, tree: Any, rng: bool) -> dict[str
         raise ValueError("the snapshot was taken for another set of parameters or param groups")
     with torch.no_grad():
         for target, saved in zip([*objects.params, *objects.buffers], [*tree["params"], *tree["buffers"]], strict=True):
-            target.copy_(saved.data)
+            if not saved.copy_into(target):
+                raise ValueError(f"a snapshot tensor of shape {tuple(saved.data.shape)} does not fit its parameter")
         _restore_optimizer(objects, tree["optimizer"])
         for scheduler, state in zip(objects.schedulers, tree["schedulers"], strict=True):
             scheduler.load_state_dict(map_saved(state, _new))

@@ -6,19 +6,24 @@ dropped when it was skipped. Only confirmed snapshots are ever restored; the old
 goes when there are more than ``keep``.
 
 Storage ``"memory"`` keeps the host copies; a directory writes each snapshot to
-``<dir>/snapshot-<step>.pt`` once it is confirmed (the write waits for the copy: a host sync on
-CUDA, on that step only) and frees its host buffers for the next one.
+``<dir>/snapshot-<step>.pt`` once it is confirmed, on a background thread: the step goes on while
+the file is written (the thread waits for the device copy, so the step thread never syncs), and
+the host buffers go back to the pool when the write is done. A snapshot being written is restored
+from its host copy; a write that fails is a warning, and that snapshot is dropped (training goes
+on, with one snapshot fewer).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from stabilitykit.recovery.host_copy import HostCopier
+from stabilitykit.recovery.host_copy import HostCopier, HostTree
 from stabilitykit.recovery.snapshot import Snapshot
 
 __all__ = ["SnapshotStore"]
@@ -32,6 +37,8 @@ class SnapshotStore:
         self.copier = copier
         self.directory = None if storage == "memory" else Path(storage)
         self.snapshots: list[Snapshot] = []
+        self._writer: ThreadPoolExecutor | None = None  # started with the first write
+        self._writes: dict[int, Future[None]] = {}  # id(snapshot) -> its file being written
 
     @property
     def confirmed(self) -> list[Snapshot]:
@@ -45,6 +52,7 @@ class SnapshotStore:
 
     def add(self, snapshot: Snapshot) -> None:
         """Hold ``snapshot`` (pending or confirmed)."""
+        self._collect_writes()
         self.snapshots.append(snapshot)
         if snapshot.confirmed:
             self._settled(snapshot)
@@ -63,12 +71,11 @@ class SnapshotStore:
 
     def _settled(self, snapshot: Snapshot) -> None:
         if self.directory is not None and snapshot.tree is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
             path = self.directory / f"snapshot-{snapshot.step}.pt"
-            snapshot.tree.wait()
-            torch.save(snapshot.tree.tree, path)
-            self.copier.release(snapshot.tree)
-            snapshot.tree, snapshot.path = None, path
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stabilitykit-snapshot")
+            self._writes[id(snapshot)] = self._writer.submit(_write, snapshot.tree, path)
+            snapshot.path = path
         confirmed = self.confirmed
         for old in confirmed[: max(0, len(confirmed) - self.keep)]:
             self._drop(old)
@@ -77,6 +84,35 @@ class SnapshotStore:
         """The newest confirmed snapshot of a step at or before ``step``."""
         found = [s for s in self.confirmed if s.step <= step]
         return found[-1] if found else None
+
+    def wait_for_writes(self) -> None:
+        """Block until every snapshot file being written is on disk (a failed write warns)."""
+        for snapshot in list(self.snapshots):
+            write = self._writes.get(id(snapshot))
+            if write is not None:
+                write.exception()  # waits; the outcome is handled below
+        self._collect_writes()
+
+    def _collect_writes(self) -> None:
+        """Free the host copies of snapshots whose file is written; drop those whose write failed."""
+        for snapshot in list(self.snapshots):
+            write = self._writes.get(id(snapshot))
+            if write is None or not write.done():
+                continue
+            del self._writes[id(snapshot)]
+            error = write.exception()
+            if error is not None:
+                warnings.warn(
+                    f"stabilitykit: could not write the recovery snapshot of step {snapshot.step} to "
+                    f"{snapshot.path}: {error!r}; training goes on without it",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                snapshot.path = None  # nothing to remove
+                self._drop(snapshot)
+            elif snapshot.tree is not None:
+                self.copier.release(snapshot.tree)
+                snapshot.tree = None
 
     def load(self, snapshot: Snapshot) -> Any:
         """The host tree of ``snapshot`` (waits for its copies; reads its file on disk)."""
@@ -96,11 +132,30 @@ class SnapshotStore:
         for snapshot in list(self.snapshots):
             self._drop(snapshot)
 
+    def close(self) -> None:
+        """Forget every snapshot and stop the writer thread (the driver is done)."""
+        self.clear()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
     def _drop(self, snapshot: Snapshot) -> None:
         self.snapshots.remove(snapshot)
+        write = self._writes.pop(id(snapshot), None)
+        if write is not None:
+            write.exception()  # wait for the file before it is removed (a failure no longer matters)
         if snapshot.tree is not None:
             self.copier.release(snapshot.tree)
             snapshot.tree = None
         if snapshot.path is not None:
             snapshot.path.unlink(missing_ok=True)
             snapshot.path = None
+
+
+def _write(tree: HostTree, path: Path) -> None:
+    """On the writer thread: wait for the device copy, then write ``tree`` to ``path`` (whole or not at all)."""
+    tree.wait()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save(tree.tree, tmp)
+    tmp.replace(path)

@@ -1,0 +1,90 @@
+"""Run by test_recovery_distributed.py under ``torchrun --nproc_per_node 2``: the HF Trainer on 2 gloo
+processes (DDP through Accelerate) with ``stabilize()`` and recovery on.
+
+A tiny random-init ``LlamaForCausalLM`` trains 24 steps. On rank 1 only, the loss the Trainer
+reports jumps 1000x at global step 12 (a constant times the detached loss is added, so the grads
+are unchanged): only rank 1's detector raises a ``spike_alert``. Both ranks must roll back once,
+at the same step, to the same snapshot, and keep identical replicas. Each rank writes
+``rank<r>.json`` to ``SK_OUT``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import stabilitykit as sk
+from stabilitykit.integrations import stabilize
+from tests.hf_models import tiny_llama, token_batches
+
+JUMP_STEP = 12
+
+
+def main() -> None:
+    from transformers import Trainer, TrainingArguments
+
+    out = Path(os.environ["SK_OUT"])
+    torch.set_num_threads(1)
+    rows = [{k: v[0] for k, v in batch.items()} for batch in token_batches(200, batch_size=1, seed=3)]
+
+    class JumpTrainer(Trainer):
+        """Rank 1's reported loss jumps at one step; the gradient is the plain loss's."""
+
+        def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            if self.args.process_index == 1 and self.state.global_step == JUMP_STEP:
+                loss = loss + 1000.0 * loss.detach()
+            return loss
+
+    args = TrainingArguments(
+        output_dir=str(out / "run"),
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        per_device_train_batch_size=2,
+        max_steps=24,
+        learning_rate=3e-3,
+        logging_steps=2,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = JumpTrainer(model=tiny_llama(), args=args, train_dataset=rows)
+    cfg = sk.StabilityConfig(
+        spikes=sk.SpikeConfig(warmup_steps=5),
+        recovery=sk.RecoveryConfig(enabled=True, snapshot_every=2, keep=3, trigger=["spike_alert"]),
+    )
+    callback = stabilize(trainer, cfg)
+    rollbacks: list[dict[str, int]] = []
+    alerts: list[int] = []
+    callback.hooks.on(
+        "rollback", lambda e: rollbacks.append({k: int(e.details[k]) for k in ("at_step", "onset", "restored_step")})
+    )
+    callback.hooks.on("spike_alert", lambda e: alerts.append(e.step))
+    trainer.train()
+    params = [p.detach() for p in trainer.model.parameters()]
+    result = {
+        "rank": args.process_index,
+        "world": args.world_size,
+        "rollbacks": rollbacks,
+        "alerts": alerts,
+        "steps": trainer.state.global_step,
+        "checksum": sum(float(p.double().sum()) for p in params),
+        "finite": all(bool(torch.isfinite(p).all()) for p in params),
+    }
+    (out / f"rank{args.process_index}.json").write_text(json.dumps(result))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown racing gloo's threads
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Recovery under torch.distributed: a fault on one rank rolls every rank back, at the same step, to the same snapshot.
+
+Real gloo processes (``distributed_recovery_script.py``), a tiny HF Llama under DDP, FSDP2, FSDP1 and
+tensor parallel, and
+the real HF Trainer under ``torchrun`` (``hf_ddp_recovery_script.py``); the request encoding of
+``recovery/agreement.py`` is checked here directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stabilitykit.engine.journal import Row
+from stabilitykit.recovery.agreement import Agreement, decode_request, encode_request
+from tests.distributed_script_runner import free_port, run_world
+
+SCRIPT = Path(__file__).parent / "distributed_recovery_script.py"
+CASES = ["ddp-alert", "ddp-nan", "fsdp2-alert", "fsdp2-nan", "fsdp2-alert-disk", "fsdp1-alert", "tp-alert"]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_world(SCRIPT, 2, tmp_path_factory.mktemp("recovery"), timeout=240)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_rank_rolls_back_once_at_the_same_step_to_the_same_snapshot(ranks: list[dict], case: str) -> None:
+    first, second = ranks[0][case], ranks[1][case]
+    assert len(first["rollbacks"]) == 1
+    assert first["rollbacks"] == second["rollbacks"]
+    rollback = first["rollbacks"][0]
+    assert rollback["trigger"] == ("spike_alert" if "alert" in case else "diverged")
+    assert rollback["onset"] == 30  # the fault's first step, as the rank that saw it reported it
+    assert rollback["restored_step"] == 28  # the newest snapshot at or before the onset (every 4 steps)
+    assert rollback["at_step"] > 30
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "alert" in c])
+def test_a_rank_rolls_back_on_another_ranks_alert(ranks: list[dict], case: str) -> None:
+    """Only rank 1's loss jumped: rank 0 raised no alert of its own and still rolled back with it."""
+    assert ranks[0][case]["alerts"] == []
+    assert ranks[1][case]["alerts"] == [30]
+    assert len(ranks[0][case]["rollbacks"]) == 1
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_rank_restores_its_own_state_bitwise(ranks: list[dict], case: str) -> None:
+    """Parameters and optimizer state (the local shard under FSDP2) equal the rank's copy from before the
+    restored step."""
+    for rank in ranks:
+        assert rank[case]["restored_equal"] == [True]
+        assert rank[case]["finite"]
+
+
+@pytest.mark.parametrize("case", ["ddp-alert", "ddp-nan"])
+def test_ddp_replicas_stay_identical_after_a_rollback(ranks: list[dict], case: str) -> None:
+    assert ranks[0][case]["digest"] == ranks[1][case]["digest"]
+
+
+def test_fsdp2_shards_round_trip_through_disk_snapshots(ranks: list[dict]) -> None:
+    """``storage=`` a directory: each rank wrote its own shard's snapshots and restored from the file."""
+    for rank in ranks:
+        files = rank["fsdp2-alert-disk"]["files"]
+        assert "skipped_batches.json" in files
+        assert any(name.startswith("snapshot-") for name in files)
+    assert ranks[0]["fsdp2-alert-disk"]["rollbacks"] == ranks[0]["fsdp2-alert"]["rollbacks"]
+    assert ranks[0]["fsdp2-alert-disk"]["digest"] == ranks[0]["fsdp2-alert"]["digest"]  # same run, from disk
+
+
+def test_hf_trainer_ddp_ranks_roll_back_together_on_one_ranks_alert(tmp_path: Path) -> None:
+    """The real HF Trainer under ``torchrun`` (DDP over gloo through Accelerate): rank 1 alone alerts."""
+    script = Path(__file__).parent / "hf_ddp_recovery_script.py"
+    env = {**os.environ, "SK_OUT": str(tmp_path), "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", TMPDIR=str(tmp_path))  # torchrun's temp dirs go here
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    cmd += ["--master_port", str(free_port()), str(script)]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        _, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("the HF Trainer DDP run did not finish in 240 s") from None
+    assert proc.returncode == 0, err[-4000:]
+    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert first["world"] == second["world"] == 2
+    assert first["alerts"] == [] and second["alerts"] == [12]
+    assert len(first["rollbacks"]) == 1 and first["rollbacks"] == second["rollbacks"]
+    assert first["rollbacks"][0]["restored_step"] == 12
+    assert first["steps"] == second["steps"] == 24
+    assert first["checksum"] == second["checksum"] and first["finite"]
+
+
+def _row(step: int, request: int) -> Row:
+    return Row(step, 1.0, 1.0, 1.0, 1.0, 0, request=request)
+
+
+def test_a_request_carries_its_trigger_and_onset() -> None:
+    for trigger in ("diverged", "spike_alert", "loss_drift"):
+        value = encode_request(trigger, onset=37, step=41)
+        assert decode_request(value, 41) == (trigger, 37)
+    assert encode_request("spike_alert", 40, 41) < encode_request("spike_alert", 30, 41)  # MAX: earliest onset
+
+
+def test_an_agreement_sends_once_and_acts_on_the_earliest_onset() -> None:
+    agreement = Agreement()
+    assert agreement.request(5) == 0
+    agreement.queue("spike_alert", 9)
+    agreement.queue("diverged", 7)
+    value = agreement.request(10)
+    assert decode_request(value, 10) == ("diverged", 7)
+    assert agreement.request(11) == 0  # sent once
+    agreement.read([_row(10, value), _row(12, encode_request("spike_alert", 11, 12)), _row(13, 0)])
+    assert agreement.take() == ("diverged", 7)
+    assert agreement.take() is None
