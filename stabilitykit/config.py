@@ -251,7 +251,14 @@ class SpikeConfig(_Strict):
         3.0, gt=0, description="With a loss: grad norm and loss both at this z-score raise a spike_alert."
     )
     z_loss_alert: float = Field(6.0, gt=0, description="Loss z-score that raises a spike_alert.")
-    alert_cooldown: int = Field(20, ge=1, description="Steps after a spike_alert during which no other is raised.")
+    alert_cooldown: int = Field(
+        20,
+        ge=1,
+        description=(
+            "Steps after a spike_alert during which no other is raised (after a loss-drift alert, a jump of "
+            "the loss or grad norm still alerts)."
+        ),
+    )
     loss_drift_alert: float | None = Field(
         4.0,
         gt=0,

@@ -449,6 +449,7 @@ class SpikeMonitor:
         self.max_z_loss_recent = 0.0
         self.max_trend_recent = 0.0
         self.last_alert_step: int | None = None
+        self.last_alert_drift = False  # the last alert was the loss-drift rule's (a jump may still page)
         self.alerts = 0
         self.loss_drift = 0.0  # CUSUM of the loss z-score (loss_drift_alert)
 
@@ -489,12 +490,19 @@ class SpikeMonitor:
             self.loss_drift = max(0.0, self.loss_drift + min(z_loss, _DRIFT_CLAMP) - _DRIFT_REFERENCE)
         reason = alert_reason(scores, cfg, self.loss_drift)
         if reason is not None:
-            if self.last_alert_step is None or step - self.last_alert_step >= cfg.alert_cooldown:
+            if self._may_alert(step, reason):
                 events.append(alert_event(scores, reason, self.loss_drift))
-                self.last_alert_step = step
+                self.last_alert_step, self.last_alert_drift = step, reason.climbing
                 self.alerts += 1
             self.loss_drift = 0.0  # this excursion is alerted (or inside the cooldown of its alert)
         return events
+
+    def _may_alert(self, step: int, reason: AlertReason) -> bool:
+        """Outside the cooldown of the last alert, or a jump inside the cooldown of a drift alert: a climb
+        that turns into a jump is news (and the alert a ``spike_alert`` recovery trigger acts on)."""
+        if self.last_alert_step is None or step - self.last_alert_step >= self.config.alert_cooldown:
+            return True
+        return self.last_alert_drift and not reason.climbing
 
     def _leading_layer(self, layer_norms: Sequence[float] | None) -> str | None:
         """The layer with the largest z-score when it reaches ``z_warning`` (``per_layer``), else None."""
@@ -554,6 +562,7 @@ class SpikeMonitor:
             "last_z": list(self.last_z),
             "recent": [self.max_z_grad_recent, self.max_z_loss_recent, self.max_trend_recent],
             "last_alert_step": self.last_alert_step,
+            "last_alert_drift": self.last_alert_drift,
             "alerts": self.alerts,
             "loss_drift": self.loss_drift,
         }
@@ -570,6 +579,7 @@ class SpikeMonitor:
                 self.trends[name] = TrendDetector(warmup_steps=max(self.config.warmup_steps, 50))
                 self.trends[name].load_state_dict(sub)
             self.last_alert_step = state.get("last_alert_step")
+            self.last_alert_drift = bool(state.get("last_alert_drift", False))
             self.alerts = int(state.get("alerts", 0))
             self.loss_drift = float(state.get("loss_drift", 0.0))
         self.spike_score.load_state_dict(state["spike_score"])

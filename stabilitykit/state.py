@@ -90,6 +90,7 @@ class _Spikes(_State):
     last_z: list[float] = Field(default_factory=lambda: [0.0, 0.0], min_length=2, max_length=2)
     recent: list[float] = Field(default_factory=lambda: [0.0, 0.0], min_length=2, max_length=3)
     last_alert_step: int | None = None
+    last_alert_drift: bool = False
     alerts: int = Field(0, ge=0)
     loss_drift: float = 0.0
 

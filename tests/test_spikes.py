@@ -13,7 +13,7 @@ import torch
 from stabilitykit.config import SkipConfig, SpikeConfig
 from stabilitykit.events import EVENT_KINDS
 from stabilitykit.spike_skip import SpikeSkipRule
-from stabilitykit.spikes import PredictiveDetector, SpikeMonitor, TrendDetector
+from stabilitykit.spikes import DRIFT_RULE, PredictiveDetector, SpikeMonitor, TrendDetector
 from stabilitykit.testing.syncs import count_host_syncs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -170,6 +170,25 @@ def test_loss_drift_alert_catches_a_loss_that_climbs_over_several_steps_and_is_o
     event = runs[4.0][0]
     assert event.details["rule"].startswith("loss (") and "climbed" in event.message
     assert event.details["loss_drift"] >= 4.0
+
+
+def test_a_jump_inside_the_cooldown_of_a_drift_alert_still_alerts_but_not_of_a_jump_alert() -> None:
+    """A loss that climbs (drift alert), then jumps 10 steps later: the jump pages too (the climb became a
+    jump; a ``spike_alert`` recovery trigger acts on it). A second jump inside a jump's cooldown does not."""
+    rng = random.Random(8)
+    grads = [math.exp(0.05 * rng.gauss(0, 1)) for _ in range(400)]
+    losses = [3.0 * math.exp(0.04 * rng.gauss(0, 1)) for _ in range(400)]
+    for t in range(300, 400):
+        losses[t] *= math.exp(0.05 * min(t - 299, 15))  # the climb of the test above: a drift alert at 304
+    losses[314] *= 20.0  # then a jump, 10 steps later
+    losses[320] *= 20.0  # and another jump, 6 steps after that one
+    monitor = SpikeMonitor(SpikeConfig(), [])
+    alerts = [e for t in range(400) for e in monitor.update(t, grads[t], losses[t], None)]
+    alerts = [e for e in alerts if e.kind == "spike_alert"]
+    assert [(e.step, e.details["rule"]) for e in alerts] == [(304, DRIFT_RULE), (314, "loss")]
+    restored = SpikeMonitor(SpikeConfig(), [])
+    restored.load_state_dict(monitor.state_dict())
+    assert restored.last_alert_drift is False and restored.last_alert_step == 314
 
 
 def test_loss_drift_state_round_trips_and_resets_after_an_alert() -> None:
