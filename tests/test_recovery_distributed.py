@@ -13,12 +13,19 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
+import stabilitykit as sk
+from stabilitykit.engine import StabilityEngine
 from stabilitykit.engine.journal import Row
+from stabilitykit.hooks import HookManager
+from stabilitykit.recovery import Recovery
 from stabilitykit.recovery.agreement import Agreement, decode_request, encode_request
+from stabilitykit.scaler import ScalerAdapter
 from tests.distributed_script_runner import free_port, run_world
 
 SCRIPT = Path(__file__).parent / "distributed_recovery_script.py"
@@ -97,6 +104,33 @@ def test_hf_trainer_ddp_ranks_roll_back_together_on_one_ranks_alert(tmp_path: Pa
     assert first["rollbacks"][0]["restored_step"] == 12
     assert first["steps"] == second["steps"] == 24
     assert first["checksum"] == second["checksum"] and first["finite"]
+
+
+def _recovery(cfg: sk.StabilityConfig) -> None:
+    """Build the recovery of a guard over ``cfg`` as it is built under torch.distributed (``agree=True``)."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    hooks = HookManager()
+    engine = StabilityEngine(list(model.parameters()), cfg, model=model, hooks=hooks)
+    Recovery(cfg.recovery, engine, model, opt, ScalerAdapter(None), hooks, dict, lambda state: None, agree=True)
+
+
+def test_a_ring_the_agreement_latency_can_empty_warns() -> None:
+    """Alert triggers roll back up to a logging interval late: snapshots taken meanwhile must not push out
+    every one from before the onset."""
+
+    def config(keep: int, every: int) -> sk.StabilityConfig:
+        recovery = sk.RecoveryConfig(enabled=True, keep=keep, snapshot_every=every, trigger=["spike_alert"])
+        return sk.StabilityConfig(log_every_n_steps=10, recovery=recovery)
+
+    with pytest.warns(UserWarning, match=r"keep=2, snapshot_every=5\) may have nothing left"):
+        _recovery(config(keep=2, every=5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _recovery(config(keep=3, every=5))  # (3 - 1) * 5 >= 10
+    sync_off = sk.StabilityConfig(skip=sk.SkipConfig(sync_ranks=False), recovery=sk.RecoveryConfig(enabled=True))
+    with pytest.raises(ValueError, match="needs SkipConfig\\(sync_ranks=True\\)"):
+        _recovery(sync_off)
 
 
 def _row(step: int, request: int) -> Row:

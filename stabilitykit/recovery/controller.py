@@ -26,6 +26,7 @@ in the undone steps are skipped, not replayed.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -98,6 +99,18 @@ class Recovery:
         #: With several ranks: this rank's queued trigger and the agreed request (None: act at once).
         self.agreement: Agreement | None = Agreement() if agree else None
         self._divergence: Divergence | None = None  # the divergence behind a queued "diverged" trigger
+        every = engine.config.log_every_n_steps or 1
+        alerts = any(t in config.trigger for t in ("spike_alert", "loss_drift"))
+        if agree and alerts and config.snapshot_every * (config.keep - 1) < every + config.min_lookback:
+            warnings.warn(
+                f"stabilitykit: under torch.distributed a rollback comes at the next logging step, up to "
+                f"{every} step(s) after its trigger, and snapshots taken meanwhile push older ones out of the "
+                f"ring: RecoveryConfig(keep={config.keep}, snapshot_every={config.snapshot_every}) may have "
+                f"nothing left from before the onset. Keep (keep - 1) * snapshot_every >= log_every_n_steps + "
+                f"min_lookback ({every + config.min_lookback})",
+                UserWarning,
+                stacklevel=4,
+            )
         if agree and not engine.config.skip.sync_ranks:
             raise ValueError(
                 "RecoveryConfig(enabled=True) under torch.distributed needs SkipConfig(sync_ranks=True): ranks agree "
