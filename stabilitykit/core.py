@@ -651,6 +651,6 @@ class DriverCore:
         self.engine.load_state_dict(engine_state)
         self._trace_left = int(state.get("trace_left", 0))
         self.held_steps = int(state.get("held_steps", 0))
-        if self.recovery is not None and state.get("recovery") is not None:
-            self.recovery.load_state_dict(dict(state["recovery"]))
+        if self.recovery is not None:  # a resume: snapshots from before it are dropped in any case
+            self.recovery.load_state_dict(dict(state.get("recovery") or {}))
         self._trace_for(self.engine.step)

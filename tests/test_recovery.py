@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -258,6 +259,34 @@ def test_a_snapshot_that_cannot_be_written_warns_and_training_goes_on(tmp_path: 
             guard.step()
             guard.zero_grad()
     guard.close()
+
+
+def test_a_reload_drops_the_old_snapshots_and_snapshots_after_its_first_step() -> None:
+    """Loading an earlier state into the same guard (``fabric.load``, an in-process resume): snapshots of
+    the run before the load are another trajectory and are dropped; the first step after the load takes
+    one, so a divergence right after it rolls back there, bitwise, instead of raising."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = sk.StabilityGuard(model, opt, _config(snapshot_every=4, keep=2))
+    recorder = Recorder(guard, model, opt)
+    saved: dict[str, Any] = {}
+    for i, x in enumerate(_mlp_batches(14)):
+        if i == 10:
+            saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "guard": guard.state_dict()})
+        guard.backward(model(x).pow(2).mean())
+        recorder.record(guard, guard.step())
+        guard.zero_grad()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    guard.load_state_dict(saved["guard"])
+    for i, x in enumerate(_mlp_batches(8, seed=5), start=10):  # other batches than the first pass's
+        bad = 11 <= i < 14
+        guard.backward(model(x).pow(2).mean() * (float("nan") if bad else 1.0))
+        recorder.record(guard, guard.step())
+        guard.zero_grad()
+    # the snapshot of the load's first step; before, the ring still held the first pass's 8 and 12, and the
+    # rollback went back to 8, past the load
+    assert [r.details["restored_step"] for r in recorder.rollbacks] == [11]
 
 
 class SpySGD(torch.optim.SGD):

@@ -93,6 +93,7 @@ class Recovery:
         self.log = RollbackLog(Path(record_dir) if record_dir is not None else None)
         self.cooldown_until = 0  # steps before this one run with lr_scale
         self.skip_until = 0  # steps before this one skip their batch (``skip_after``)
+        self._snapshot_after_load = False  # a resume: snapshot at the end of the next healthy step
         self._alert: tuple[str, int] | None = None  # (trigger, step) of the earliest alert since the last step
         if agree is None:
             agree = is_distributed()
@@ -201,9 +202,11 @@ class Recovery:
             if agreed is not None:
                 return self._roll_back(*self._agreed_trigger(*agreed))
         step = self.engine.step  # steps done: a snapshot now holds the state before this step
-        if step % self.config.snapshot_every == 0 and not decision.skipped_now:
+        due = step % self.config.snapshot_every == 0 or self._snapshot_after_load
+        if due and not decision.skipped_now:
             snapshot = take_snapshot(self.objects, self.store.copier, step, confirmed=not decision.pending)
             self.store.add(snapshot)
+            self._snapshot_after_load = False
         return False
 
     # ------------------------------------------------------------------ triggers
@@ -310,7 +313,11 @@ class Recovery:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned."""
+        """Restore what ``state_dict`` returned (a resume). Snapshots held from before belong to another
+        point of the run and are dropped; the first step after the resume takes a snapshot, so the
+        resumed run can roll back before its first ``snapshot_every`` multiple."""
+        self.store.clear()
+        self._snapshot_after_load = True
         self.log.load_state_dict(list(state.get("rollbacks", [])))
         self.cooldown_until = int(state.get("cooldown_until", 0))
         self.skip_until = int(state.get("skip_until", 0))
