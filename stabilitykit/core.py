@@ -25,7 +25,6 @@ from torch import Tensor, nn
 from stabilitykit.buffers import BufferGuard, running_stat_buffers
 from stabilitykit.config import StabilityConfig
 from stabilitykit.engine import StabilityEngine, StepDecision, StepGate, is_fused
-from stabilitykit.engine.journal import upgrade_v1_rows, upgrade_v2_rows
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import (
     NaNTracer,
@@ -534,6 +533,7 @@ class DriverCore:
     def hold_scheduler(self, scheduler: Any) -> None:
         """Hold ``scheduler`` on skipped steps (its saved state is never touched) until ``release``."""
         hold_scheduler(scheduler, self.should_hold_scheduler)
+        self.engine.has_scheduler = self.engine.ledger.has_scheduler = True
         self._undo.append(lambda: release_scheduler(scheduler))
 
     def release(self) -> None:
@@ -640,15 +640,7 @@ class DriverCore:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned: validated as a whole first, then loaded all at once."""
         validate_state(state, reference=self.state_dict())
-        engine_state = dict(state["engine"])
-        version = int(state["version"])
-        journal = dict(engine_state["journal"])
-        if version < 3 and journal.get("infos"):  # unread rows of an older layout: today's columns
-            if version < 2:  # a version-1 state's third column holds skip flags: make them codes
-                journal["rows"] = upgrade_v1_rows(journal["rows"], list(journal["infos"]))
-            journal["rows"] = upgrade_v2_rows(journal["rows"])
-            engine_state["journal"] = journal
-        self.engine.load_state_dict(engine_state)
+        self.engine.load_state_dict(dict(state["engine"]))
         self._trace_left = int(state.get("trace_left", 0))
         self.held_steps = int(state.get("held_steps", 0))
         if self.recovery is not None:  # a resume: snapshots from before it are dropped in any case

@@ -37,9 +37,8 @@ from torch import Tensor
 
 __all__ = [
     "RECORD_COLLECTIVES_ENV",
-    "AgreedStep",
     "LayoutReducer",
-    "agree_step",
+    "all_gather",
     "all_ranks_agree",
     "all_reduce",
     "clear_recorded_collectives",
@@ -94,6 +93,16 @@ def all_reduce(tensor: Tensor, op: Any, group: Any | None = None) -> None:
         name = str(op).rsplit(".", 1)[-1]
         _recorded.append(f"{_step_label} all_reduce {name} {str(tensor.dtype)[6:]}[{tensor.numel()}] ranks={ranks}")
     dist.all_reduce(tensor, op=op, group=group)
+
+
+def all_gather(tensor: Tensor, group: Any | None = None) -> Tensor:
+    """Every rank's ``tensor`` stacked in rank order (``dist.all_gather``; recorded like ``all_reduce``)."""
+    if _RECORDING:
+        ranks = "world" if group is None or group is dist.group.WORLD else f"group of {len(_ranks(group))}"
+        _recorded.append(f"{_step_label} all_gather {str(tensor.dtype)[6:]}[{tensor.numel()}] ranks={ranks}")
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.stack(parts)
 
 
 def is_distributed() -> bool:
@@ -353,46 +362,3 @@ def all_ranks_agree(flag: Tensor, group: Any | None = None) -> Tensor:
     return as_int.to(flag.device).reshape(()).bool()
 
 
-@dataclass
-class AgreedStep:
-    """One step's verdict inputs, identical on every rank (0-d device tensors)."""
-
-    total: Tensor  # the largest total any rank measured; NaN if any rank's was NaN, inf if any was inf
-    grads_finite: Tensor  # every grad finite on every rank
-    loss_finite: Tensor  # every rank's loss finite
-    bad_batch: Tensor  # the data guard flagged a micro-batch on some rank
-    spike: Tensor  # the skip-on-spike rule fired on some rank
-    request: Tensor  # the largest rollback request any rank sent (0: none; ``recovery/agreement.py``)
-
-
-def agree_step(
-    total: Tensor,
-    grads_finite: Tensor,
-    loss_finite: Tensor,
-    bad_batch: Tensor,
-    spike: Tensor,
-    request: Tensor,
-    group: Any | None = None,
-) -> AgreedStep:
-    """Make a step's verdict inputs identical on every rank with ONE MAX all-reduce (no host sync).
-
-    Runs on every rank at every step (with one process it returns its inputs). Under DDP grads are
-    replicas and each rank measures them alone, so a fault on one rank (a bit flip, a per-rank
-    grad) would otherwise give ranks different norms, clip coefficients and decisions. Flags travel
-    as numbers and a NaN total as a separate flag: gloo's MAX drops a NaN from a non-zero rank.
-    ``request`` (a 0-d tensor holding a non-negative integer) rides along: a rollback one rank asks
-    for reaches every rank in the same step's row.
-    """
-    if not is_distributed():
-        return AgreedStep(total, grads_finite, loss_finite, bad_batch, spike, request)
-    dtype = total.dtype
-    flags = torch.stack([~grads_finite, ~loss_finite, bad_batch, spike, torch.isnan(total)]).to(dtype)
-    value = torch.where(torch.isfinite(total), total, torch.full_like(total, math.inf)).reshape(1)
-    packed = torch.cat([flags, value, request.to(dtype).reshape(1)])
-    if dist.get_backend(group) == "nccl" and packed.device.type != "cuda":  # pragma: no cover - GPU only
-        packed = packed.cuda()
-    all_reduce(packed, dist.ReduceOp.MAX, group)
-    packed = packed.to(total.device)
-    raised = packed[:5] > 0
-    agreed_total = torch.where(raised[4], torch.full_like(total, math.nan), packed[5])
-    return AgreedStep(agreed_total, ~raised[0], ~raised[1], raised[2], raised[3], packed[6])

@@ -7,14 +7,15 @@ other steps it reads the packed reason code (one sync).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
 
-from stabilitykit.engine.decision import PENDING, Known, Outcome, reason_from_code
+from stabilitykit.engine.decision import PENDING, Known, Outcome
 
-__all__ = ["StepReport", "reason_from_code"]
+__all__ = ["StepReport"]
 
 
 @dataclass
@@ -34,24 +35,28 @@ class StepReport:
     layer_norms: Tensor | None = None
     layer_names: list[str] = field(default_factory=list)
     scaler_active: bool = False
-    code: Tensor | None = None  # the decision code (0-d int32 on the device; see engine/decision.py)
-    outcome: Outcome = PENDING  # Known(code) once the host has read it
+    code: Tensor | None = None  # the decision code (0-d int32 on the device; see rules/registry.py)
+    outcome: Outcome = PENDING  # Known(code, reason) once the host has read it
+    decode: Callable[[int], str | None] | None = field(default=None, repr=False)  # the rule set's decoder
+    values: dict[str, Tensor] = field(default_factory=dict)  # the step's recorded metrics, agreed (device)
 
     @property
     def clipped(self) -> Tensor:
         """0-d bool tensor: the grads were scaled down and the step was not skipped."""
         return (self.clip_coef < 1.0) & ~self.skipped
 
-    def settle(self, code: int) -> None:
+    def settle(self, code: int, reason: str | None) -> None:
         """The host has read this step's decision code (the engine calls it when it reads the journal)."""
-        self.outcome = Known(code)
+        self.outcome = Known(code, reason)
 
     @property
     def reason(self) -> str | None:
         """Why the step was skipped: "nonfinite_loss", "nonfinite_grad", "fp16_overflow", "bad_batch",
-        "spike", "nonfinite_on_other_rank", or None (reads the device once unless the host already did)."""
+        "spike", "after_rollback", "nonfinite_on_other_rank", a custom rule's name, or None (reads the
+        device once unless the host already did)."""
         if not isinstance(self.outcome, Known):
-            self.settle(int(self.code) if self.code is not None else int(bool(self.skipped)))
+            code = int(self.code) if self.code is not None else int(bool(self.skipped))
+            self.settle(code, self.decode(code) if self.decode is not None else ("skipped" if code else None))
         assert isinstance(self.outcome, Known)
         return self.outcome.reason
 

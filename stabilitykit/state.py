@@ -2,7 +2,8 @@
 
 A truncated or hand-edited checkpoint must fail with an error that names the key and the
 expected type, and must leave the driver exactly as it was (no half-loaded state). Versioned:
-``version`` says which layout a state has, so a later release can read today's checkpoints.
+``version`` says which layout a state has; this release reads its own layout only (no migrations
+before the first release).
 
 Two layers of checks: the schema below (every key, type and list length a state of this
 version has, whatever driver saved it), then, given the loading driver's own state as
@@ -20,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 __all__ = ["STATE_VERSION", "validate_state"]
 
-#: Version of the state a driver saves; older versions this release knows are read too.
-STATE_VERSION = 3  # 3: the journal has a "request" column; 2: its third column holds the decision code (1: skip flags)
+#: Version of the state a driver saves, and the only one this release reads.
+STATE_VERSION = 4
 
 
 class _State(BaseModel):
@@ -126,6 +127,8 @@ class _RowInfo(_State):
 class _Journal(_State):
     rows: torch.Tensor
     infos: list[_RowInfo]
+    metric_names: list[str] = Field(default_factory=list)
+    carried: list[dict[str, Any]] = Field(default_factory=list)  # rows decoded on the host (``Journal.carried``)
 
     @model_validator(mode="after")
     def _one_row_per_info(self) -> _Journal:
@@ -145,6 +148,7 @@ class _Engine(_State):
     ledger: _Ledger
     clip: dict[str, torch.Tensor]
     spike_rule: dict[str, torch.Tensor] | None = None
+    rules: dict[str, dict[str, Any]] = Field(default_factory=dict)  # users' skip rules' own state, by name
     journal: _Journal
     layer_names: list[str]
 
@@ -206,6 +210,11 @@ def validate_state(state: Any, reference: Mapping[str, Any] | None = None) -> No
             f"stabilitykit state version {version} is newer than this release reads ({STATE_VERSION}); "
             "upgrade stabilitykit to load it"
         )
+    if isinstance(version, int) and not isinstance(version, bool) and version < STATE_VERSION:
+        raise ValueError(
+            f"stabilitykit state version {version} was saved by a development build with another layout; this "
+            f"release reads version {STATE_VERSION} only. Nothing was loaded."
+        )
     if "version" in state and not (isinstance(version, int) and not isinstance(version, bool)):
         raise ValueError(
             f"invalid stabilitykit state at 'version': must be an int (this release saves {STATE_VERSION}), "
@@ -224,17 +233,18 @@ def validate_state(state: Any, reference: Mapping[str, Any] | None = None) -> No
         ) from None
     if reference is not None:
         try:
-            saved_version = version if isinstance(version, int) else STATE_VERSION
-            _match_reference(state["engine"], reference["engine"], saved_version)
+            _match_reference(state["engine"], reference["engine"])
         except _Invalid as exc:
             raise ValueError(
                 f"invalid stabilitykit state at 'engine.{exc.where}': {exc.what}. Nothing was loaded."
             ) from None
 
 
-def _match_reference(saved: Mapping[str, Any], ours: Mapping[str, Any], version: int) -> None:
-    """The sizes the loading engine fixes (``ours``: its own state) against a schema-valid saved engine state
-    of ``version`` (before version 3 journal rows had one column less: no ``request``)."""
+def _match_reference(saved: Mapping[str, Any], ours: Mapping[str, Any]) -> None:
+    """The sizes the loading engine fixes (``ours``: its own state) against a schema-valid saved engine state.
+
+    Unread journal rows of another width (another log cadence, other recorded metrics) are fine: the
+    journal decodes them by their saved column names (``Journal.load_state_dict``)."""
     if list(saved["layer_names"]) != list(ours["layer_names"]):
         raise _Invalid(
             "layer_names",
@@ -244,13 +254,12 @@ def _match_reference(saved: Mapping[str, Any], ours: Mapping[str, Any], version:
         )
     for section in ("clip", "spike_rule"):
         _match_tensors(section, saved.get(section), ours.get(section))
-    saved_rows, our_rows = saved["journal"]["rows"], ours["journal"]["rows"]
-    width = our_rows.shape[1] - (1 if version < 3 else 0)
-    if saved["journal"]["infos"] and saved_rows.shape[1] != width:
+    saved_rows = saved["journal"]["rows"]
+    width = 6 + len(saved["journal"].get("metric_names", []))
+    if saved["journal"]["infos"] and saved_rows.shape[1] < width:
         raise _Invalid(
             "journal.rows",
-            f"unread rows are {saved_rows.shape[1]} wide, this guard's are {width} "
-            "(per-layer norms switched or layers changed)",
+            f"unread rows are {saved_rows.shape[1]} wide, fewer than their {width} named columns",
         )
     saved_spikes, our_spikes = saved["ledger"]["spikes"], ours["ledger"]["spikes"]
     if saved_spikes is not None and our_spikes is not None:

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 import stabilitykit as sk
 import stabilitykit.core
+from stabilitykit.state import STATE_VERSION
 
 NAN = float("nan")
 
@@ -234,31 +235,46 @@ def _fused_guard_with_unread_nan_row() -> tuple[torch.nn.Module, dict]:
         guard.step()
         guard.zero_grad()
     state = guard.state_dict()
-    assert state["version"] == 3
+    assert state["version"] == STATE_VERSION
     return model, state
 
 
-def _without_request_column(rows: torch.Tensor) -> torch.Tensor:
-    """Rows as versions 1 and 2 laid them out: no ``request`` column (the sixth)."""
-    return torch.cat([rows[:, :5], rows[:, 6:]], dim=1)
-
-
-@pytest.mark.parametrize("version", [1, 2])
-def test_an_older_state_with_unread_rows_still_loads(version: int) -> None:
-    """Version 1 kept skip flags in the journal's third column, versions 1 and 2 had no request column:
-    unread rows of both are read in today's layout."""
-    from stabilitykit.engine.decision import SKIP
-
+def test_a_state_of_an_older_development_layout_is_refused_by_version() -> None:
+    """No migrations before the first release: another layout's state is refused, naming both versions."""
     model, state = _fused_guard_with_unread_nan_row()
-    rows = _without_request_column(state["engine"]["journal"]["rows"])
-    assert int(rows[1, 2]) & SKIP  # the NaN step's code
-    if version == 1:
-        rows[1, 2] = 1.0  # what version 1 wrote for it: the skip flag alone
-    state["engine"]["journal"]["rows"] = rows
-    state["version"] = version
+    state["version"] = STATE_VERSION - 1
     fresh = sk.StabilityGuard(
         model, torch.optim.AdamW(model.parameters(), fused=True), sk.StabilityConfig(log_every_n_steps=10)
     )
+    with pytest.raises(ValueError, match=f"version {STATE_VERSION - 1}.*reads version {STATE_VERSION} only"):
+        fresh.load_state_dict(state)
+    assert fresh.step_count == 0
+
+
+@pytest.mark.parametrize("every", [1, 2, 5, 20])
+def test_a_resume_with_another_log_cadence_folds_the_saved_rows(every: int) -> None:
+    """State saved with log_every_n_steps=10 holding unread rows (one a NaN step) loads under another
+    cadence: the rows are folded, nothing is lost, and training goes on at the new cadence."""
+    model, state = _fused_guard_with_unread_nan_row()
+    rows_jsonl: list[int] = []
+
+    class Steps:
+        def log_metrics(self, metrics: dict, step: int) -> None:
+            rows_jsonl.append(step)
+
+    fresh = sk.StabilityGuard(
+        model,
+        torch.optim.AdamW(model.parameters(), fused=True),
+        sk.StabilityConfig(log_every_n_steps=every),
+        sinks=[Steps()],
+    )
     fresh.load_state_dict(state)
-    assert fresh.summary().skipped == 1
+    for _ in range(6):
+        fresh.backward(model(torch.randn(8, 4)).sum())
+        fresh.step()
+        fresh.zero_grad()
+    summary = fresh.summary()
+    assert summary.steps == 9
+    assert summary.skipped == 1
     assert fresh.engine.counters.last_bad_reason == "nonfinite_loss"
+    assert rows_jsonl == [s for s in range(3, 9) if s % every == 0]

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import stabilitykit as sk
+from stabilitykit.state import STATE_VERSION
 from tests.hf_models import tiny_llama, token_batches
 
 Path = tuple[Any, ...]
@@ -206,7 +207,7 @@ def test_version_as_a_string_is_refused_by_name() -> None:
     state["version"] = "2"
     with pytest.raises(ValueError, match=r"invalid stabilitykit state at 'version': must be an int.*got str '2'"):
         guard.load_state_dict(state)
-    state["version"] = 1
+    state["version"] = STATE_VERSION
     state["engine"]["ledger"]["spikes"]["version"] = "2"
     with pytest.raises(ValueError, match=r"invalid stabilitykit state at 'engine\.ledger\.spikes\.version'"):
         guard.load_state_dict(state)

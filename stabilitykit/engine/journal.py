@@ -1,26 +1,31 @@
 """The device journal: one row of named columns per optimizer step, read to the host in one copy.
 
-A row holds ``total`` (pre-clip norm), ``loss``, ``code`` (the step's decision code, see
-``engine/decision.py``: 0 taken, else why it was skipped), ``coef`` (clip coefficient),
-``threshold``, ``request`` (a rollback request agreed across ranks in this step's all-reduce, 0 for
-none: ``recovery/agreement.py``) and then one norm per layer. Rows stay on the device until a logging step (or a
-step whose decision the host must know now) reads them.
+A row holds ``total`` (pre-clip norm), ``loss``, ``code`` (the step's decision code: 0 taken, else
+why it was skipped, decoded by ``rules/registry.py``), ``coef`` (clip coefficient), ``threshold``,
+``request`` (a rollback request agreed across ranks in this step's collective, 0 for none:
+``recovery/agreement.py``), then one column per metric a user records (``metric_names``), then one
+norm per layer. Rows stay on the device until a logging step (or a step whose decision the host
+must know now) reads them.
+
+A saved journal whose shape no longer fits (another log cadence, other recorded metrics on a
+resume) is not refused: its rows are decoded by their saved column names and carried on the host
+until the next read, so nothing is lost.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from stabilitykit.engine.decision import BAD_BATCH, BAD_GRAD, BAD_LOSS, OVERFLOW, REMOTE, SKIP, SPIKE
+from stabilitykit.rules.registry import SKIP
 
-__all__ = ["COLUMNS", "MAX_JOURNAL_ROWS", "Journal", "Row", "RowInfo", "upgrade_v1_rows", "upgrade_v2_rows"]
+__all__ = ["COLUMNS", "MAX_JOURNAL_ROWS", "Journal", "Row", "RowInfo"]
 
-#: The scalar columns of a row, in order; the per-layer norms follow.
+#: The built-in scalar columns of a row, in order; recorded metrics, then the per-layer norms follow.
 COLUMNS = ("total", "loss", "code", "coef", "threshold", "request")
 TOTAL, LOSS, CODE, COEF, THRESHOLD, REQUEST = range(len(COLUMNS))
 #: Rows kept on the device between reads. A log cadence above this reads the journal early (one sync).
@@ -46,11 +51,12 @@ class Row:
     loss: float | None
     coef: float
     threshold: float
-    code: int  # the decision code (0: taken), see engine/decision.py
+    code: int  # the decision code (0: taken), see rules/registry.py
     layers: list[float] = field(default_factory=list)
-    request: int = 0  # the rollback request agreed in this step's all-reduce (0: none)
+    request: int = 0  # the rollback request agreed in this step's collective (0: none)
     on_time: bool = False  # read before its own optimizer and scheduler step (so the skip was applied there)
     folded: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)  # recorded metrics, agreed across ranks
 
     @property
     def skipped(self) -> bool:
@@ -58,59 +64,82 @@ class Row:
         return bool(self.code & SKIP)
 
 
+def _decode(values: Sequence[float], info: RowInfo, metric_names: Sequence[str]) -> Row:
+    width = len(COLUMNS) + len(metric_names)
+    return Row(
+        info.step,
+        values[TOTAL],
+        values[LOSS] if info.has_loss else None,
+        values[COEF],
+        values[THRESHOLD],
+        round(values[CODE]),
+        list(values[width:]),
+        request=round(values[REQUEST]),
+        folded=info.folded,
+        metrics={name: values[len(COLUMNS) + i] for i, name in enumerate(metric_names)},
+    )
+
+
 class Journal:
     """Fixed-size device buffer of step rows plus the host's notes about each."""
 
-    def __init__(self, capacity: int, n_layers: int, device: torch.device) -> None:
+    def __init__(self, capacity: int, n_layers: int, device: torch.device, metric_names: Sequence[str] = ()) -> None:
         self.capacity = capacity
-        self.width = len(COLUMNS) + n_layers
+        self.n_layers = n_layers
+        self.device = device
+        self.metric_names = list(metric_names)
+        self.width = len(COLUMNS) + len(self.metric_names) + n_layers
         self.buffer = torch.zeros(capacity, self.width, dtype=torch.float32, device=device)
         self.infos: list[RowInfo] = []
+        self.carried: list[Row] = []  # rows of a saved journal of another shape, decoded on load
 
     def __len__(self) -> int:
-        return len(self.infos)
+        return len(self.infos) + len(self.carried)
 
     @property
     def full(self) -> bool:
         """No room for another row: the next step must read the journal."""
         return len(self.infos) >= self.capacity
 
-    def write(self, info: RowInfo, scalars: list[Tensor], layer_norms: Tensor | None) -> None:
-        """Append one row from 0-d device tensors, one per column of ``COLUMNS`` (no sync)."""
+    def relayout(self, metric_names: Sequence[str]) -> None:
+        """Columns for ``metric_names`` from now on; rows held so far are carried on the host (one
+        sync, only when the columns change: once, at the first step of a run recording metrics)."""
+        if list(metric_names) == self.metric_names:
+            return
+        carried = self.carried + self._held_rows()
+        self.metric_names = list(metric_names)
+        self.width = len(COLUMNS) + len(self.metric_names) + self.n_layers
+        self.buffer = torch.zeros(self.capacity, self.width, dtype=torch.float32, device=self.device)
+        self.infos, self.carried = [], carried
+
+    def _held_rows(self) -> list[Row]:
+        if not self.infos:
+            return []
+        flat = self.buffer[: len(self.infos)].tolist()
+        return [_decode(values, info, self.metric_names) for values, info in zip(flat, self.infos, strict=True)]
+
+    def write(self, info: RowInfo, scalars: list[Tensor], metrics: list[Tensor], layer_norms: Tensor | None) -> None:
+        """Append one row from 0-d device tensors: one per column of ``COLUMNS``, one per recorded
+        metric (no sync)."""
         row = self.buffer[len(self.infos)]
-        torch.stack([t.to(row) for t in scalars], out=row[: len(COLUMNS)])
+        torch.stack([t.to(row) for t in (*scalars, *metrics)], out=row[: len(COLUMNS) + len(metrics)])
         if layer_norms is not None:
-            row[len(COLUMNS) :].copy_(layer_norms)
+            row[len(COLUMNS) + len(self.metric_names) :].copy_(layer_norms)
         self.infos.append(info)
 
     def rewrite_last(self, scalars: list[Tensor], layer_norms: Tensor | None) -> None:
         """Overwrite the newest row's first ``len(scalars)`` columns and its layer norms while it is still
-        held (a step re-measured after it was written; its ``request`` stays)."""
+        held (a step re-measured after it was written; its ``request`` and metrics stay)."""
         if self.infos:
             row = self.buffer[len(self.infos) - 1]
             torch.stack([t.to(row) for t in scalars], out=row[: len(scalars)])
             if layer_norms is not None:
-                row[len(COLUMNS) :].copy_(layer_norms)
-
-    def _decode(self, values: list[float], info: RowInfo) -> Row:
-        total, loss = values[TOTAL], values[LOSS]
-        code = round(values[CODE])
-        return Row(
-            info.step,
-            total,
-            loss if info.has_loss else None,
-            values[COEF],
-            values[THRESHOLD],
-            code,
-            values[len(COLUMNS) :],
-            request=round(values[REQUEST]),
-            folded=info.folded,
-        )
+                row[len(COLUMNS) + len(self.metric_names) :].copy_(layer_norms)
 
     def read_last(self) -> Row:
         """The newest row, now (one sync); it stays in the journal, marked as taken by the ledger."""
         info = self.infos[-1]
-        row = self._decode(self.buffer[len(self.infos) - 1].tolist(), info)
+        row = _decode(self.buffer[len(self.infos) - 1].tolist(), info, self.metric_names)
         info.folded = True
         row.on_time = True
         return row
@@ -131,50 +160,41 @@ class Journal:
         else:
             flat = flat_rows.tolist()
         width = self.width
-        rows = [self._decode(flat[i * width : (i + 1) * width], info) for i, info in enumerate(self.infos)]
+        rows = [
+            _decode(flat[i * width : (i + 1) * width], info, self.metric_names) for i, info in enumerate(self.infos)
+        ]
         for row in rows:
             row.on_time = row.folded or row.step == current_step
-        self.infos = []
+        rows = self.carried + rows
+        self.infos, self.carried = [], []
         return rows, flat[n * width :]
 
     def state_dict(self) -> dict[str, Any]:
-        """The unread rows (a device tensor) and their notes: a resume loses nothing."""
-        return {"rows": self.buffer[: len(self.infos)].clone(), "infos": [vars(i).copy() for i in self.infos]}
+        """The unread rows (a device tensor), their notes and the column names: a resume loses nothing."""
+        carried = [vars(r).copy() for r in self.carried]
+        return {
+            "rows": self.buffer[: len(self.infos)].clone(),
+            "infos": [vars(i).copy() for i in self.infos],
+            "metric_names": list(self.metric_names),
+            "carried": carried,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore unread rows saved by ``state_dict`` (the shape must match)."""
+        """Restore unread rows saved by ``state_dict``. Rows of another shape (a different log cadence,
+        other metrics or layers) are decoded by their saved column names and carried on the host."""
         infos = [RowInfo(**info) for info in state.get("infos", [])]
+        carried = [Row(**row) for row in state.get("carried", [])]
         rows = state.get("rows")
+        names = list(state.get("metric_names", []))
+        self.infos = []
         if infos:
-            if rows is None or len(infos) > self.capacity or rows.shape[1] != self.width:
-                raise ValueError("engine state holds a journal of another shape (log cadence or layers changed)")
-            self.buffer[: len(infos)].copy_(rows.to(self.buffer))
-        self.infos = infos
-
-
-def upgrade_v1_rows(rows: Tensor, infos: list[dict[str, Any]]) -> Tensor:
-    """Unread rows saved by state version 1 (a ``skip`` column of flags: 1 skipped, +2 bad batch,
-    +4 spike) with the decision code in that column instead, as the host rule of that version read them."""
-    out = rows.clone()
-    for i, info in enumerate(infos):
-        flags = round(float(rows[i, CODE]))
-        code = 0
-        if flags & 1:
-            grad_bad = not math.isfinite(float(rows[i, TOTAL]))
-            loss_bad = bool(info.get("has_loss")) and not math.isfinite(float(rows[i, LOSS]))
-            if flags & 2:
-                code = SKIP | BAD_BATCH
-            elif flags & 4 and not (grad_bad or loss_bad):
-                code = SKIP | SPIKE
+            if rows is None or rows.shape[0] < len(infos):
+                raise ValueError("engine state holds journal notes without their rows")
+            fits = len(infos) < self.capacity and names == self.metric_names and rows.shape[1] == self.width
+            if fits:
+                self.buffer[: len(infos)].copy_(rows.to(self.buffer))
+                self.infos = infos
             else:
-                code = SKIP | (BAD_GRAD | (OVERFLOW if info.get("scaler_active") else 0) if grad_bad else 0)
-                code |= BAD_LOSS if loss_bad else 0
-                code |= REMOTE if code == SKIP else 0
-        out[i, CODE] = code
-    return out
-
-
-def upgrade_v2_rows(rows: Tensor) -> Tensor:
-    """Unread rows saved by state version 2 (no ``request`` column) with a zero ``request`` column."""
-    zeros = torch.zeros(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
-    return torch.cat([rows[:, :REQUEST], zeros, rows[:, REQUEST:]], dim=1)
+                flat = rows[: len(infos)].double().tolist()
+                carried += [_decode(values, info, names) for values, info in zip(flat, infos, strict=True)]
+        self.carried = carried

@@ -16,10 +16,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.engine.decision import AFTER_ROLLBACK, OVERFLOW, SKIP, reason_from_code
 from stabilitykit.engine.fp16 import Fp16Monitor
 from stabilitykit.engine.journal import Row
 from stabilitykit.events import Event, TrainingDivergedError
+from stabilitykit.rules import RuleSet, SkipContext, Verdict
 from stabilitykit.spikes import SpikeMonitor
 
 __all__ = ["Counters", "Divergence", "Ledger"]
@@ -69,13 +69,18 @@ class Divergence:
 class Ledger:
     """Folds host rows into counters, spike and fp16 monitors, and events."""
 
-    def __init__(self, config: StabilityConfig, layer_names: list[str], fused: bool, rank: int | None = None) -> None:
+    def __init__(
+        self, config: StabilityConfig, layer_names: list[str], fused: bool, rank: int | None, rules: RuleSet
+    ) -> None:
         self.config = config
+        self.rules = rules
         self.layer_names = layer_names
         self.fused = fused
         self.rank = rank
         self.counters = Counters()
         self.scheduler_debt = 0
+        #: A driver tells the ledger whether an LR scheduler is held on skips (its event text says so).
+        self.has_scheduler = False
         self.spikes = SpikeMonitor(config.spikes, layer_names) if config.spikes.enabled else None
         self.fp16 = Fp16Monitor(config.fp16)
 
@@ -102,7 +107,8 @@ class Ledger:
         loss_bad = row.loss is not None and not math.isfinite(row.loss)
         if not math.isfinite(row.total) or loss_bad:
             c.nonfinite_total += 1
-        if row.skipped and row.code & AFTER_ROLLBACK:
+        verdict = self.rules.decode(row.code)
+        if verdict.reason == "after_rollback":
             # a batch a rollback skips ahead: counted, announced by the rollback event; no streak, and
             # never scored by the detectors (the bad data it skips must not trigger the next rollback)
             c.skipped_total += 1
@@ -113,19 +119,20 @@ class Ledger:
             layer = self.bad_layer(row.layers)
             c.skipped_total += 1
             c.skipped_recent += 1
-            if row.code & OVERFLOW:
+            counts = verdict.rule is None or verdict.rule.counts_toward_divergence
+            if verdict.rule is not None and verdict.rule.name == "fp16_overflow":
                 c.overflow_total += 1
                 self.fp16.overflow(row.step)
-            else:
+            if counts:
                 c.consecutive += 1
-            c.last_bad_step, c.last_bad_reason, c.last_bad_layer = row.step, reason_from_code(row.code), layer
+            c.last_bad_step, c.last_bad_reason, c.last_bad_layer = row.step, verdict.reason, layer
             if not row.on_time and self.fused:
                 self.scheduler_debt += 1  # the scheduler already stepped past this skip
             late = not row.on_time and self.fused
-            events.extend(self._skip_events(row.step, row.code, layer, source, late, row.total))
+            events.extend(self._skip_events(row.step, verdict, layer, source, late, row.total))
             limit = self.config.skip.max_consecutive
-            if limit is not None and c.consecutive >= limit and not row.code & OVERFLOW:
-                divergence = Divergence(row.step, c.consecutive, layer, reason_from_code(row.code))
+            if limit is not None and counts and c.consecutive >= limit:
+                divergence = Divergence(row.step, c.consecutive, layer, verdict.reason)
         else:
             c.consecutive = 0
             if row.coef < 1.0:
@@ -160,13 +167,14 @@ class Ledger:
     def _skip_events(
         self,
         step: int,
-        code: int,
+        verdict: Verdict,
         layer: str | None,
         source: Any | None,
         late: bool = False,
         total: float = math.nan,
     ) -> list[Event]:
-        reason = reason_from_code(code | SKIP) or "nonfinite_grad"
+        """The rule's own event (its ``message``) and the ``skipped`` event of a skipped step."""
+        reason = verdict.reason or "skipped"
         where = f" (first non-finite layer in backward order: {layer})" if layer else ""
         details: dict[str, Any] = {"reason": reason, "layer": layer}
         if self.rank is not None:
@@ -175,35 +183,27 @@ class Ledger:
         if source is not None:
             where = f" (first non-finite value: {source})"
             details.update(module=source.module, phase=source.phase, dtype=source.dtype, **source.stats)
-        if reason == "fp16_overflow":
-            first = Event("fp16_overflow", step, f"fp16 overflow, GradScaler skipped the step{where}", details)
-        elif reason == "bad_batch":
-            first = Event(
-                "bad_batch", step, "the data guard found non-finite values or bad labels in the batch", details
-            )
-        elif reason == "spike":
-            first = Event("spike_warning", step, f"step {step} skipped as a spike (skip-on-spike){where}", details)
-        elif reason == "nonfinite_on_other_rank":
-            first = Event("nonfinite", step, "another rank saw a non-finite value; every rank skips", details)
-        elif reason == "nonfinite_grad" and total == math.inf and source is None:
-            # +inf, not NaN: the fp32 norm overflowed (finite grads above ~1.8e19 in norm, or an Inf grad)
-            details["overflowed_fp32"] = True
-            where = where.replace("first non-finite layer", "first layer to overflow")
-            message = (
-                f"grad norm overflowed fp32{where}: the grads are too large for an fp32 norm (above about 1.8e19) "
-                "or hold an Inf"
-            )
-            first = Event("nonfinite", step, message, details)
-        else:
-            first = Event("nonfinite", step, f"non-finite {reason.split('_', 1)[1]}{where}", details)
+        rule = verdict.rule
+        events: list[Event] = []
+        if rule is not None and not verdict.here and rule.remote_reason is not None:
+            events.append(Event("nonfinite", step, "another rank saw a non-finite value; every rank skips", details))
+        elif rule is not None and rule.event_kind != "rule_skip":
+            ctx = SkipContext(step, where, total, details)
+            events.append(Event(rule.event_kind, step, rule.message(ctx), details))
+        elif rule is not None:
+            details["rule"] = type(rule).__name__
+            where = f" ({rule.message(SkipContext(step, where, total, details))})"
         skipped = f"step {step} skipped: {reason}"
+        if rule is not None and rule.event_kind == "rule_skip":
+            skipped += where
         if late:
             details["learned_late"] = True
+            skipped += " (skipped on the device by the fused optimizer"
             skipped += (
-                " (skipped on the device by the fused optimizer; its LR scheduler stepped once and is held one "
-                "step to catch up)"
+                "; its LR scheduler stepped once and is held one step to catch up)" if self.has_scheduler else ")"
             )
-        return [first, Event("skipped", step, skipped, details)]
+        events.append(Event("skipped", step, skipped, details))
+        return events
 
     def fp16_events(self, step: int, scale: float, source: Any | None = None) -> list[Event]:
         """The fp16 monitor's verdict at a logging step (names where the first overflow came from)."""

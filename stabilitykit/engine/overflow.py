@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from stabilitykit.distributed import agree_step
 from stabilitykit.engine.clipping import ClipStrategy
+from stabilitykit.engine.record import StepRecord
 from stabilitykit.grads import CLIP_EPS, GradNormPlan, apply_clip_coefficient
 
 __all__ = ["Remeasured", "remeasure_overflow"]
@@ -46,11 +46,19 @@ def remeasure_overflow(
     grads_finite = norms.finite if norms.finite is not None else torch.isfinite(norms.total)
     loss_finite = torch.isfinite(loss) if loss is not None else torch.ones_like(grads_finite)
     bad_batch = force_skip if force_skip is not None else torch.zeros_like(grads_finite)
-    total, finite, loss_finite, bad_batch = norms.total, grads_finite, loss_finite, bad_batch
-    if sync_ranks:  # every rank is here (the caller's branch was taken from agreed values)
-        none = torch.zeros_like(grads_finite)
-        agreed = agree_step(norms.total, grads_finite, loss_finite, bad_batch, none, none.to(norms.total.dtype))
-        total, finite, loss_finite, bad_batch = agreed.total, agreed.grads_finite, agreed.loss_finite, agreed.bad_batch
+    record = StepRecord()
+    record.put("grad_norm", norms.total, "max")
+    record.put("grads_finite", grads_finite, "all")
+    record.put("loss_finite", loss_finite, "all")
+    record.put("bad_batch", bad_batch, "any")
+    # every rank is here (the caller's branch was taken from agreed values)
+    agreed = record.agree(enabled=sync_ranks)
+    total, finite, loss_finite, bad_batch = (
+        agreed["grad_norm"].to(norms.total.dtype),
+        agreed["grads_finite"],
+        agreed["loss_finite"],
+        agreed["bad_batch"],
+    )
     if bool(~finite | ~loss_finite | bad_batch):
         return None  # a NaN or Inf is really there
     total32 = total.clamp(max=torch.finfo(torch.float32).max).float()

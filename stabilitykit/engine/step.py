@@ -48,15 +48,16 @@ import torch
 from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.distributed import AgreedStep, agree_step, is_distributed, mark_collective_step, reducer_for
+from stabilitykit.distributed import is_distributed, mark_collective_step, reducer_for
 from stabilitykit.engine.clipping import ClipStrategy, PerTensorClip, make_clip_strategy
-from stabilitykit.engine.decision import AFTER_ROLLBACK, SKIP, TAKEN, StepDecision, decide
+from stabilitykit.engine.decision import TAKEN, StepDecision
 from stabilitykit.engine.gate import StepGate
 from stabilitykit.engine.journal import MAX_JOURNAL_ROWS, Journal, Row, RowInfo
 from stabilitykit.engine.layers import build_layer_map
 from stabilitykit.engine.ledger import Divergence, Ledger
 from stabilitykit.engine.metrics import MetricNames
 from stabilitykit.engine.overflow import remeasure_overflow
+from stabilitykit.engine.record import RecordLayout, StepRecord, check_reduce
 from stabilitykit.engine.sources import MetricSources
 from stabilitykit.engine.updates import UpdateMonitor
 from stabilitykit.events import Event
@@ -65,7 +66,8 @@ from stabilitykit.hooks import HookManager
 from stabilitykit.monitors import ModelMonitor
 from stabilitykit.nn.qk_clip import QKClip
 from stabilitykit.report import StepReport
-from stabilitykit.spike_skip import SpikeSkipRule
+from stabilitykit.rules import RuleSet, SkipRule, StepValues, builtin_rules
+from stabilitykit.rules.spike import Spike
 
 __all__ = ["StabilityEngine", "StepDecision", "StepGate", "is_fused"]
 
@@ -89,8 +91,14 @@ class _Parts:
 
     ledger: Ledger
     clip: ClipStrategy | PerTensorClip | None
-    spike_rule: SpikeSkipRule | None
+    rules: RuleSet
     journal: Journal
+
+    @property
+    def spike_rule(self) -> Spike | None:
+        """The built-in skip-on-spike rule (``SkipConfig(spike=True)``), or None."""
+        rule = self.rules.by_name("spike")
+        return rule if isinstance(rule, Spike) else None
 
 
 class StabilityEngine:
@@ -105,8 +113,14 @@ class StabilityEngine:
         fused: bool = False,
         names: Sequence[str] | None = None,
         extra_group: Any | None = None,
+        rules: Sequence[SkipRule] = (),
     ) -> None:
         self.config = config or StabilityConfig()
+        self.user_rules = list(rules)
+        #: An LR scheduler is held on skipped steps (the driver says so; named in a late skip's event).
+        self.has_scheduler = False
+        self.metric_layout = RecordLayout()
+        self._recorded: dict[str, Tensor] = {}
         self.hooks = hooks or HookManager()
         self.fused = fused
         self._model, self._names, self._extra_group = model, names, extra_group
@@ -114,11 +128,12 @@ class StabilityEngine:
         self.rank = torch.distributed.get_rank() if is_distributed() else None
         self.step = 0  # optimizer steps attempted so far (skipped ones included)
         self._install(self._fresh_parts())
-        #: Whether anything can ever skip a step (configuration only, so the same on every rank).
-        self.can_skip = self.config.can_skip
+        #: Whether anything can ever skip a step (configuration and rules only, so the same on every rank).
+        self.can_skip = self.config.can_skip or bool(self.user_rules)
         self._false = torch.zeros((), dtype=torch.bool, device=self.device)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
         self._nan = torch.full((), math.nan, dtype=torch.float32, device=self.device)
+        self._true = ~self._false
         self._no_request = torch.zeros((), dtype=torch.float32, device=self.device)
         self._loss_sum: Tensor | None = None
         self.last_host_metrics: dict[str, float] = {}
@@ -166,37 +181,35 @@ class StabilityEngine:
         self.flush()
         if self._names is not None and len(self._names) != len(params):
             self._names = None  # names given for the old set: name the new one from the model
-        old = _Parts(self.ledger, self.clip, self.spike_rule, self.journal)
+        old = _Parts(self.ledger, self.clip, self.rules, self.journal)
         old_layers = self.layer_names
         self._bind_params(params)
         parts = self._fresh_parts()
         parts.ledger.carry_over(old.ledger, spikes=self.layer_names == old_layers)
         if not isinstance(old.clip, PerTensorClip):
             parts.clip = old.clip
-        parts.spike_rule = old.spike_rule
+        parts.rules = old.rules
         self._install(parts)
         self.sources.follow_params(self.params)
 
     def _install(self, parts: _Parts) -> None:
         """Swap ``parts`` in (all at once, after they were built and loaded)."""
+        parts.ledger.has_scheduler = self.has_scheduler
         self.ledger, self.clip = parts.ledger, parts.clip
-        self.spike_rule, self.journal = parts.spike_rule, parts.journal
+        self.rules, self.journal = parts.rules, parts.journal
+        self.spike_rule = parts.spike_rule
 
     def _fresh_parts(self) -> _Parts:
         """The stateful parts, new: the one place they are built (at construction and to load a state)."""
         cfg = self.config
-        scfg = cfg.skip
-        rule = None
-        if scfg.spike:
-            rule = SpikeSkipRule(
-                scfg.spike_z, scfg.spike_alpha, scfg.spike_warmup_steps, self.device, scfg.spike_on_loss
-            )
+        rules = RuleSet([*builtin_rules(cfg, self.device), *self.user_rules])
         capacity = min(cfg.log_every_n_steps or 1, MAX_JOURNAL_ROWS)
+        n_layers = len(self.layer_names) if self.per_layer else 0
         return _Parts(
-            ledger=Ledger(cfg, self.layer_names if self.per_layer else [], self.fused, self.rank),
+            ledger=Ledger(cfg, self.layer_names if self.per_layer else [], self.fused, self.rank, rules),
             clip=make_clip_strategy(cfg.clip, self.device, len(self.params), cfg.grad_norm.norm_type),
-            spike_rule=rule,
-            journal=Journal(capacity, len(self.layer_names) if self.per_layer else 0, self.device),
+            rules=rules,
+            journal=Journal(capacity, n_layers, self.device, self.metric_layout.names),
         )
 
     def _parts_from(self, state: dict[str, Any]) -> _Parts:
@@ -209,6 +222,10 @@ class StabilityEngine:
         parts.journal.load_state_dict(state.get("journal", {}))
         if parts.spike_rule is not None and state.get("spike_rule"):
             parts.spike_rule.load_state_dict(state["spike_rule"])
+        for rule in self.user_rules:
+            saved = (state.get("rules") or {}).get(rule.name)
+            if saved:
+                rule.load_state_dict(saved)
         return parts
 
     # ----------------------------------------------------------------------------- helpers
@@ -264,6 +281,32 @@ class StabilityEngine:
         value = loss.detach().float().mean()
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
 
+    def record_metric(self, name: str, value: Tensor, reduce: str = "mean") -> None:
+        """Record a user metric for the step in flight (a 0-d device tensor; no sync).
+
+        It goes into this step's record: rules see this rank's value, the journal keeps the value
+        agreed across ranks with ``reduce``, logging steps log it as ``<prefix>/metrics/<name>`` and
+        the spike detector watches it. Recording the same name twice in a step keeps the last value.
+        """
+        check_reduce(name, reduce)
+        if not isinstance(value, Tensor):
+            value = torch.as_tensor(value, dtype=torch.float32, device=self.device)
+        if value.numel() != 1:
+            raise ValueError(
+                f"record({name!r}, ...): a metric is one number, got a tensor of shape {tuple(value.shape)}"
+            )
+        self.metric_layout.declare(name, reduce, self.step)
+        self._recorded[name] = value.detach().reshape(()).float().to(self.device)
+
+    def _take_metrics(self) -> dict[str, Tensor]:
+        """This step's recorded metrics, one per name of the layout (NaN where a name was not recorded);
+        the layout is fixed from the first step on."""
+        if not self.metric_layout.fixed:
+            self.metric_layout.fix()
+            self.journal.relayout(self.metric_layout.names)
+        recorded, self._recorded = self._recorded, {}
+        return {name: recorded.get(name, self._nan) for name in self.metric_layout.names}
+
     def evaluate(
         self,
         grad_scale: Tensor | None = None,
@@ -282,7 +325,7 @@ class StabilityEngine:
         ``skip_ahead``: a batch a rollback skips (``RecoveryConfig.skip_after``): measured and logged,
         never trained on; known on the host at once (the same on every rank), so it costs no sync.
         ``request``: a rollback request of this rank (a non-negative integer, ``recovery/agreement.py``),
-        agreed in this step's all-reduce and written to its row (the largest any rank sent).
+        agreed in this step's collective and written to its row (the largest any rank sent).
         """
         step = self.step
         mark_collective_step(step)
@@ -290,30 +333,27 @@ class StabilityEngine:
         norms, grouped = self.plan.compute(grad_scale, extra=update_sums)
         loss = self._loss_sum  # the sum of what was backpropagated: with ``loss / accumulate`` the batch mean
         self._loss_sum = None
-        here, agreed = self._verdict(norms, loss, force_skip, request)
-        code = decide(
-            self.config.skip.nonfinite,
-            here.grads_finite,
-            here.loss_finite,
-            agreed.grads_finite,
-            agreed.loss_finite,
-            agreed.bad_batch,
-            agreed.spike,
-            scaler_active,
-        )
-        if skip_ahead:
-            code = torch.full_like(code, SKIP | AFTER_ROLLBACK)
+        metrics = self._take_metrics()
+        record = self._record(norms, loss, force_skip, skip_ahead, request, scaler_active, metrics)
+        agreed = record.agree(self.config.skip.sync_ranks)
+        n_rules = len(self.rules)
+        here_flags = torch.stack([record[f"rule/{r.name}"] for r in self.rules]) if n_rules else self._false
+        agreed_flags = torch.stack([agreed[f"rule/{r.name}"] for r in self.rules]) if n_rules else self._false
+        code = self.rules.code(here_flags.reshape(-1), agreed_flags.reshape(-1))
         skip = code > 0
-        coef, threshold = self._clip(norms, grouped, agreed, skip)
+        total = agreed["grad_norm"]
+        coef, threshold = self._clip(norms, grouped, total, agreed["grads_finite"], agreed["loss_finite"], skip)
         layer_norms = norms.layer_norms
+        agreed_metrics = {name: agreed[f"metric/{name}"] for name in metrics}
         self.journal.write(
             RowInfo(step, loss is not None, scaler_active),
-            [agreed.total, self._or_nan(loss), code, coef, threshold, agreed.request],
+            [total, self._or_nan(loss), code, coef, threshold, agreed["request"]],
+            list(agreed_metrics.values()),
             layer_norms,
         )
         report = StepReport(
             step=step,
-            grad_norm=agreed.total,
+            grad_norm=total,
             clip_coef=coef,
             skipped=skip,
             loss=loss,
@@ -321,58 +361,101 @@ class StabilityEngine:
             layer_names=self.layer_names,
             scaler_active=scaler_active,
             code=code,
+            decode=self.reason_of,
+            values=agreed_metrics,
         )
         decision = StepDecision(report=report, skip=skip, code=code, logging=self.is_logging_step(step))
         if skip_ahead:
-            decision.settle(SKIP | AFTER_ROLLBACK)  # known on the host: no sync, skipped there
+            decision.settle(self.rules.constant("after_rollback"), "after_rollback")  # known on the host: no sync
         if decision.logging or self.journal.full:
             self._read_journal(decision, loss_scale)
         elif self.can_skip and not self.fused:
             self.resolve(decision)  # the one sync a non-fused optimizer pays to skip
         elif not self.can_skip and not skip_ahead:
-            decision.settle(TAKEN.code)
+            decision.settle(TAKEN.code, None)
         if decision.skipped_now and self._overflowed(decision):
             self._remeasure(decision, grouped, grad_scale, force_skip)
         if self.updates is not None and self.is_logging_step(step + 1):
             self.updates.snapshot(step)  # the parameters before this step's update, read at the next step
         return decision
 
+    def reason_of(self, code: int) -> str | None:
+        """Why a step with decision ``code`` was skipped (None: taken): the rule set decodes it."""
+        return self.rules.decode(code).reason
+
     def _or_nan(self, value: Tensor | None) -> Tensor:
         return value if value is not None else self._nan
 
-    def _verdict(
-        self, norms: NormResult, loss: Tensor | None, force_skip: Tensor | None, request: int
-    ) -> tuple[AgreedStep, AgreedStep]:
-        """This rank's verdict inputs, and the same made identical on every rank (one all-reduce).
+    def _record(
+        self,
+        norms: NormResult,
+        loss: Tensor | None,
+        force_skip: Tensor | None,
+        skip_ahead: bool,
+        request: int,
+        scaler_active: bool,
+        metrics: dict[str, Tensor],
+    ) -> StepRecord:
+        """The step record: the norm, finiteness, each rule's flag on this rank, the rollback request
+        and the recorded metrics, each with its cross-rank reduction (agreed in one collective).
 
-        Skip-on-spike decides on this rank's numbers (it may see another loss than its peers); its
-        flag is agreed with the rest.
+        A rule decides on this rank's values (skip-on-spike may see another loss than its peers);
+        its flag is OR-ed across ranks with the rest.
         """
         grads_finite = norms.finite if norms.finite is not None else torch.isfinite(norms.total)
-        loss_finite = torch.isfinite(loss) if loss is not None else ~self._false
-        bad_batch = force_skip if force_skip is not None else self._false
-        spike = self._false
-        if self.spike_rule is not None:
-            spike = self.spike_rule.decide(norms.total, loss, grads_finite & loss_finite)
+        loss_finite = torch.isfinite(loss) if loss is not None else self._true
+        values = {
+            "grad_norm": norms.total,
+            "grads_finite": grads_finite,
+            "loss_finite": loss_finite,
+            "loss": self._or_nan(loss),
+            "bad_batch": force_skip if force_skip is not None else self._false,
+            "after_rollback": self._true if skip_ahead else self._false,
+            **metrics,
+        }
+        view = StepValues(values, scaler_active=scaler_active, step=self.step, has_loss=loss is not None)
+        record = StepRecord()
+        record.put("grad_norm", norms.total, "max")
+        record.put("grads_finite", grads_finite, "all")
+        record.put("loss_finite", loss_finite, "all")
+        for rule in self.rules:
+            record.put(f"rule/{rule.name}", self._flag(rule, view), "any")
         asked = self._no_request if request == 0 else torch.full((), float(request), device=self.device)
-        here = AgreedStep(norms.total, grads_finite, loss_finite, bad_batch, spike, asked)
-        if not self.config.skip.sync_ranks:
-            return here, here
-        return here, agree_step(norms.total, grads_finite, loss_finite, bad_batch, spike, asked)
+        record.put("request", asked, "max")
+        for name, value in metrics.items():
+            record.put(f"metric/{name}", value, self.metric_layout.columns[name])
+        return record
+
+    @staticmethod
+    def _flag(rule: SkipRule, view: StepValues) -> Tensor:
+        """A rule's flag as a 0-d bool; a rule that fails or returns no 0-d tensor is named."""
+        flag = rule.flag(view)
+        if not isinstance(flag, Tensor) or flag.numel() != 1:
+            raise TypeError(
+                f"skip rule {rule.name!r} ({type(rule).__name__}.flag) must return a 0-d bool tensor on the device, "
+                f"got {type(flag).__name__}"
+            )
+        return flag.reshape(()).bool()
 
     def _clip(
-        self, norms: NormResult, grouped: list[list[Tensor]], agreed: AgreedStep, skip: Tensor
+        self,
+        norms: NormResult,
+        grouped: list[list[Tensor]],
+        total: Tensor,
+        grads_finite: Tensor,
+        loss_finite: Tensor,
+        skip: Tensor,
     ) -> tuple[Tensor, Tensor]:
         """Clip the grads in place from the agreed norm; returns (coefficient, threshold) as device tensors."""
         if isinstance(self.clip, PerTensorClip):  # AdaGC: one coefficient per tensor; coef = post / pre total
-            all_finite = agreed.grads_finite & agreed.loss_finite
+            all_finite = grads_finite & loss_finite
             clipped = self.clip.clip_tensors(norms, all_finite & ~skip)  # a skipped step leaves the EMAs alone
             self.plan.scale_tensors(grouped, clipped.coefs)
             return clipped.coef, clipped.threshold
         if self.clip is None:
             return self._one, self._nan
-        threshold, active = self.clip.threshold(agreed.total, agreed.grads_finite)
-        coef = torch.where(active, clip_coefficient(agreed.total, threshold, agreed.grads_finite), 1.0)
+        threshold, active = self.clip.threshold(total, grads_finite)
+        coef = torch.where(active, clip_coefficient(total, threshold, grads_finite), 1.0)
         apply_clip_coefficient(grouped, coef)
         return coef, threshold
 
@@ -410,7 +493,7 @@ class StabilityEngine:
         row = decision.rows[-1]
         row.total, row.coef, row.threshold, row.code = float(found.total), float(found.coef), float(found.threshold), 0
         row.layers = found.layer_norms.tolist() if found.layer_norms is not None else []
-        decision.settle(0)
+        decision.settle(0, None)
         scalars = [found.total, self._or_nan(report.loss), decision.code, found.coef, found.threshold]
         self.journal.rewrite_last(scalars, found.layer_norms)
 
@@ -419,7 +502,7 @@ class StabilityEngine:
         if decision.pending:
             row = self.journal.read_last()
             decision.rows.append(row)
-            decision.settle(row.code)
+            decision.settle(row.code, self.reason_of(row.code))
         return decision.skipped_now
 
     def _read_journal(self, decision: StepDecision, loss_scale: Tensor | None = None) -> None:
@@ -448,7 +531,7 @@ class StabilityEngine:
         decision.signals = {k: v for k, v in values.items() if k not in quiet}
         decision.rows.extend(rows)
         if rows and rows[-1].step == decision.report.step and decision.pending:
-            decision.settle(rows[-1].code)
+            decision.settle(rows[-1].code, self.reason_of(rows[-1].code))
 
     def _mark_measure(self) -> None:
         """Tell the metric sources about the coming step (monitors sample on their own cadence)."""
@@ -578,6 +661,7 @@ class StabilityEngine:
             "ledger": self.ledger.state_dict(),
             "clip": self.clip.state_dict() if self.clip is not None else {},
             "spike_rule": self.spike_rule.state_dict() if self.spike_rule is not None else None,
+            "rules": {rule.name: rule.state_dict() for rule in self.user_rules if rule.state_dict()},
             "journal": self.journal.state_dict(),
             "layer_names": list(self.layer_names),
         }
