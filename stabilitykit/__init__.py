@@ -22,6 +22,7 @@ from stabilitykit.config import (
     StabilityConfig,
 )
 from stabilitykit.dashboard import wandb_dashboard
+from stabilitykit.drivers.base import record
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.events import BadBatchError, Event, RollbackLimitError, TrainingDivergedError
 from stabilitykit.grads import clip_grad_norm_, grad_norms
@@ -30,6 +31,7 @@ from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NaNTracer, NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
 from stabilitykit.precision import PrecisionChoice, configure_tf32, select_precision, set_determinism
 from stabilitykit.report import StepReport
+from stabilitykit.rules import SkipContext, SkipRule, StepValues
 from stabilitykit.run_log import RunSummary
 
 __version__ = "0.1.0"
@@ -53,11 +55,14 @@ __all__ = [
     "RollbackLimitError",
     "RunSummary",
     "SkipConfig",
+    "SkipContext",
+    "SkipRule",
     "SpikeConfig",
     "StabilityConfig",
     "StabilityEngine",
     "StabilityGuard",
     "StepReport",
+    "StepValues",
     "TrainingDivergedError",
     "__version__",
     "batch_is_bad",
@@ -67,6 +72,7 @@ __all__ = [
     "grad_norms",
     "nn",
     "precision_eval",
+    "record",
     "replay_nonfinite",
     "select_precision",
     "set_determinism",

@@ -15,7 +15,7 @@ import contextlib
 import functools
 import types
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from stabilitykit.patching import replace_attribute
 from stabilitykit.precision import PrecisionChoice, apply_precision_config
 from stabilitykit.recovery import Recovery
 from stabilitykit.report import StepReport
+from stabilitykit.rules import SkipRule
 from stabilitykit.run_log import RunSummary
 from stabilitykit.scaler import ScalerAdapter
 from stabilitykit.schedule import hold_scheduler, release_scheduler
@@ -216,11 +217,13 @@ class DriverCore:
         apply_precision: bool = True,
         extra_group: Any | None = None,
         engine_cls: type[StabilityEngine] = StabilityEngine,
+        rules: Sequence[SkipRule] = (),
     ) -> None:
         """``extra_group``: a process group the norms also sum over, one torch.distributed cannot infer
         from the model (pipeline stages, each holding different layers). ``engine_cls``: a
         ``StabilityEngine`` subclass, for a driver whose framework logs on another cadence (the
-        Hugging Face Trainer logs after global steps ``n, 2n, ...``)."""
+        Hugging Face Trainer logs after global steps ``n, 2n, ...``). ``rules``: the user's skip rules
+        (``stabilitykit.SkipRule``), run after the built-in ones."""
         self.config = coerce_config(config)
         _warn_contradictions(self.config)
         self.model = model
@@ -238,7 +241,13 @@ class DriverCore:
         self.hooks = hooks or HookManager()
         self.scaler = ScalerAdapter(scaler)
         self.engine = engine_cls(
-            params, self.config, model=model, hooks=self.hooks, fused=is_fused(self.optimizer), extra_group=extra_group
+            params,
+            self.config,
+            model=model,
+            hooks=self.hooks,
+            fused=is_fused(self.optimizer),
+            extra_group=extra_group,
+            rules=rules,
         )
         self.buffers = BufferGuard(running_stat_buffers(model, self.config.skip.restore_buffers))
         self.precision_choice: PrecisionChoice | None = None
@@ -617,13 +626,18 @@ class DriverCore:
             self.recovery.flush(rows)
 
     def close(self) -> None:
-        """Fold what is left, remove tracing hooks and every wrapper (monitor hooks included)."""
-        if self.decision is not None:
-            self.finish()
-        self.engine.flush(final_row=True)
-        if self.tracer is not None:
-            self.tracer.detach()
-        self.release()
+        """Fold what is left, remove tracing hooks and every wrapper (monitor hooks included); the
+        wrappers and hooks go even when finishing the last step raises (a divergence)."""
+        try:
+            if self.decision is not None:
+                self.finish()
+        finally:
+            try:
+                self.flush(final_row=True)
+            finally:
+                if self.tracer is not None:
+                    self.tracer.detach()
+                self.release()
 
     def state_dict(self) -> dict[str, Any]:
         """Everything that must survive a resume (plain values and small device tensors)."""

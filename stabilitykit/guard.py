@@ -13,7 +13,6 @@ and how the framework's optimizer steps.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -21,13 +20,14 @@ import torch
 from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.core import DriverCore, coerce_config, optimizer_params, unwrap_optimizer
+from stabilitykit.core import DriverCore, optimizer_params, unwrap_optimizer
+from stabilitykit.drivers.base import Driver
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NaNTracer, NonFiniteRecord
 from stabilitykit.precision import PrecisionChoice
-from stabilitykit.recovery import refuse_several_optimizers
 from stabilitykit.report import StepReport
+from stabilitykit.rules import SkipRule
 from stabilitykit.run_log import RunSummary
 from stabilitykit.sinks.base import Sink
 
@@ -92,38 +92,26 @@ class StabilityGuard:
         sinks: Iterable[Sink] | None = None,
         hooks: HookManager | None = None,
         extra_group: Any | None = None,
+        rules: Sequence[SkipRule] = (),
     ) -> None:
-        """``extra_group``: a process group the norms also sum over (pipeline stages; see the distributed guide)."""
-        self.hooks = hooks or HookManager()
-        for sink in sinks or []:
-            self.hooks.add_sink(sink)
+        """``extra_group``: a process group the norms also sum over (pipeline stages; see the distributed guide).
+        ``rules``: your own skip rules (``stabilitykit.SkipRule`` instances), run after the built-in ones."""
+        if isinstance(optimizer, StabilityConfig | Mapping | str) or optimizer is None:
+            raise TypeError(
+                f"StabilityGuard(model, optimizer, config=...): the second argument must be the optimizer, got "
+                f"{type(optimizer).__name__} (did you forget the optimizer? StabilityGuard(model, optimizer, cfg))"
+            )
         optimizers = _as_list(optimizer)
         if not optimizers:
             raise ValueError("StabilityGuard needs an optimizer; got an empty list")
         if not self.follows_accumulation:
             _refuse_accumulating(optimizers)
-        base = coerce_config(config)
-        refuse_several_optimizers(base.recovery, len(optimizers))
-        many = len(optimizers) > 1
-        self.cores: list[DriverCore] = []
-        for i, opt in enumerate(optimizers):
-            cfg = base
-            if many:  # one set of monitor hooks on the model: the first optimizer's core reads it
-                prefix = f"{base.metric_prefix}/opt{i}".strip("/")
-                cfg = base.model_copy(update={"metric_prefix": prefix, "monitors": base.monitors if i == 0 else None})
-            first = i == 0
-            self.cores.append(
-                DriverCore(
-                    model,
-                    opt,
-                    cfg,
-                    hooks=self.hooks,
-                    scaler=scaler,
-                    tracing=first,
-                    apply_precision=first,
-                    extra_group=extra_group,
-                )
-            )
+        #: The lifecycle every driver shares (``drivers/base.py``): cores, losses, rules, state, the end.
+        self.driver = Driver(config, sinks=sinks, hooks=hooks, rules=rules)
+        self.hooks = self.driver.hooks
+        self.cores: list[DriverCore] = self.driver.build_cores(
+            model, optimizers, scaler=scaler, extra_group=extra_group
+        )
         self.core = self.cores[0]
         self.config = self.core.config
         self.model = model
@@ -135,10 +123,16 @@ class StabilityGuard:
         for core in self.cores:
             for sched in self._schedulers_of(core):
                 core.track_scheduler(sched)  # recovery saves and restores it with each snapshot
-        self._pending_losses: list[Tensor] = []  # several optimizers: losses not yet claimed by a step
         # each optimizer's step is routed through its core once, for the guard's life (undone by close())
         self._unroute = [self._route_step(core) for core in self.cores]
         self._closed = False
+
+    def __enter__(self) -> StabilityGuard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Close the guard however the block ends: wrappers undone, the last row logged, sinks closed."""
+        self.close()
 
     @property
     def engine(self) -> StabilityEngine:
@@ -163,18 +157,7 @@ class StabilityGuard:
     # ------------------------------------------------------------------ optimizers
     def core_for(self, optimizer: Any | None = None) -> DriverCore:
         """The core guarding ``optimizer`` (a wrapper is looked through); None: the only one."""
-        if optimizer is None:
-            if len(self.cores) > 1:
-                raise ValueError(
-                    f"this guard has {len(self.cores)} optimizers: name the one that steps, "
-                    "e.g. guard.step(optimizer=opt_d) / guard.backward(loss, optimizer=opt_d)"
-                )
-            return self.core
-        target = unwrap_optimizer(optimizer)
-        for core in self.cores:
-            if core.optimizer is target:
-                return core
-        raise ValueError(f"{type(optimizer).__name__} is not one of the optimizers this guard was built with")
+        return self.driver.core_for(optimizer)
 
     def _outer(self, core: DriverCore) -> Any:
         """The object the user gave for ``core``'s optimizer (a framework wrapper, maybe)."""
@@ -198,10 +181,23 @@ class StabilityGuard:
 
     def record_loss(self, loss: Tensor, optimizer: Any | None = None) -> None:
         """Remember a backpropagated micro-batch loss (device tensor, no sync) for the step it feeds."""
-        if optimizer is not None or len(self.cores) == 1:
-            self.core_for(optimizer).record_loss(loss)
-        else:
-            self._pending_losses.append(loss.detach())
+        self._check_open("record_loss")
+        self.driver.record_loss(loss, optimizer)
+
+    def record(self, name: str, value: Tensor | float, reduce: str = "mean", *, optimizer: Any | None = None) -> None:
+        """Record a metric of the coming step (a 0-d device tensor; no sync): logged as
+        ``<prefix>/metrics/<name>`` at logging steps, agreed across ranks with ``reduce`` ("mean",
+        "sum", "max", "min", "any", "all"), seen by your skip rules (``values[name]``) and the spike
+        detector. Record every name from the first step on."""
+        self._check_open("record")
+        self.driver.record(name, value, reduce, optimizer)
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"StabilityGuard.{what}() after close(): the guard no longer routes the optimizer, so it can "
+                "neither measure nor skip; build a new guard (and load_state_dict) to go on training"
+            )
 
     def backward(self, loss: Tensor, *, optimizer: Any | None = None, **kwargs: Any) -> None:
         """Backpropagate ``loss`` (scaled when a GradScaler is enabled) and remember its value.
@@ -227,10 +223,9 @@ class StabilityGuard:
         ``scaler.update()`` after the step (several optimizers under one GradScaler: pass False for
         all but the last one that steps this iteration).
         """
+        self._check_open("step")
         core = self.core_for(optimizer)
-        for loss in self._pending_losses:
-            core.record_loss(loss)
-        self._pending_losses = []
+        self.driver.claim_losses(core)
         core.evaluate(replay=replay)
         self._optimizer_step(core, update_scaler)
         if not core.should_hold_scheduler():
@@ -283,40 +278,25 @@ class StabilityGuard:
 
         With several optimizers the first optimizer's totals, with ``optimizers``: one entry each.
         Readable by key too (``guard.summary()["skipped"]``); ``.line()`` is the end-of-run line.
+        Reading it changes nothing ``close()`` writes.
         """
-        rows = [core.summary() for core in self.cores]
-        first = rows[0]
-        if len(rows) > 1:
-            first = dataclasses.replace(first, optimizers=tuple(rows))
-        return first
+        return self.driver.summary()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Counters, EMAs, detector state and unread journal rows (optimizer, scaler, scheduler save their own)."""
-        if len(self.cores) == 1:
-            return self.core.state_dict()
-        return {"optimizers": [core.state_dict() for core in self.cores]}
+        """Counters, EMAs, detector state and unread journal rows (optimizer, scaler, scheduler save their own):
+        ``{"version", "optimizers": [one state per optimizer]}``, the format every driver saves."""
+        return self.driver.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what ``state_dict`` returned."""
-        states = state.get("optimizers")
-        if states is None:
-            states = [state]
-        if len(states) != len(self.cores):
-            raise ValueError(f"guard state holds {len(states)} optimizer(s), this guard has {len(self.cores)}")
-        for core, core_state in zip(self.cores, states, strict=True):
-            core.load_state_dict(core_state)
+        """Restore what ``state_dict`` returned (validated as a whole first: nothing loads unless all can)."""
+        self.driver.load_state_dict(state)
 
     def close(self) -> None:
-        """Process the steps since the last logging step, remove tracing hooks and wrappers, close the sinks."""
+        """Process the steps since the last logging step, remove tracing hooks and wrappers, log the
+        summary line and close the sinks. Idempotent; ``with StabilityGuard(...) as guard:`` calls it."""
         for undo in self._unroute:
             undo()
         self._unroute = []
-        if not self._closed:
-            for core in self.cores:
-                core.flush(final_row=True)  # the steps after the last logging step get their row
-            self.summary().log()  # the run's one line: steps, skips, clips, max norm, first NaN source
         self._closed = True
-        for core in self.cores:
-            core.close()
-        self.hooks.close()
+        self.driver.end_run()

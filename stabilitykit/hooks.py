@@ -30,6 +30,7 @@ class HookManager:
         self._hooks: dict[str, list[EventHook]] = defaultdict(list)
         self.sinks: list[Any] = list(sinks or [])
         self.disabled: dict[int, str] = {}
+        self._borrowed: set[int] = set()  # sinks a framework owns (a Lightning logger): never closed here
         self.event_log: EventLog | None = EventLog() if log_events else None
 
     def on(self, kind: str, fn: EventHook) -> EventHook:
@@ -43,9 +44,12 @@ class HookManager:
         """Stop calling ``fn`` for ``kind``."""
         self._hooks[kind].remove(fn)
 
-    def add_sink(self, sink: Sink) -> None:
-        """Send metrics and events to one more sink."""
+    def add_sink(self, sink: Sink, owned: bool = True) -> None:
+        """Send metrics and events to one more sink. ``owned=False``: a framework's own logger (a
+        Lightning logger), which the framework closes; ``close()`` leaves it alone."""
         self.sinks.append(sink)
+        if not owned:
+            self._borrowed.add(id(sink))
 
     def _call_sink(self, sink: Any, method: str, *args: Any) -> None:
         if id(sink) in self.disabled:
@@ -79,6 +83,9 @@ class HookManager:
             self._call_sink(sink, "log_metrics", metrics, step)
 
     def close(self) -> None:
-        """Close every sink that has ``close()``."""
+        """Close every sink that has ``close()`` (a framework's own loggers excepted). Idempotent: a sink
+        is closed once, and a closed manager closes nothing more."""
         for sink in self.sinks:
-            self._call_sink(sink, "close")
+            if id(sink) not in self._borrowed:
+                self._borrowed.add(id(sink))
+                self._call_sink(sink, "close")

@@ -16,22 +16,22 @@ Every wrapper is undone at fit end, on an exception and at teardown. Requires th
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.core import DriverCore, coerce_config, unwrap_optimizer
+from stabilitykit.core import DriverCore, unwrap_optimizer
+from stabilitykit.drivers.base import Driver
 from stabilitykit.engine import StabilityEngine, TrainerAlignedEngine
-from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NonFiniteRecord
 from stabilitykit.precision import PrecisionChoice
-from stabilitykit.recovery import refuse_several_optimizers
 from stabilitykit.report import StepReport
+from stabilitykit.rules import SkipRule
+from stabilitykit.run_log import RunSummary
 from stabilitykit.sinks.base import Sink
-from stabilitykit.state import validate_state
 
 try:
     import lightning.pytorch as pl
@@ -59,15 +59,31 @@ class StabilityCallback(Callback):
         config: StabilityConfig | Mapping[str, Any] | str | None = None,
         sinks: Iterable[Sink] | None = None,
         name: str | None = None,
+        rules: Sequence[SkipRule] = (),
     ) -> None:
-        self.config = coerce_config(config)
+        """``rules``: your own skip rules (``stabilitykit.SkipRule``), run after the built-in ones."""
+        #: The lifecycle every driver shares (``drivers/base.py``): cores, losses, rules, state, the end.
+        self.driver = Driver(config, sinks=sinks, rules=rules)
+        self.config = self.driver.config
         self.name = name
-        self.hooks = HookManager(sinks)
-        self.cores: list[DriverCore] = []
+        self.hooks = self.driver.hooks
         self._pending_state: dict[str, Any] | None = None
         self._batch: tuple[Any, int] | None = None
-        self._loss_since_step: list[Tensor] = []  # several optimizers: losses not yet claimed by a step
         self._state_key = self._generate_state_key(name=name or "default")
+
+    @property
+    def cores(self) -> list[DriverCore]:
+        """One core per optimizer (empty before fit starts)."""
+        return self.driver.cores
+
+    def record(self, name: str, value: Tensor | float, reduce: str = "mean") -> None:
+        """Record a metric of the coming optimizer step (call it from ``training_step``; no sync); see
+        ``stabilitykit.record``, which does the same without a handle on the callback."""
+        self.driver.record(name, value, reduce)
+
+    def summary(self) -> RunSummary:
+        """The run's totals (the first optimizer's; ``optimizers``: each one's)."""
+        return self.driver.summary()
 
     @property
     def state_key(self) -> str:
@@ -121,30 +137,17 @@ class StabilityCallback(Callback):
         if "log_every_n_steps" not in config.model_fields_set:
             every = max(1, trainer.log_every_n_steps)  # type: ignore[attr-defined]
             config = config.model_copy(update={"log_every_n_steps": every})
-        many = len(trainer.optimizers) > 1
-        refuse_several_optimizers(config.recovery, len(trainer.optimizers))
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         for logger in trainer.loggers:
             if not any(sink is logger for sink in self.hooks.sinks) and not self._wandb_sink_covers(logger):
-                self.hooks.add_sink(logger)  # type: ignore[arg-type]  # a Logger has the sink's shape
-        for i, optimizer in enumerate(trainer.optimizers):
-            cfg = config
-            if many:  # one set of monitor hooks on the module: the first optimizer's core reads it
-                prefix = f"{config.metric_prefix}/opt{i}".strip("/")
-                cfg = config.model_copy(
-                    update={"metric_prefix": prefix, "monitors": config.monitors if i == 0 else None}
-                )
-            core = DriverCore(
-                pl_module,
-                optimizer,
-                cfg,
-                self.hooks,
-                scaler=scaler,
-                tracing=i == 0,
-                apply_precision=i == 0,
-                engine_cls=TrainerAlignedEngine,  # Lightning's logging rows: global steps n-1, 2n-1, ...
-            )
-            self.cores.append(core)
+                self.hooks.add_sink(logger, owned=False)  # type: ignore[arg-type]  # Lightning finalizes it
+        self.driver.build_cores(
+            pl_module,
+            trainer.optimizers,
+            config,
+            scaler=scaler,
+            engine_cls=TrainerAlignedEngine,  # Lightning's logging rows: global steps n-1, 2n-1, ...
+        )
         if self._pending_state is not None:
             self._load(self._pending_state)
             self._pending_state = None
@@ -166,17 +169,12 @@ class StabilityCallback(Callback):
         return any(type(sink).__name__ == "WandbSink" for sink in self.hooks.sinks)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Fold the last steps, then undo every wrapper."""
-        for core in self.cores:
-            core.finish()
-            core.flush()
-        if self.cores:
-            self.cores[0].summary().log()
-        self._release()
+        """The run is over: the last steps folded and logged, the summary line, wrappers undone, sinks closed."""
+        self.driver.end_run()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """Undo every wrapper: an interrupted fit leaves the optimizer and schedulers as they were."""
-        self._release()
+        """An interrupted fit ends the same way: the optimizer and schedulers as they were, sinks closed."""
+        self.driver.end_run()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Undo every wrapper (idempotent) and remove tracing hooks."""
@@ -186,16 +184,9 @@ class StabilityCallback(Callback):
                 core.tracer.detach()
 
     def _release(self) -> None:
-        for core in self.cores:
-            core.release()
+        self.driver.release()
 
     # ------------------------------------------------------------------ the step
-    def _core_for(self, optimizer: Any) -> DriverCore | None:
-        target = unwrap_optimizer(optimizer)
-        for core in self.cores:
-            if core.optimizer is target:
-                return core
-        return None
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -207,21 +198,16 @@ class StabilityCallback(Callback):
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Remember each micro-batch's loss (stays on the device) for the optimizer that steps next."""
-        if len(self.cores) == 1:
-            self.cores[0].record_loss(loss)
-        elif self.cores:
-            self._loss_since_step.append(loss.detach())
+        self.driver.record_loss(loss)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         """Grads are final here: measure, clip and decide; the optimizer's routed step acts on it."""
-        core = self._core_for(optimizer)
+        core = self.driver.find_core(optimizer)
         if core is None:
             return
-        for loss in self._loss_since_step:
-            core.record_loss(loss)
-        self._loss_since_step = []
+        self.driver.claim_losses(core)
         batch = self._batch
 
         def replay() -> Tensor:
@@ -244,10 +230,10 @@ class StabilityCallback(Callback):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Each core's state (counters, EMAs, detectors, unread journal rows)."""
+        """Each core's state (counters, EMAs, detectors, unread journal rows), as every driver saves it."""
         if not self.cores:
             return dict(self._pending_state or {})
-        return {"version": 1, "optimizers": [core.state_dict() for core in self.cores]}
+        return self.driver.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the cores (applied at fit start when they do not exist yet)."""
@@ -259,14 +245,4 @@ class StabilityCallback(Callback):
             self._load(state_dict)
 
     def _load(self, state: Mapping[str, Any]) -> None:
-        states = state.get("optimizers")
-        if not isinstance(states, list):
-            raise ValueError("StabilityCallback state has no 'optimizers' list (not saved by this callback)")
-        if len(states) != len(self.cores):
-            raise ValueError(
-                f"StabilityCallback state holds {len(states)} optimizer(s), this run has {len(self.cores)}"
-            )
-        for core_state in states:
-            validate_state(core_state)  # every optimizer's state first: nothing loads unless all of it can
-        for core, core_state in zip(self.cores, states, strict=True):
-            core.load_state_dict(core_state)
+        self.driver.load_state_dict(state)

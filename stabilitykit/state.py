@@ -19,7 +19,7 @@ from typing import Annotated, Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-__all__ = ["STATE_VERSION", "validate_state"]
+__all__ = ["STATE_VERSION", "check_version", "validate_state"]
 
 #: Version of the state a driver saves, and the only one this release reads.
 STATE_VERSION = 4
@@ -196,14 +196,8 @@ class _Invalid(ValueError):
         self.where, self.what = where, what
 
 
-def validate_state(state: Any, reference: Mapping[str, Any] | None = None) -> None:
-    """Raise ``ValueError`` naming the first bad key (dotted path) and what was expected there.
-
-    ``reference``: the loading driver's own ``state_dict()``; when given, the sizes it fixes (layer
-    names, clip and skip-rule tensor shapes, journal row width, per-layer detector size) must match.
-    """
-    if not isinstance(state, Mapping):
-        raise TypeError(f"stabilitykit state must be a mapping (from state_dict()), got {type(state).__name__}")
+def check_version(state: Mapping[str, Any]) -> None:
+    """Refuse a state whose ``version`` is not an int, or not the one this release reads."""
     version = state.get("version")
     if isinstance(version, int) and not isinstance(version, bool) and version > STATE_VERSION:
         raise ValueError(
@@ -220,6 +214,17 @@ def validate_state(state: Any, reference: Mapping[str, Any] | None = None) -> No
             f"invalid stabilitykit state at 'version': must be an int (this release saves {STATE_VERSION}), "
             f"got {type(version).__name__} {version!r:.60}. Nothing was loaded."
         )
+
+
+def validate_state(state: Any, reference: Mapping[str, Any] | None = None) -> None:
+    """Raise ``ValueError`` naming the first bad key (dotted path) and what was expected there.
+
+    ``reference``: the loading driver's own ``state_dict()``; when given, the sizes it fixes (layer
+    names, clip and skip-rule tensor shapes, journal row width, per-layer detector size) must match.
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(f"stabilitykit state must be a mapping (from state_dict()), got {type(state).__name__}")
+    check_version(state)
     try:
         _Core.model_validate(dict(state))
     except ValidationError as exc:

@@ -234,7 +234,10 @@ def test_checkpoint_round_trip_resumes_bitwise_equal_to_an_uninterrupted_run() -
             assert torch.equal(a[key], b[key]), f"clip.{key} differs after resuming at step {resume_at}"
         for (name, p), q in zip(straight_model.named_parameters(), resumed_model.parameters(), strict=True):
             assert torch.equal(p, q), f"{name} differs after resuming at step {resume_at}"
-        assert straight.state_dict()["engine"]["ledger"] == resumed.state_dict()["engine"]["ledger"]
+        assert (
+            straight.state_dict()["optimizers"][0]["engine"]["ledger"]
+            == resumed.state_dict()["optimizers"][0]["engine"]["ledger"]
+        )
 
 
 def test_state_from_another_parameter_count_or_mode_is_refused_clearly() -> None:
@@ -248,7 +251,7 @@ def test_state_from_another_parameter_count_or_mode_is_refused_clearly() -> None
     smaller = _mlp(bias=False)  # the same layers, half the tensors
     other = sk.StabilityGuard(smaller, torch.optim.SGD(smaller.parameters(), lr=0.1), _cfg())
     with pytest.raises(
-        ValueError, match=r"state at 'engine\.clip\.gamma': a tensor of shape \(2,\) expected, got \(4,\)"
+        ValueError, match=r"state at 'optimizers\.0\.engine\.clip\.gamma': a tensor of shape \(2,\) expected, got \(4,\)"
     ):
         other.load_state_dict(state)
     assert other.engine.step == 0  # nothing was loaded
@@ -258,7 +261,7 @@ def test_state_from_another_parameter_count_or_mode_is_refused_clearly() -> None
     )
     adaptive.backward(nn.functional.mse_loss(model(x), y))
     adaptive.step()
-    with pytest.raises(ValueError, match=r"state at 'engine\.clip': missing \['gamma', 'seen'\].*another mode"):
+    with pytest.raises(ValueError, match=r"state at 'optimizers\.0\.engine\.clip': missing \['gamma', 'seen'\].*another mode"):
         guard.load_state_dict(adaptive.state_dict())
 
 

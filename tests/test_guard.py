@@ -250,7 +250,7 @@ def test_state_dict_round_trip_matches_uninterrupted_run() -> None:
             guard.backward(loss)
             guard.step()
             guard.zero_grad()
-        return guard.state_dict()["engine"]
+        return guard.state_dict()["optimizers"][0]["engine"]
 
     straight, resumed = run(None), run(15)
     assert straight["step"] == resumed["step"] == 30

@@ -69,7 +69,8 @@ def test_fabric_mixed_precision_grad_scaler_true_norm_and_skip() -> None:
     guard.backward(model.loss(x, y) * float("nan"))
     report = guard.step()
     guard.zero_grad()
-    assert bool(report.skipped) and report.reason == "fp16_overflow"
+    # a NaN loss is a bad batch, not an overflow, even under the GradScaler (which still backs off)
+    assert bool(report.skipped) and report.reason == "nonfinite_loss"
     assert_bitwise_equal(before, snapshot(model, optimizer))
     assert float(scaler.get_scale()) == 2.0**9, "Fabric's scaler.update() backed off after the overflow"
     x, y = next(data)

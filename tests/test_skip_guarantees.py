@@ -133,11 +133,14 @@ def _trained_guard(steps: int = 3) -> sk.StabilityGuard:
 @pytest.mark.parametrize(
     ("mutate", "where"),
     [
-        (lambda s: s["engine"]["ledger"].pop("counters"), "engine.ledger.counters"),
-        (lambda s: s["engine"]["ledger"]["counters"].update(skipped_total="3"), "engine.ledger.counters.skipped_total"),
-        (lambda s: s["engine"].update(step=-4), "engine.step"),
-        (lambda s: s.pop("engine"), "engine"),
-        (lambda s: s["engine"]["journal"].update(rows=[[1.0]]), "engine.journal.rows"),
+        (lambda s: s["optimizers"][0]["engine"]["ledger"].pop("counters"), "optimizers.0.engine.ledger.counters"),
+        (
+            lambda s: s["optimizers"][0]["engine"]["ledger"]["counters"].update(skipped_total="3"),
+            "optimizers.0.engine.ledger.counters.skipped_total",
+        ),
+        (lambda s: s["optimizers"][0]["engine"].update(step=-4), "optimizers.0.engine.step"),
+        (lambda s: s["optimizers"][0].pop("engine"), "optimizers.0.engine"),
+        (lambda s: s["optimizers"][0]["engine"]["journal"].update(rows=[[1.0]]), "optimizers.0.engine.journal.rows"),
     ],
 )
 def test_corrupted_state_is_refused_by_key_and_nothing_loads(mutate, where: str) -> None:
@@ -150,8 +153,9 @@ def test_corrupted_state_is_refused_by_key_and_nothing_loads(mutate, where: str)
         target.load_state_dict(state)
     assert "Nothing was loaded" in str(err.value)
     after = target.state_dict()
-    assert after["engine"]["step"] == before["engine"]["step"] == 2
-    assert after["engine"]["ledger"] == before["engine"]["ledger"]
+    (after_core,), (before_core,) = after["optimizers"], before["optimizers"]
+    assert after_core["engine"]["step"] == before_core["engine"]["step"] == 2
+    assert after_core["engine"]["ledger"] == before_core["engine"]["ledger"]
 
 
 def test_state_from_a_newer_release_is_refused() -> None:

@@ -193,8 +193,10 @@ def test_detector_list_one_short_is_refused_and_training_goes_on() -> None:
     guard, model = _guard(CONFIGS["adaptive"])
     state = guard.state_dict()
     before = copy.deepcopy(state)
-    state["engine"]["ledger"]["spikes"]["detector"]["last"].pop()
-    with pytest.raises(ValueError, match=r"invalid stabilitykit state at 'engine\.ledger\.spikes\.detector'.*'last'"):
+    state["optimizers"][0]["engine"]["ledger"]["spikes"]["detector"]["last"].pop()
+    with pytest.raises(
+        ValueError, match=r"invalid stabilitykit state at 'optimizers\.0\.engine\.ledger\.spikes\.detector'.*'last'"
+    ):
         guard.load_state_dict(state)
     assert _same(before, guard.state_dict())
     _train(guard, model, token_batches(2, seed=3))
@@ -208,8 +210,10 @@ def test_version_as_a_string_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"invalid stabilitykit state at 'version': must be an int.*got str '2'"):
         guard.load_state_dict(state)
     state["version"] = STATE_VERSION
-    state["engine"]["ledger"]["spikes"]["version"] = "2"
-    with pytest.raises(ValueError, match=r"invalid stabilitykit state at 'engine\.ledger\.spikes\.version'"):
+    state["optimizers"][0]["engine"]["ledger"]["spikes"]["version"] = "2"
+    with pytest.raises(
+        ValueError, match=r"invalid stabilitykit state at 'optimizers\.0\.engine\.ledger\.spikes\.version'"
+    ):
         guard.load_state_dict(state)
 
 

@@ -137,6 +137,8 @@ class StabilityEngine:
         self._no_request = torch.zeros((), dtype=torch.float32, device=self.device)
         self._loss_sum: Tensor | None = None
         self.last_host_metrics: dict[str, float] = {}
+        self._unlogged: Row | None = None  # the newest row a flush read without logging it (see ``flush``)
+        self._logged_step: int | None = None  # the newest row logged so far
         #: Where a driver's tracer saw the first non-finite value; named by this step's skip events.
         self.source_hint: Any | None = None
         #: Modules that measure themselves, QK-clip and the model monitor (``engine/sources.py``).
@@ -281,7 +283,7 @@ class StabilityEngine:
         value = loss.detach().float().mean()
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
 
-    def record_metric(self, name: str, value: Tensor, reduce: str = "mean") -> None:
+    def record_metric(self, name: str, value: Tensor | float, reduce: str = "mean") -> None:
         """Record a user metric for the step in flight (a 0-d device tensor; no sync).
 
         It goes into this step's record: rules see this rank's value, the journal keeps the value
@@ -595,6 +597,9 @@ class StabilityEngine:
             if row.step == step:
                 source, self.source_hint = self.source_hint, None
                 row_signals = signals
+            if row.metrics:  # recorded metrics are precursors too, at every step they were recorded
+                recorded = {self.key(f"metrics/{k}"): v for k, v in row.metrics.items() if math.isfinite(v)}
+                row_signals = {**(row_signals or {}), **recorded}
             events, divergence = self.ledger.fold(row, source, row_signals)
             for event in events:
                 self.hooks.emit(event)
@@ -617,12 +622,15 @@ class StabilityEngine:
         the run is closing, so the steps since the last logging step also get a metrics row (at
         the newest step's number) in every sink. Returns the rows read.
         """
-        if not len(self.journal):
-            return []
-        rows, _ = self.journal.read()
-        divergence = self._fold(rows, self.step)
-        if final_row and rows:
-            self._log_rows(rows[-1], rows[-1].step, None, [])
+        rows: list[Row] = []
+        divergence = None
+        if len(self.journal):
+            rows, _ = self.journal.read()
+            divergence = self._fold(rows, self.step)
+            if rows and rows[-1].step != self._logged_step:
+                self._unlogged = rows[-1]  # read without a metrics row (a summary): still owed one at the end
+        if final_row and self._unlogged is not None:
+            self._log_rows(self._unlogged, self._unlogged.step, None, [])
         if divergence is not None:
             self.report_divergence(divergence, raise_error=False)
         return rows
@@ -633,6 +641,8 @@ class StabilityEngine:
 
     def _log_rows(self, last: Row, step: int, loss_scale: float | None, extra: list[dict[str, float]]) -> None:
         """Metrics for the rows read up to ``last`` (the newest), logged at ``step``."""
+        self._unlogged, self._logged_step = None, last.step
+        extra_given = any(extra)
         c = self.ledger.counters
         scaler = None
         if loss_scale is not None:
@@ -642,6 +652,8 @@ class StabilityEngine:
         extra = list(extra)
         if self.ledger.spikes is not None:
             extra.append(self.ledger.spikes.metrics())
+        if last.metrics:
+            extra.append({f"metrics/{k}": v for k, v in last.metrics.items()})
         named = self.names.build(last, c, self.clip is not None, scaler, extra)
         if c.clipped_recent:
             count = c.clipped_recent
@@ -649,7 +661,8 @@ class StabilityEngine:
                 Event("clipped", step, f"{count} step(s) clipped since the last logging step", {"count": count})
             )
         c.reset_recent()
-        self.last_host_metrics = dict(named)
+        # a final row (no module metrics of its own) updates the last logging step's values, keeping the rest
+        self.last_host_metrics = {**self.last_host_metrics, **named} if not extra_given else dict(named)
         self.hooks.log_metrics(named, step)
 
     # ----------------------------------------------------------------------------- state

@@ -29,6 +29,7 @@ from stabilitykit.guard import StabilityGuard
 from stabilitykit.hooks import HookManager
 from stabilitykit.integrations._extras import missing
 from stabilitykit.report import StepReport
+from stabilitykit.rules import SkipRule
 from stabilitykit.sinks.base import Sink
 
 try:
@@ -100,6 +101,7 @@ class AccelerateGuard(StabilityGuard):
         hooks: HookManager | None = None,
         scaler: Any | None = None,
         log_to_trackers: bool = True,
+        rules: Sequence[SkipRule] = (),
     ) -> None:
         super().__init__(
             model,
@@ -109,6 +111,7 @@ class AccelerateGuard(StabilityGuard):
             scheduler=scheduler,
             sinks=sinks,
             hooks=hooks,
+            rules=rules,
         )
         self.accelerator = accelerator
         if log_to_trackers:

@@ -25,6 +25,7 @@ from stabilitykit.core import DriverCore
 from stabilitykit.guard import StabilityGuard
 from stabilitykit.hooks import HookManager
 from stabilitykit.integrations._extras import missing
+from stabilitykit.rules import SkipRule
 from stabilitykit.sinks.base import Sink
 
 try:
@@ -53,15 +54,18 @@ class FabricGuard(StabilityGuard):
         sinks: Iterable[Sink] | None = None,
         hooks: HookManager | None = None,
         log_to_loggers: bool = True,
+        rules: Sequence[SkipRule] = (),
     ) -> None:
         scaler = getattr(fabric.strategy.precision, "scaler", None)
         inner: nn.Module = model.module if is_wrapped(model) else model  # type: ignore[assignment]  # user's tree
-        super().__init__(inner, optimizer, config, scaler=scaler, scheduler=scheduler, sinks=sinks, hooks=hooks)
+        super().__init__(
+            inner, optimizer, config, scaler=scaler, scheduler=scheduler, sinks=sinks, hooks=hooks, rules=rules
+        )
         self.fabric = fabric
         self.fabric_model = model
         if log_to_loggers:
             for logger in fabric.loggers:
-                self.hooks.add_sink(logger)  # type: ignore[arg-type]  # a Logger has the sink's shape
+                self.hooks.add_sink(logger, owned=False)  # type: ignore[arg-type]  # Fabric finalizes its loggers
 
     def backward(self, loss: Tensor, *, optimizer: Any | None = None, **kwargs: Any) -> None:
         """``fabric.backward(loss)`` (scaled by Fabric's precision plugin); the loss is recorded as given."""

@@ -25,21 +25,23 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.core import DriverCore, coerce_config
+from stabilitykit.core import DriverCore
+from stabilitykit.drivers.base import Driver
 from stabilitykit.engine import StabilityEngine, TrainerAlignedEngine
 from stabilitykit.events import Event
 from stabilitykit.grads import CLIP_EPS, apply_clip_coefficient, clip_coefficient, device_groups
-from stabilitykit.hooks import HookManager
 from stabilitykit.integrations._extras import missing
 from stabilitykit.patching import route_attribute
 from stabilitykit.report import StepReport
+from stabilitykit.rules import SkipRule
+from stabilitykit.run_log import RunSummary
 from stabilitykit.sinks.base import Sink
 from stabilitykit.sinks.wandb import ALERT_KINDS, send_alert
 
@@ -144,17 +146,19 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         alerts: bool | Iterable[str] = False,
         log_events: bool = True,
         *,
+        rules: Sequence[SkipRule] = (),
         restore_into_attached: bool = False,
     ) -> None:
         if restore_into_attached and getattr(self, "_trainer", None) is not None:
             return  # the attached callback came back from __new__: keep everything it holds
-        self.config = coerce_config(config)
-        self.hooks = HookManager(sinks)
+        #: The lifecycle every driver shares (``drivers/base.py``): cores, losses, rules, state, the end.
+        self.driver = Driver(config, sinks=sinks, rules=rules)
+        self.config = self.driver.config
+        self.hooks = self.driver.hooks
         self.logs = _TrainerLogs()
         self.hooks.add_sink(self.logs)
         self.alert_on: set[str] = set(ALERT_KINDS if alerts is True else [] if alerts is False else alerts)
         self.log_events = log_events
-        self.core: DriverCore | None = None
         self.saved_state: dict[str, Any] | None = None  # set by the Trainer's callback-state restore
         self._trainer: weakref.ReferenceType[Trainer] | None = None
         self._undo: list[Callable[[], None]] = []
@@ -184,6 +188,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             )
         self._trainer = weakref.ref(trainer)
         _ATTACHED.append(weakref.ref(self))
+        route_attribute(trainer, "train", self._train_route())  # an exception still ends the run (sinks closed)
         if not any(cb is self for cb in trainer.callback_handler.callbacks):
             trainer.add_callback(self)
         return self
@@ -200,6 +205,34 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
                 "instead of passing it in callbacks=[...]"
             )
         return trainer
+
+    @property
+    def core(self) -> DriverCore | None:
+        """The core over the Trainer's optimizer (None before training starts)."""
+        return self.driver.cores[0] if self.driver.cores else None
+
+    def record(self, name: str, value: Tensor | float, reduce: str = "mean") -> None:
+        """Record a metric of the coming optimizer step (no sync); see ``stabilitykit.record``, which
+        does the same from a model's forward or ``compute_loss`` without a handle on the callback."""
+        self.driver.record(name, value, reduce)
+
+    def summary(self) -> RunSummary:
+        """The run's totals."""
+        return self.driver.summary()
+
+    def _train_route(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def route(original: Callable[..., Any]) -> Callable[..., Any]:
+            def train(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return original(*args, **kwargs)
+                except BaseException:
+                    self.driver.end_run()  # the run ends here: wrappers undone, sinks closed
+                    self._release()
+                    raise
+
+            return train
+
+        return route
 
     @property
     def engine(self) -> StabilityEngine | None:
@@ -224,13 +257,13 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             config = config.model_copy(update={"log_every_n_steps": every})
         accelerator = trainer.accelerator
         engine_cls = _FirstStepEngine if args.logging_first_step else TrainerAlignedEngine
-        self.core = core = DriverCore(
-            trainer.model, trainer.optimizer, config, self.hooks, scaler=accelerator.scaler, engine_cls=engine_cls
+        (core,) = self.driver.build_cores(
+            trainer.model, [trainer.optimizer], config, scaler=accelerator.scaler, engine_cls=engine_cls
         )
         saved = self.saved_state or self._saved_in(state)
         self.saved_state = None
         if saved and state.global_step > 0:
-            core.load_state_dict(from_json(saved, core.engine.device))
+            self.driver.load_state_dict(from_json(saved, core.engine.device))
         self._global_step = state.global_step
         self._undo.append(route_accelerated_step(core, trainer.optimizer))
         self._undo.append(core.release)  # its wrappers, hold and recovery (idempotent)
@@ -257,12 +290,13 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Fold the last steps (events), then undo every route."""
+        """The run is over: the last steps folded (a last row for your sinks, events into the Trainer's
+        log), the summary line, every route undone, sinks closed."""
         if self.core is not None:
             self.core.finish()
-            self.core.flush()
+            self.core.flush(final_row=True)
             self._write_events(at_end=state)
-            self.core.summary().log()
+        self.driver.end_run()
         self._release()
 
     def _release(self) -> None:
@@ -396,7 +430,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
         """What the Trainer writes into ``trainer_state.json`` at each checkpoint (JSON values only)."""
-        saved = to_json(self.core.state_dict()) if self.core is not None else None
+        saved = to_json(self.driver.state_dict()) if self.core is not None else None
         return {"args": {"restore_into_attached": True}, "attributes": {"saved_state": saved}}
 
 
