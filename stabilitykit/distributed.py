@@ -360,5 +360,3 @@ def all_ranks_agree(flag: Tensor, group: Any | None = None) -> Tensor:
         as_int = as_int.cuda()
     all_reduce(as_int, dist.ReduceOp.MAX, group)
     return as_int.to(flag.device).reshape(()).bool()
-
-

@@ -251,7 +251,8 @@ def test_state_from_another_parameter_count_or_mode_is_refused_clearly() -> None
     smaller = _mlp(bias=False)  # the same layers, half the tensors
     other = sk.StabilityGuard(smaller, torch.optim.SGD(smaller.parameters(), lr=0.1), _cfg())
     with pytest.raises(
-        ValueError, match=r"state at 'optimizers\.0\.engine\.clip\.gamma': a tensor of shape \(2,\) expected, got \(4,\)"
+        ValueError,
+        match=r"state at 'optimizers\.0\.engine\.clip\.gamma': a tensor of shape \(2,\) expected, got \(4,\)",
     ):
         other.load_state_dict(state)
     assert other.engine.step == 0  # nothing was loaded
@@ -261,7 +262,9 @@ def test_state_from_another_parameter_count_or_mode_is_refused_clearly() -> None
     )
     adaptive.backward(nn.functional.mse_loss(model(x), y))
     adaptive.step()
-    with pytest.raises(ValueError, match=r"state at 'optimizers\.0\.engine\.clip': missing \['gamma', 'seen'\].*another mode"):
+    with pytest.raises(
+        ValueError, match=r"state at 'optimizers\.0\.engine\.clip': missing \['gamma', 'seen'\].*another mode"
+    ):
         guard.load_state_dict(adaptive.state_dict())
 
 
