@@ -1,5 +1,7 @@
 """Run by test_lightning.py: Lightning on 2 CPU processes with a NaN on rank 1 only.
 
+``SK_RULE=1``: no NaN; a user's skip rule (``QualityGate``) and a recorded metric instead, rank 1 alone
+recording a bad ``quality`` at step 5 from ``training_step`` (``sk.record``): both ranks must skip it.
 ``SK_STRATEGY``: "ddp" (default), or "fsdp2" (``ModelParallelStrategy`` with ``fully_shard`` in
 ``configure_model``; Lightning's ``FSDPStrategy`` requires CUDA). ``SK_RECOVERY=1``: recovery on
 (a snapshot every 2 steps, a divergence after 3 skips) and a NaN on rank 1 only at steps 5-7, so
@@ -19,6 +21,23 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 import stabilitykit as sk
 from stabilitykit.lightning import StabilityCallback
 from stabilitykit.testing.lightning_gpt import GPTModule, gpt_dataloader
+
+
+class QualityGate(sk.SkipRule):
+    name = "quality_gate"
+
+    def flag(self, values: sk.StepValues) -> torch.Tensor:
+        return values["quality"] < 0.5
+
+
+class RecordingGPT(GPTModule):
+    """Records ``quality`` (bad on rank 1 at step 5) and ``rank_id`` from its training step."""
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        bad = self.global_rank == 1 and self.global_step == 5
+        sk.record("quality", torch.tensor(0.0 if bad else 1.0))
+        sk.record("rank_id", torch.tensor(float(self.global_rank + 1)), reduce="sum")
+        return super().training_step(batch, batch_idx)
 
 
 class FullyShardedGPT(GPTModule):
@@ -47,7 +66,22 @@ def main() -> None:
             recovery=sk.RecoveryConfig(enabled=True, snapshot_every=2, keep=2),
         )
         poison = {5: float("nan"), 6: float("nan"), 7: float("nan")}
-    callback = StabilityCallback(cfg)
+    rule = os.environ.get("SK_RULE") == "1"
+    rows: dict[int, float] = {}
+    skipped: list[list] = []
+
+    class Rows:
+        def log_metrics(self, metrics: dict, step: int) -> None:
+            if "stability/metrics/rank_id" in metrics:
+                rows[step] = float(metrics["stability/metrics/rank_id"])
+
+        def log_event(self, event: sk.Event) -> None:
+            if event.kind == "skipped":
+                skipped.append([event.step, str(event.details.get("reason"))])
+
+    if rule:
+        poison = {}
+    callback = StabilityCallback(cfg, sinks=[Rows()], rules=[QualityGate()] if rule else [])
     rollbacks: list[dict[str, int]] = []
     callback.hooks.on(
         "rollback", lambda e: rollbacks.append({k: int(e.details[k]) for k in ("at_step", "onset", "restored_step")})
@@ -64,7 +98,7 @@ def main() -> None:
         log_every_n_steps=4,
         callbacks=[callback],
     )
-    cls = FullyShardedGPT if kind == "fsdp2" else GPTModule
+    cls = FullyShardedGPT if kind == "fsdp2" else RecordingGPT if rule else GPTModule
     module = cls(fused=False, poison=poison, poison_rank=1)
     trainer.fit(module, gpt_dataloader(30))
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in module.parameters()]
@@ -76,6 +110,8 @@ def main() -> None:
         "steps": trainer.global_step,
         "rollbacks": rollbacks,
         "finite": all(bool(torch.isfinite(p).all()) for p in full),
+        "skipped_events": skipped,
+        "rank_id": sorted(set(rows.values())),
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

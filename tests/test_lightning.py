@@ -139,13 +139,16 @@ def test_two_instances_keep_separate_state(tmp_path: Path) -> None:
     assert first.state_key != second.state_key
 
 
-def _two_process_lightning(tmp_path: Path, strategy: str, recovery: bool = False) -> list[dict[str, Any]]:
+def _two_process_lightning(
+    tmp_path: Path, strategy: str, recovery: bool = False, rule: bool = False
+) -> list[dict[str, Any]]:
     script = Path(__file__).parent / "lightning_ddp_script.py"
     env = {
         **os.environ,
         "SK_OUT": str(tmp_path),
         "SK_STRATEGY": strategy,
         "SK_RECOVERY": "1" if recovery else "0",
+        "SK_RULE": "1" if rule else "0",
         "PYTHONPATH": str(Path(__file__).parent.parent),
     }
     proc = subprocess.run(
@@ -161,6 +164,17 @@ def test_two_processes_nan_on_one_rank(tmp_path: Path, strategy: str) -> None:
     assert results[0]["checksum"] == results[1]["checksum"]
     assert results[0]["skipped"] == results[1]["skipped"] == 1
     assert results[0]["steps"] == results[1]["steps"] == 12
+
+
+def test_two_processes_a_custom_rule_on_one_rank_skips_both_and_a_recorded_metric_is_summed(tmp_path: Path) -> None:
+    """A user's skip rule raised on rank 1 only (from training_step, through sk.record) skips the step on
+    both ranks; a metric recorded with reduce="sum" is logged agreed (1 + 2) on both."""
+    results = _two_process_lightning(tmp_path, "ddp", rule=True)
+    for result in results:
+        assert result["skipped_events"] == [[5, "quality_gate"]]
+        assert result["skipped"] == 1
+        assert result["rank_id"] == [3.0]
+    assert results[0]["checksum"] == results[1]["checksum"]
 
 
 def test_two_processes_roll_back_together_on_one_ranks_nan_streak(tmp_path: Path) -> None:

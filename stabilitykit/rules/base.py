@@ -82,7 +82,7 @@ class SkipRule:
 
     def message(self, ctx: SkipContext) -> str:
         """The text of this rule's event for a step it skipped."""
-        return f"step {ctx.step} skipped by rule {self.name!r}{ctx.where}"
+        return f"{type(self).__name__} flagged it{ctx.where}"
 
     def state_dict(self) -> dict[str, Any]:
         """State that must survive a resume (none by default)."""

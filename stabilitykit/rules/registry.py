@@ -42,7 +42,7 @@ class RuleSet:
     """An ordered set of skip rules (earlier rules win as the reason)."""
 
     def __init__(self, rules: Sequence[SkipRule]) -> None:
-        names = [r.name for r in rules]
+        names = [getattr(r, "name", None) for r in rules]
         for rule in rules:
             if not isinstance(rule, SkipRule):
                 raise TypeError(
