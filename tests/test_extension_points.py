@@ -130,15 +130,15 @@ def test_a_rule_that_reads_a_missing_value_or_returns_a_python_bool_is_named() -
     model = torch.nn.Linear(4, 2)
     guard = sk.StabilityGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), rules=[Wrong()])
     guard.backward(model(torch.randn(3, 4)).sum())
-    with pytest.raises(KeyError, match="no step value named 'not_recorded'.*grad_norm"):
+    with pytest.raises(KeyError, match=r"no step value named 'not_recorded'.*grad_norm"):
         guard.step()
     guard = sk.StabilityGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), rules=[Host()])
     guard.backward(model(torch.randn(3, 4)).sum())
-    with pytest.raises(TypeError, match="skip rule 'host'.*0-d bool tensor"):
+    with pytest.raises(TypeError, match=r"skip rule 'host'.*0-d bool tensor"):
         guard.step()
     with pytest.raises(ValueError, match="two skip rules are named 'host'"):
         sk.StabilityGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), rules=[Host(), Host()])
-    with pytest.raises(TypeError, match="must subclass stabilitykit.SkipRule"):
+    with pytest.raises(TypeError, match=r"must subclass stabilitykit\.SkipRule"):
         sk.StabilityGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), rules=[object()])  # type: ignore[list-item]
 
 
