@@ -179,3 +179,12 @@ def test_recovery_example_rolls_back_and_goes_on(tmp_path, capsys) -> None:
     _, events = sk.sinks.read_jsonl(tmp_path / "stability.jsonl")
     assert [e["restored_step"] for e in events if e["event"] == "rollback"] == [40]
     assert "rollback: rolled back after diverged" in capsys.readouterr().out
+
+
+def test_custom_rule_example_skips_the_collapsed_router_step(tmp_path, capsys) -> None:
+    example = _load("custom_rule")
+    result = example.main(["--steps", "20", "--out", str(tmp_path)])
+    assert result["steps"] == 20
+    assert [tuple(s) for s in result["skipped"]] == [(example.COLLAPSE_AT, "router_collapse")]
+    assert len(result["logged_entropy"]) == 5 and all(0.5 < e < 1.4 for e in result["logged_entropy"])
+    assert "reason=router_collapse weights unchanged=True" in capsys.readouterr().out

@@ -5,8 +5,8 @@ grads are final:
 
 1. ``record_loss(loss)`` for each micro-batch (optional),
 2. ``decision = evaluate(...)``, top to bottom: one fused norm pass (``grads.GradNormPlan``); the
-   verdict inputs agreed across ranks in ONE all-reduce (``distributed.agree_step``, every rank,
-   every step); the decision code (``decision.decide``); clipping in place (``clipping.py``); one
+   step record agreed across ranks in ONE collective (``engine/record.py``, every rank,
+   every step); the decision code (``rules/registry.py``); clipping in place (``clipping.py``); one
    journal row (``journal.py``); the host reads the row now only where it must (below),
 3. ``gate = open_step(decision, optimizer)``, the optimizer step unless ``gate.skip_now``, then
    ``gate.close()`` (``gate.py``; ``apply`` does the three),
