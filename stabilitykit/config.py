@@ -154,7 +154,7 @@ class ClipConfig(_Strict):
     )
     max_norm: float = Field(1.0, gt=0, description="Fixed mode: the largest total grad norm after clipping.")
     z_threshold: float = Field(2.5, gt=0, description="Adaptive mode: clip norms above mean + z_threshold * std.")
-    ema_alpha: float = Field(0.97, gt=0, lt=1, description="Adaptive mode: EMA decay of the norm mean and variance.")
+    ema_decay: float = Field(0.97, gt=0, lt=1, description="Adaptive mode: EMA decay of the norm mean and variance.")
     warmup_steps: int = Field(
         25,
         ge=1,
@@ -218,7 +218,7 @@ class SkipConfig(_Strict):
         ),
     )
     spike_z: float = Field(6.0, gt=0, description="Skip-on-spike: log-space z-score above which a step is skipped.")
-    spike_alpha: float = Field(0.05, gt=0, lt=1, description="Skip-on-spike: EMA rate of the log-space statistics.")
+    spike_rate: float = Field(0.05, gt=0, lt=1, description="Skip-on-spike: EMA rate of the log-space statistics.")
     spike_warmup_steps: int = Field(50, ge=1, description="Skip-on-spike: finite steps before any step is skipped.")
     spike_on_loss: bool = Field(True, description="Skip-on-spike: test the loss as well as the grad norm.")
 
@@ -228,8 +228,8 @@ class SpikeConfig(_Strict):
 
     enabled: bool = Field(True, description="Run the spike detectors.")
     warmup_steps: int = Field(20, ge=1, description="Steps that only collect statistics.")
-    alpha: float = Field(0.1, gt=0, lt=1, description="EMA rate of the log-space baseline.")
-    scale_alpha: float = Field(
+    baseline_rate: float = Field(0.1, gt=0, lt=1, description="EMA rate of the log-space baseline.")
+    scale_rate: float = Field(
         0.1,
         gt=0,
         lt=1,
@@ -366,8 +366,14 @@ class QKClipConfig(_Strict):
         allow_inf_nan=False,
         description="tau: the largest max pre-softmax logit a head keeps (Megatron: 100).",
     )
-    alpha: float = Field(
-        0.5, ge=0, le=1, description="Share of the rescale on the queries (eta ** alpha); keys get eta ** (1 - alpha)."
+    query_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description=(
+            "Share of the rescale on the queries (the paper's alpha: eta ** query_share); keys get "
+            "eta ** (1 - query_share)."
+        ),
     )
 
 

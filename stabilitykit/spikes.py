@@ -433,7 +433,7 @@ class SpikeMonitor:
     def __init__(self, config: SpikeConfig, layer_names: Sequence[str]) -> None:
         self.config = config
         self.layer_names = list(layer_names)
-        alpha, warmup, scale_alpha = config.alpha, config.warmup_steps, config.scale_alpha
+        alpha, warmup, scale_alpha = config.baseline_rate, config.warmup_steps, config.scale_rate
         self.detector = PredictiveDetector(alpha, warmup, size=2, scale_alpha=scale_alpha)  # [grad norm, loss]
         per_layer = config.per_layer and bool(self.layer_names)
         self.layer_detector = (

@@ -235,7 +235,7 @@ def test_errors_name_the_culprit() -> None:
         cfg = sk.StabilityConfig(qk_clip=sk.QKClipConfig(enabled=True))
         sk.StabilityGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
     with pytest.raises(ValueError):
-        sk.QKClipConfig(alpha=-0.1)
+        sk.QKClipConfig(query_share=-0.1)
     with pytest.raises(ValueError):
         sk.QKClipConfig(threshold=0)
 

@@ -262,5 +262,5 @@ def test_spike_skip_rule_makes_no_host_sync_and_round_trips() -> None:
 def test_skip_config_spike_fields_validate() -> None:
     cfg = SkipConfig(spike=True, spike_z=5.0)
     assert cfg.spike and cfg.spike_z == 5.0 and cfg.spike_warmup_steps == 50
-    with pytest.raises(ValueError, match="spike_alpha"):
-        SkipConfig(spike_alpha=1.5)
+    with pytest.raises(ValueError, match="spike_rate"):
+        SkipConfig(spike_rate=1.5)

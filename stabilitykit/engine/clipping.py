@@ -77,7 +77,7 @@ class AdaptiveClip:
         threshold = torch.where(warmed, threshold, fallback)
         active = warmed if cfg.warmup_max_norm is None else torch.ones_like(warmed)
         value = torch.where(finite, torch.where(warmed, torch.minimum(total, threshold), total), self.mean)
-        a = cfg.ema_alpha
+        a = cfg.ema_decay
         first = self.count == 0
         delta = value - self.mean
         new_mean = torch.where(first, value, self.mean + (1 - a) * delta)

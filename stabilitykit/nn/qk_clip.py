@@ -191,7 +191,7 @@ class QKClip:
         if model is None:
             raise ValueError("StabilityConfig.qk_clip.enabled needs the model: pass it to the guard or engine")
         try:
-            clip = cls(model, config.threshold, config.alpha, params=params)
+            clip = cls(model, config.threshold, config.query_share, params=params)
         except ValueError as exc:
             raise ValueError(f"StabilityConfig.qk_clip.enabled is True, but {exc}") from exc
         return clip if clip.entries else None

@@ -27,5 +27,5 @@ def builtin_rules(config, device, scaler_active: bool = False) -> list[SkipRule]
     if scfg.nonfinite:
         rules += [NonFiniteLoss(), Fp16Overflow(), NonFiniteGrad()]
     if scfg.spike:
-        rules.append(Spike(scfg.spike_z, scfg.spike_alpha, scfg.spike_warmup_steps, device, scfg.spike_on_loss))
+        rules.append(Spike(scfg.spike_z, scfg.spike_rate, scfg.spike_warmup_steps, device, scfg.spike_on_loss))
     return rules
