@@ -209,8 +209,17 @@ class StabilityGuard:
         With several optimizers, ``optimizer`` names the one whose step this loss feeds; without it
         the loss goes to the next ``step``.
         """
+        self._refuse_closed("backward")
         self.record_loss(loss, optimizer)
         self.core.scaler.scale(loss).backward(**kwargs)
+
+    def _refuse_closed(self, what: str) -> None:
+        """After ``close()`` nothing guards the optimizer any more: a step would be applied unchecked."""
+        if self._closed:
+            raise RuntimeError(
+                f"stabilitykit: guard.{what}() after guard.close(): the guard no longer measures, skips or "
+                "counts steps, so a non-finite update would be applied. Build a new StabilityGuard to go on"
+            )
 
     def step(
         self,
@@ -227,6 +236,7 @@ class StabilityGuard:
         ``scaler.update()`` after the step (several optimizers under one GradScaler: pass False for
         all but the last one that steps this iteration).
         """
+        self._refuse_closed("step")
         core = self.core_for(optimizer)
         for loss in self._pending_losses:
             core.record_loss(loss)
@@ -289,6 +299,18 @@ class StabilityGuard:
         if len(rows) > 1:
             first = dataclasses.replace(first, optimizers=tuple(rows))
         return first
+
+    def restore_last_good(self) -> int:
+        """Put back the last healthy recovery snapshot in place; returns its step (the state before that step).
+
+        After ``RollbackLimitError`` this is the snapshot recovery kept when it gave up (also on disk, as
+        ``last-good-<step>.pt``, with disk storage or a ``record_dir``): restore it, then save a
+        checkpoint. Needs recovery on; a snapshot held only in memory is gone after ``close()``.
+        """
+        recovery = self.core.recovery
+        if recovery is None:
+            raise RuntimeError("stabilitykit: restore_last_good() needs recovery on (StabilityConfig(recovery=...))")
+        return recovery.restore_last_good()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
