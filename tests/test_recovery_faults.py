@@ -110,9 +110,7 @@ def test_a_full_disk_under_the_records_warns_after_a_whole_rollback(tmp_path: Pa
     records.mkdir()
     (records / "skipped_batches.json.tmp").symlink_to("/dev/full")
     model = _mlp()
-    guard = sk.StabilityGuard(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-2), _config(record_dir=str(records))
-    )
+    guard = sk.StabilityGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _config(record_dir=str(records)))
     seen = _ByStep(guard, model)
     seen.train(guard, _batches(10))
     with pytest.warns(RuntimeWarning, match="could not write the rollback records.*No space left"):

@@ -12,6 +12,7 @@ is unpickled, so a missing, truncated, emptied, overwritten or bit-flipped file 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -89,10 +90,8 @@ def write_checksummed(tree: Any, path: Path) -> str:
             os.fsync(file.fileno())
         tmp.replace(path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):  # the write already failed; that is what is reported
             tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # the write already failed; that is what is reported
         raise
     return writer.digest.hexdigest()
 

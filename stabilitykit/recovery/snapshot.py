@@ -200,9 +200,7 @@ def _check_fits(objects: TrainingObjects, tree: Any) -> None:
         objects.params
     ):
         raise ValueError("the snapshot was taken for another set of parameters or param groups")
-    if len(tree["buffers"]) != len(objects.buffers) or len(tree["optimizer"]["state"]) != len(
-        objects.optimizer_params
-    ):
+    if len(tree["buffers"]) != len(objects.buffers) or len(tree["optimizer"]["state"]) != len(objects.optimizer_params):
         raise ValueError("the snapshot was taken for another set of buffers or optimizer parameters")
     if len(tree["schedulers"]) != len(objects.schedulers):
         raise ValueError(

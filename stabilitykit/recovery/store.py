@@ -150,7 +150,8 @@ class SnapshotStore:
         self.wait_for_writes()
         if not any(s is snapshot for s in self.snapshots):
             return None
-        self.snapshots = [s for s in self.snapshots if s is not snapshot]  # no longer dropped, pushed out or removed by close()
+        # out of the ring: no longer dropped, pushed out or removed by close()
+        self.snapshots = [s for s in self.snapshots if s is not snapshot]
         target_dir = self.directory or directory
         if target_dir is None:
             return None
