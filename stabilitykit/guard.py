@@ -303,9 +303,9 @@ class StabilityGuard:
     def restore_last_good(self) -> int:
         """Put back the last healthy recovery snapshot in place; returns its step (the state before that step).
 
-        After ``RollbackLimitError`` this is the snapshot recovery kept when it gave up (also on disk, as
-        ``last-good-<step>.pt``, with disk storage or a ``record_dir``): restore it, then save a
-        checkpoint. Needs recovery on; a snapshot held only in memory is gone after ``close()``.
+        After ``RollbackLimitError`` this is the snapshot recovery kept when it gave up (it outlives
+        ``close()``; on disk as ``last-good-<step>.pt`` with disk storage or a ``record_dir``): restore it,
+        then save a checkpoint. Otherwise the newest snapshot of the ring. Needs recovery on.
         """
         recovery = self.core.recovery
         if recovery is None:

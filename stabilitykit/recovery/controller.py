@@ -349,9 +349,12 @@ class Recovery:
         )
 
     def restore_last_good(self) -> int:
-        """Put back the last healthy snapshot in place (after ``RollbackLimitError``: the one it kept; otherwise
-        the newest confirmed one); returns its step. The step count and the rollback records are left as
-        they are. Raises ``RuntimeError`` when there is none (a memory snapshot is gone after ``close()``)."""
+        """Put back the last healthy snapshot in place; returns its step.
+
+        After ``RollbackLimitError``: the snapshot it kept (also after ``close()``); otherwise the newest
+        confirmed one of the ring. The step count and the rollback records are left as they are. Raises
+        ``RuntimeError`` when there is none.
+        """
         snapshot = self.last_good
         if snapshot is None:
             confirmed = self.store.confirmed
@@ -364,11 +367,7 @@ class Recovery:
         elif snapshot.path is not None:
             tree = read_verified(snapshot.path, snapshot.checksum)
         else:
-            raise RuntimeError(
-                f"stabilitykit: the last healthy snapshot (step {snapshot.step}) was held in memory and is gone "
-                "after close(); call restore_last_good() before close(), or set RecoveryConfig(record_dir=...) to "
-                "keep it on disk"
-            )
+            raise RuntimeError(f"stabilitykit: the last healthy snapshot (step {snapshot.step}) is no longer held")
         self._restore_guard(restore_snapshot(self.objects, tree, rng=self.config.restore_rng))
         return snapshot.step
 
