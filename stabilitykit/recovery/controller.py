@@ -305,8 +305,9 @@ class Recovery:
         """The newest snapshot at or before ``step`` that can be read, with its tree; None when there is none.
 
         A missing or damaged snapshot file is a warning; that snapshot is dropped and the next older one
-        is tried. When snapshots were there but none could be read, ``SnapshotUnavailableError`` names
-        each file (nothing has been restored).
+        is tried (with several ranks there is no fallback: every rank must restore the same step). When
+        snapshots were there but none could be read, ``SnapshotUnavailableError`` names each file
+        (nothing has been restored).
         """
         problems: list[str] = []
         while True:
@@ -317,6 +318,9 @@ class Recovery:
                 return snapshot, self.store.load(snapshot)
             except SnapshotFileError as exc:
                 problems.append(str(exc))
+                if self.agreement is not None:  # another rank would restore another step: no fallback
+                    problems.append("under torch.distributed every rank must restore the same snapshot")
+                    break
                 warnings.warn(
                     f"stabilitykit: {exc}; the rollback falls back to an older snapshot",
                     RuntimeWarning,
