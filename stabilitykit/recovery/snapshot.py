@@ -51,6 +51,8 @@ class TrainingObjects:
     scaler: ScalerAdapter
     guard_state: Callable[[], dict[str, Any]]
     schedulers: list[Any] = field(default_factory=list)
+    #: Whether the optimizer's ``state_dict()`` adds top-level keys (None: not asked yet).
+    extra_keys: bool | None = None
 
     @classmethod
     def build(
@@ -89,12 +91,21 @@ class Snapshot:
 _OWN_KEYS = ("state", "param_groups")
 
 
-def _extra_state_dict(optimizer: Any) -> dict[str, Any]:
-    """The top-level keys an optimizer's own ``state_dict()`` adds to torch's (none for torch's optimizers,
-    which are not asked: building a state dict every snapshot costs time for nothing)."""
-    if type(optimizer).state_dict is torch.optim.Optimizer.state_dict:
+def _extra_state_dict(objects: TrainingObjects) -> dict[str, Any]:
+    """The top-level keys an optimizer's own ``state_dict()`` adds to torch's.
+
+    torch's optimizers are not asked (building a state dict every snapshot costs time for nothing),
+    nor is one whose first answer held no extra key, or whose ``state_dict()`` cannot be called on
+    its own (``ZeroRedundancyOptimizer`` needs a consolidation first)."""
+    optimizer = objects.optimizer
+    if objects.extra_keys is False or type(optimizer).state_dict is torch.optim.Optimizer.state_dict:
         return {}
-    return {k: v for k, v in optimizer.state_dict().items() if k not in _OWN_KEYS}
+    try:
+        extra = {k: v for k, v in optimizer.state_dict().items() if k not in _OWN_KEYS}
+    except Exception:
+        extra = {}
+    objects.extra_keys = bool(extra)
+    return extra
 
 
 def _optimizer_state(objects: TrainingObjects) -> dict[str, Any]:
@@ -103,7 +114,7 @@ def _optimizer_state(objects: TrainingObjects) -> dict[str, Any]:
     per_param = [dict(state[p]) if state.get(p) else None for p in objects.optimizer_params]
     others = {k: v for k, v in state.items() if not isinstance(k, Tensor)}  # not keyed by a parameter
     groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    return {"state": per_param, "others": others, "groups": groups, "extra": _extra_state_dict(optimizer)}
+    return {"state": per_param, "others": others, "groups": groups, "extra": _extra_state_dict(objects)}
 
 
 def take_snapshot(objects: TrainingObjects, copier: HostCopier, step: int, confirmed: bool) -> Snapshot:
