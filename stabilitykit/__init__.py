@@ -24,7 +24,13 @@ from stabilitykit.config import (
 from stabilitykit.dashboard import wandb_dashboard
 from stabilitykit.drivers.base import record
 from stabilitykit.engine import StabilityEngine
-from stabilitykit.events import BadBatchError, Event, RollbackLimitError, TrainingDivergedError
+from stabilitykit.events import (
+    BadBatchError,
+    Event,
+    RollbackLimitError,
+    SnapshotUnavailableError,
+    TrainingDivergedError,
+)
 from stabilitykit.grads import clip_grad_norm_, grad_norms
 from stabilitykit.guard import StabilityGuard
 from stabilitykit.hooks import HookManager
@@ -57,6 +63,7 @@ __all__ = [
     "SkipConfig",
     "SkipContext",
     "SkipRule",
+    "SnapshotUnavailableError",
     "SpikeConfig",
     "StabilityConfig",
     "StabilityEngine",

@@ -437,10 +437,19 @@ class MonitorConfig(_Strict):
 class RecoveryConfig(_Strict):
     """Rollback past a divergence: a ring of healthy snapshots, restored when a trigger fires, then training goes on.
 
-    Off by default. See the recovery guide for what is restored, what is skipped and what it costs.
+    On by being given: ``StabilityConfig(recovery=RecoveryConfig(...))`` turns it on without ``enabled=True``
+    (as a ``MonitorConfig`` given is on); ``enabled=False`` turns a given one off, and a
+    ``StabilityConfig`` given none has it off. See the recovery guide for what is restored, what is
+    skipped and what it costs.
     """
 
-    enabled: bool = Field(False, description="Take snapshots and roll back on a trigger.")
+    enabled: bool = Field(
+        False,
+        description=(
+            "Take snapshots and roll back on a trigger. Set to True when this config is given to "
+            "StabilityConfig(recovery=...) without enabled; enabled=False keeps a given config off."
+        ),
+    )
     snapshot_every: int = Field(
         100, ge=1, description="Optimizer steps between snapshots (a snapshot is kept only if its step was taken)."
     )
@@ -539,6 +548,13 @@ class StabilityConfig(_Strict):
         ),
     )
     metric_prefix: str = Field("stability", description="Prefix of every logged metric name.")
+
+    @model_validator(mode="after")
+    def _recovery_given_is_on(self) -> StabilityConfig:
+        """A ``RecoveryConfig`` given is on, as a ``MonitorConfig`` given is; an explicit ``enabled`` wins."""
+        if "recovery" in self.model_fields_set and "enabled" not in self.recovery.model_fields_set:
+            object.__setattr__(self, "recovery", self.recovery.model_copy(update={"enabled": True}))
+        return self
 
     @property
     def can_skip(self) -> bool:

@@ -271,6 +271,8 @@ class DriverCore:
         self._undo.append(self.engine.close_monitors)  # the monitors' forward hooks (config.monitors)
         self._routes: dict[int, Callable[[], None]] = {}  # optimizer id -> undo of its routed step
         self._in_closure_step = False
+        #: ``optimizer.step()`` calls made directly, outside a step of this driver (a warning names the first).
+        self.unguarded_steps = 0
         #: Rollback past a divergence (``config.recovery``), or None when it is off.
         self.recovery: Recovery | None = None
         if self.config.recovery.enabled:
@@ -397,11 +399,24 @@ class DriverCore:
         return creates
 
     def run_optimizer_step(self, step_fn: Callable[[], Any]) -> Any:
-        """Run the optimizer step for the step in flight, or skip it (no step in flight: just run it)."""
+        """Run the optimizer step for the step in flight, or skip it (no step in flight: just run it, and say so)."""
         if self.decision is None:
+            self._unguarded_step()
             return step_fn()
         with self._recovery_lr():
             return self.engine.apply(self.decision, step_fn, self.optimizer)
+
+    def _unguarded_step(self) -> None:
+        """``optimizer.step()`` called directly, not through the driver: counted, and named once."""
+        self.unguarded_steps += 1
+        if self.unguarded_steps == 1:
+            warnings.warn(
+                f"stabilitykit: {type(self.optimizer).__name__}.step() was called directly, behind the guard's back "
+                f"(after step {self.engine.step}): that step was not measured, clipped, skipped or counted, and "
+                "recovery cannot undo it. Call guard.step() instead (it steps the optimizer)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _recovery_lr(self) -> contextlib.AbstractContextManager[Any]:
         """Around the optimizer step: the LR scaled during a rollback's cooldown (nothing without recovery)."""

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EVENT_KINDS", "BadBatchError", "Event", "RollbackLimitError", "TrainingDivergedError"]
+__all__ = [
+    "EVENT_KINDS",
+    "BadBatchError",
+    "Event",
+    "RollbackLimitError",
+    "SnapshotUnavailableError",
+    "TrainingDivergedError",
+]
 
 #: Every event kind the engine emits; ``HookManager.on`` accepts these and ``"*"``.
 EVENT_KINDS = (
@@ -58,9 +65,22 @@ class TrainingDivergedError(RuntimeError):
 
 
 class RollbackLimitError(TrainingDivergedError):
-    """Raised when recovery gives up: a trigger fired after ``max_rollbacks`` rollbacks within ``window`` steps."""
+    """Raised when recovery gives up: a trigger fired after ``max_rollbacks`` rollbacks within ``window`` steps.
 
-    def __init__(self, step: int, rollbacks: int, window: int, trigger: str) -> None:
+    ``last_good_step``: the step of the last healthy snapshot, which ``guard.restore_last_good()`` puts
+    back; ``last_good_path``: its file (``last-good-<step>.pt``), when it could be kept on disk.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        rollbacks: int,
+        window: int,
+        trigger: str,
+        clipping: bool = False,
+        last_good_step: int | None = None,
+        last_good_path: str | None = None,
+    ) -> None:
         self.step = step
         self.consecutive = 0
         self.layer = None
@@ -68,11 +88,40 @@ class RollbackLimitError(TrainingDivergedError):
         self.rollbacks = rollbacks
         self.window = window
         self.trigger = trigger
+        self.last_good_step = last_good_step
+        self.last_good_path = last_good_path
+        advice = "Lower the learning rate, " + ("" if clipping else "enable clipping, ")
+        kept = ""
+        if last_good_step is not None:
+            kept = f" The last healthy state (before step {last_good_step}) is restored by guard.restore_last_good()"
+            kept += f" and kept in {last_good_path}." if last_good_path else "."
         RuntimeError.__init__(
             self,
             f"training diverged at step {step}: {trigger} again after {rollbacks} rollback(s) within {window} "
-            "steps (RecoveryConfig.max_rollbacks). Lower the learning rate, enable clipping, or inspect the "
-            "skipped data ranges (skipped_batches.json).",
+            f"steps (RecoveryConfig.max_rollbacks). {advice}or inspect the skipped data ranges "
+            f"(skipped_batches.json).{kept}",
+        )
+
+
+class SnapshotUnavailableError(TrainingDivergedError):
+    """Raised when a rollback is due and every snapshot it could restore is missing or damaged.
+
+    Nothing was restored: the parameters and optimizer are as the trigger found them. ``files``: the
+    snapshot files that could not be restored, each with what is wrong with it.
+    """
+
+    def __init__(self, step: int, trigger: str, problems: list[str]) -> None:
+        self.step = step
+        self.consecutive = 0
+        self.layer = None
+        self.reason = "snapshot_unavailable"
+        self.trigger = trigger
+        self.files = problems
+        RuntimeError.__init__(
+            self,
+            f"training diverged at step {step}: {trigger}, and no snapshot could be restored: "
+            + "; ".join(problems)
+            + ". Nothing was restored; resume from an earlier checkpoint.",
         )
 
 

@@ -195,8 +195,9 @@ class StabilityGuard:
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise RuntimeError(
-                f"StabilityGuard.{what}() after close(): the guard no longer routes the optimizer, so it can "
-                "neither measure nor skip; build a new guard (and load_state_dict) to go on training"
+                f"stabilitykit: guard.{what}() after guard.close(): the guard no longer measures, skips or counts "
+                "steps, so a non-finite update would be applied. Build a new StabilityGuard (and load_state_dict) "
+                "to go on"
             )
 
     def backward(self, loss: Tensor, *, optimizer: Any | None = None, **kwargs: Any) -> None:
@@ -205,6 +206,7 @@ class StabilityGuard:
         With several optimizers, ``optimizer`` names the one whose step this loss feeds; without it
         the loss goes to the next ``step``.
         """
+        self._check_open("backward")
         self.record_loss(loss, optimizer)
         self.core.scaler.scale(loss).backward(**kwargs)
 
@@ -281,6 +283,18 @@ class StabilityGuard:
         Reading it changes nothing ``close()`` writes.
         """
         return self.driver.summary()
+
+    def restore_last_good(self) -> int:
+        """Put back the last healthy recovery snapshot in place; returns its step (the state before that step).
+
+        After ``RollbackLimitError`` this is the snapshot recovery kept when it gave up (it outlives
+        ``close()``; on disk as ``last-good-<step>.pt`` with disk storage or a ``record_dir``): restore it,
+        then save a checkpoint. Otherwise the newest snapshot of the ring. Needs recovery on.
+        """
+        recovery = self.core.recovery
+        if recovery is None:
+            raise RuntimeError("stabilitykit: restore_last_good() needs recovery on (StabilityConfig(recovery=...))")
+        return recovery.restore_last_good()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

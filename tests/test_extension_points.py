@@ -394,7 +394,7 @@ def test_a_guard_closed_by_an_exception_in_its_block_closes_its_sinks_and_unrout
         raise RuntimeError("boom")
     assert sink.closed == 1
     assert "step" not in vars(opt), "optimizer.step is the class's again"
-    with pytest.raises(RuntimeError, match=r"StabilityGuard.step\(\) after close\(\)"):
+    with pytest.raises(RuntimeError, match=r"guard.step\(\) after guard.close\(\)"):
         guard.step()
 
 

@@ -208,12 +208,12 @@ def test_rollback_is_recorded_in_jsonl_file_and_state(tmp_path: Path) -> None:
     assert saved["rollbacks"][0]["skipped_from"] == 8
     assert saved["rollbacks"][0]["skipped_to"] == row["skipped_to"]
     # the rollback count and ranges round-trip through state_dict / load_state_dict
-    assert state["recovery"]["rollbacks"][0]["restored_step"] == 8
+    assert state["optimizers"][0]["recovery"]["rollbacks"][0]["restored_step"] == 8
     model2 = _mlp()
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2, fused=True)
     guard2 = sk.StabilityGuard(model2, opt2, cfg)
     guard2.load_state_dict(state)
-    assert guard2.state_dict()["recovery"] == state["recovery"]
+    assert guard2.state_dict()["optimizers"][0]["recovery"] == state["optimizers"][0]["recovery"]
     guard2.close()
 
 
@@ -376,7 +376,7 @@ def test_recovery_off_keeps_state_and_divergence_as_before() -> None:
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(skip=sk.SkipConfig(max_consecutive=3)))
-    assert guard.core.recovery is None and "recovery" not in guard.state_dict()
+    assert guard.core.recovery is None and "recovery" not in guard.state_dict()["optimizers"][0]
     with pytest.raises(sk.TrainingDivergedError):
         for x in _mlp_batches(10):
             guard.backward(model(x).pow(2).mean() * float("nan"))
@@ -867,7 +867,7 @@ def test_skip_after_skips_the_next_batches_without_a_sync_or_a_streak(fused: boo
     assert reasons[at + 6] != "after_rollback"
     final = recorder.states[30]["params"]["lm_head.weight"]
     assert not torch.equal(_bits(after["params"]["lm_head.weight"]), _bits(final)), "training resumed after them"
-    state = guard.state_dict()
+    state = guard.state_dict()["optimizers"][0]
     assert state["recovery"]["skip_until"] == at + 6
     assert state["recovery"]["rollbacks"][0]["skip_ahead_to"] == at + 5
     assert sum(r == "after_rollback" for r in reasons.values()) == 5

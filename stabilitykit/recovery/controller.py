@@ -40,12 +40,13 @@ from stabilitykit.engine import StabilityEngine
 from stabilitykit.engine.decision import StepDecision
 from stabilitykit.engine.journal import Row
 from stabilitykit.engine.ledger import Divergence
-from stabilitykit.events import Event, RollbackLimitError
+from stabilitykit.events import Event, RollbackLimitError, SnapshotUnavailableError
 from stabilitykit.hooks import HookManager
 from stabilitykit.recovery.agreement import Agreement
+from stabilitykit.recovery.files import SnapshotFileError, read_verified
 from stabilitykit.recovery.host_copy import HostCopier
 from stabilitykit.recovery.record import RollbackLog, RollbackRecord
-from stabilitykit.recovery.snapshot import TrainingObjects, restore_snapshot, take_snapshot
+from stabilitykit.recovery.snapshot import Snapshot, TrainingObjects, restore_snapshot, take_snapshot
 from stabilitykit.recovery.store import SnapshotStore
 from stabilitykit.scaler import ScalerAdapter
 from stabilitykit.spikes import DRIFT_RULE
@@ -94,6 +95,9 @@ class Recovery:
         self.cooldown_until = 0  # steps before this one run with lr_scale
         self.skip_until = 0  # steps before this one skip their batch (``skip_after``)
         self._snapshot_after_load = False  # a resume: snapshot at the end of the next healthy step
+        #: The healthy snapshot kept when recovery gave up (``RollbackLimitError``), for ``restore_last_good``.
+        self.last_good: Snapshot | None = None
+        self._scheduler_checked = False  # the unpassed-scheduler check runs once, at the first snapshot
         self._alert: tuple[str, int] | None = None  # (trigger, step) of the earliest alert since the last step
         if agree is None:
             agree = is_distributed()
@@ -204,10 +208,28 @@ class Recovery:
         step = self.engine.step  # steps done: a snapshot now holds the state before this step
         due = step % self.config.snapshot_every == 0 or self._snapshot_after_load
         if due and not decision.skipped_now:
+            if not self._scheduler_checked:
+                self._scheduler_checked = True
+                self._warn_unpassed_scheduler()
             snapshot = take_snapshot(self.objects, self.store.copier, step, confirmed=not decision.pending)
             self.store.add(snapshot)
             self._snapshot_after_load = False
         return False
+
+    def _warn_unpassed_scheduler(self) -> None:
+        """A torch LR scheduler was built on this optimizer (it leaves ``initial_lr`` in every param group)
+        but none was handed to recovery: a rollback would put the model back and leave the LR where it is."""
+        groups = self.objects.optimizer.param_groups
+        if self.objects.schedulers or not any("initial_lr" in group for group in groups):
+            return
+        warnings.warn(
+            f"stabilitykit: an LR scheduler drives {type(self.objects.optimizer).__name__} (its param groups hold "
+            "'initial_lr'), but recovery was not given it: a rollback restores the model and optimizer, not the "
+            "scheduler, so the learning rate would not go back with them. Pass it to the guard: "
+            "StabilityGuard(..., scheduler=scheduler)",
+            UserWarning,
+            stacklevel=6,
+        )
 
     # ------------------------------------------------------------------ triggers
     def _on_alert(self, event: Event) -> None:
@@ -245,16 +267,18 @@ class Recovery:
         at_step = self.engine.step - 1  # the step just finished
         recent = self.log.since(at_step - cfg.window)
         if recent >= cfg.max_rollbacks:
-            error = RollbackLimitError(at_step, recent, cfg.window, trigger)
+            error = self._give_up(at_step, recent, trigger)
             details = {"reason": "rollback_limit", "rollbacks": recent, "window": cfg.window, "trigger": trigger}
+            if error.last_good_step is not None:
+                details.update(last_good_step=error.last_good_step, last_good_path=error.last_good_path)
             self.hooks.emit(Event("diverged", at_step, str(error), details))
             raise error
-        snapshot = self.store.newest_at_or_before(onset - cfg.min_lookback)
-        if snapshot is None:
+        found = self._load_newest(onset - cfg.min_lookback, at_step, trigger)
+        if found is None:
             if divergence is not None:
                 self.engine.report_divergence(divergence)  # nothing to go back to: raise as before
             return False  # an alert with no snapshot before it stays an alert
-        tree = self.store.load(snapshot)
+        snapshot, tree = found
         self._restore_guard(restore_snapshot(self.objects, tree, rng=cfg.restore_rng))
         self._alert = None  # alerts raised while rewinding belong to the undone steps
         if self.agreement is not None:
@@ -276,6 +300,80 @@ class Recovery:
         self.cooldown_until = self.skip_until + cfg.cooldown_steps
         self.hooks.emit(self._event(record))
         return True
+
+    def _load_newest(self, step: int, at_step: int, trigger: str) -> tuple[Snapshot, Any] | None:
+        """The newest snapshot at or before ``step`` that can be read, with its tree; None when there is none.
+
+        A missing or damaged snapshot file is a warning; that snapshot is dropped and the next older one
+        is tried (with several ranks there is no fallback: every rank must restore the same step). When
+        snapshots were there but none could be read, ``SnapshotUnavailableError`` names each file
+        (nothing has been restored).
+        """
+        problems: list[str] = []
+        while True:
+            snapshot = self.store.newest_at_or_before(step)
+            if snapshot is None:
+                break
+            try:
+                return snapshot, self.store.load(snapshot)
+            except SnapshotFileError as exc:
+                problems.append(str(exc))
+                if self.agreement is not None:  # another rank would restore another step: no fallback
+                    problems.append("under torch.distributed every rank must restore the same snapshot")
+                    break
+                warnings.warn(
+                    f"stabilitykit: {exc}; the rollback falls back to an older snapshot",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
+                self.store.discard(snapshot)
+        if problems:
+            error = SnapshotUnavailableError(at_step, trigger, problems)
+            self.hooks.emit(Event("diverged", at_step, str(error), {"reason": error.reason, "files": problems}))
+            raise error
+        return None
+
+    def _give_up(self, at_step: int, rollbacks: int, trigger: str) -> RollbackLimitError:
+        """The error for the rollback limit; the newest healthy snapshot is kept (``restore_last_good``, on disk)."""
+        confirmed = self.store.confirmed
+        path: Path | None = None
+        if confirmed:
+            self.last_good = confirmed[-1]
+            record_dir = self.log.directory
+            path = self.store.preserve(self.last_good, record_dir)
+        clipping = self.engine.config.clip.mode != "off"
+        return RollbackLimitError(
+            at_step,
+            rollbacks,
+            self.config.window,
+            trigger,
+            clipping=clipping,
+            last_good_step=self.last_good.step if self.last_good is not None else None,
+            last_good_path=str(path) if path is not None else None,
+        )
+
+    def restore_last_good(self) -> int:
+        """Put back the last healthy snapshot in place; returns its step.
+
+        After ``RollbackLimitError``: the snapshot it kept (also after ``close()``); otherwise the newest
+        confirmed one of the ring. The step count and the rollback records are left as they are. Raises
+        ``RuntimeError`` when there is none.
+        """
+        snapshot = self.last_good
+        if snapshot is None:
+            confirmed = self.store.confirmed
+            if not confirmed:
+                raise RuntimeError("stabilitykit: recovery holds no healthy snapshot to restore")
+            snapshot = confirmed[-1]
+        if snapshot.tree is not None:
+            snapshot.tree.wait()
+            tree = snapshot.tree.tree
+        elif snapshot.path is not None:
+            tree = read_verified(snapshot.path, snapshot.checksum)
+        else:
+            raise RuntimeError(f"stabilitykit: the last healthy snapshot (step {snapshot.step}) is no longer held")
+        self._restore_guard(restore_snapshot(self.objects, tree, rng=self.config.restore_rng))
+        return snapshot.step
 
     def _event(self, record: RollbackRecord) -> Event:
         cfg = self.config

@@ -3,12 +3,15 @@
 A rollback at step ``t`` to the snapshot of step ``s`` (the state before step ``s``) undoes steps
 ``s`` to ``t``: the batches those steps trained on are skipped. Each rollback is one record;
 records are plain values, saved with the guard's state, and, when a directory is set, written
-as a whole to ``<dir>/skipped_batches.json`` after every rollback.
+as a whole to ``<dir>/skipped_batches.json`` after every rollback. A write that cannot happen (a full
+disk, a folder turned read-only) is a warning: the records stay in memory and the next rollback
+writes them all again.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -68,16 +71,27 @@ class RollbackLog:
         """``skipped_batches.json``'s path, or None when no directory is set."""
         return self.directory / SKIPPED_FILE if self.directory is not None else None
 
-    def write(self) -> None:
-        """Write every record to ``skipped_batches.json`` (nothing without a directory)."""
+    def write(self) -> bool:
+        """Write every record to ``skipped_batches.json`` (nothing without a directory); a failed write
+        warns and returns False (the records stay in memory)."""
         path = self.path
         if path is None:
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
+            return True
         body = {"rollbacks": [r.to_dict() for r in self.records]}
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
+            tmp.replace(path)
+        except OSError as exc:
+            warnings.warn(
+                f"stabilitykit: could not write the rollback records to {path}: {exc!r}; they stay in memory "
+                "(and in the guard's state_dict) and are written again with the next rollback",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return False
+        return True
 
     def state_dict(self) -> list[dict[str, Any]]:
         """The records as plain values."""

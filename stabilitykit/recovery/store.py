@@ -6,11 +6,16 @@ dropped when it was skipped. Only confirmed snapshots are ever restored; the old
 goes when there are more than ``keep``.
 
 Storage ``"memory"`` keeps the host copies; a directory writes each snapshot to
-``<dir>/snapshot-<step>.pt`` once it is confirmed, on a background thread: the step goes on while
-the file is written (the thread waits for the device copy, so the step thread never syncs), and
-the host buffers go back to the pool when the write is done. A snapshot being written is restored
-from its host copy; a write that fails is a warning, and that snapshot is dropped (training goes
-on, with one snapshot fewer).
+``<dir>/snapshot-<step>.<host>-<pid>.pt`` once it is confirmed, on a background thread: the step
+goes on while the file is written (the thread waits for the device copy, so the step thread never
+syncs), and the host buffers go back to the pool when the write is done. A snapshot being written is
+restored from its host copy.
+
+Storage never takes training down (``files.py``): a write that fails is a warning, and that snapshot
+is dropped (training goes on, with one snapshot fewer); a file that cannot be removed is a warning;
+every file's checksum is taken as it is written and checked when it is read back, so a missing or
+damaged file is a ``SnapshotFileError`` the rollback handles (it falls back to an older snapshot).
+A store that opens a directory first removes the snapshot files of processes that no longer run.
 """
 
 from __future__ import annotations
@@ -21,8 +26,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from stabilitykit.recovery.files import (
+    clean_orphans,
+    last_good_path,
+    read_verified,
+    snapshot_path,
+    write_checksummed,
+)
 from stabilitykit.recovery.host_copy import HostCopier, HostTree
 from stabilitykit.recovery.snapshot import Snapshot
 
@@ -38,7 +48,9 @@ class SnapshotStore:
         self.directory = None if storage == "memory" else Path(storage)
         self.snapshots: list[Snapshot] = []
         self._writer: ThreadPoolExecutor | None = None  # started with the first write
-        self._writes: dict[int, Future[None]] = {}  # id(snapshot) -> its file being written
+        self._writes: dict[int, Future[str]] = {}  # id(snapshot) -> its file being written (its checksum)
+        if self.directory is not None:
+            clean_orphans(self.directory)  # the files of a killed run: nothing will ever restore them
 
     @property
     def confirmed(self) -> list[Snapshot]:
@@ -71,7 +83,7 @@ class SnapshotStore:
 
     def _settled(self, snapshot: Snapshot) -> None:
         if self.directory is not None and snapshot.tree is not None:
-            path = self.directory / f"snapshot-{snapshot.step}.pt"
+            path = snapshot_path(self.directory, snapshot.step)
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stabilitykit-snapshot")
             self._writes[id(snapshot)] = self._writer.submit(_write, snapshot.tree, path)
@@ -110,17 +122,63 @@ class SnapshotStore:
                 )
                 snapshot.path = None  # nothing to remove
                 self._drop(snapshot)
-            elif snapshot.tree is not None:
-                self.copier.release(snapshot.tree)
-                snapshot.tree = None
+            else:
+                snapshot.checksum = write.result()
+                if snapshot.tree is not None:
+                    self.copier.release(snapshot.tree)
+                    snapshot.tree = None
 
     def load(self, snapshot: Snapshot) -> Any:
-        """The host tree of ``snapshot`` (waits for its copies; reads its file on disk)."""
+        """The host tree of ``snapshot`` (waits for its copies; reads and verifies its file on disk).
+
+        A file that is missing or damaged raises ``SnapshotFileError`` naming it.
+        """
         if snapshot.tree is not None:
             snapshot.tree.wait()
             return snapshot.tree.tree
         assert snapshot.path is not None
-        return torch.load(snapshot.path, weights_only=False)  # our own file: RNG states are not tensors
+        return read_verified(snapshot.path, snapshot.checksum)
+
+    def preserve(self, snapshot: Snapshot, directory: Path | None) -> Path | None:
+        """Take ``snapshot`` out of the ring and keep it past ``close()`` (recovery gave up).
+
+        On disk as ``<dir>/last-good-<step>.pt``, its SHA-256 next to it (``.sha256``): the storage
+        directory's file is renamed, or (memory storage) the host copy is written into ``directory``.
+        The host copy, if any, stays in memory too. Returns the file, or None when there is nowhere to
+        put it or it cannot be written (a warning).
+        """
+        self.wait_for_writes()
+        if not any(s is snapshot for s in self.snapshots):
+            return None
+        # out of the ring: no longer dropped, pushed out or removed by close()
+        self.snapshots = [s for s in self.snapshots if s is not snapshot]
+        target_dir = self.directory or directory
+        if target_dir is None:
+            return None
+        target = last_good_path(target_dir, snapshot.step)
+        try:
+            if snapshot.path is not None:
+                snapshot.path.replace(target)
+            else:
+                assert snapshot.tree is not None
+                snapshot.tree.wait()
+                snapshot.checksum = write_checksummed(snapshot.tree.tree, target)
+            snapshot.path = target
+            if snapshot.checksum is not None:
+                target.with_name(target.name + ".sha256").write_text(snapshot.checksum + "\n", encoding="utf-8")
+        except OSError as exc:
+            warnings.warn(
+                f"stabilitykit: could not keep the last healthy snapshot (step {snapshot.step}) at {target}: {exc!r}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+        return target
+
+    def discard(self, snapshot: Snapshot) -> None:
+        """Forget ``snapshot`` (its file could not be read back) and remove what is left of its file."""
+        if any(s is snapshot for s in self.snapshots):
+            self._drop(snapshot)
 
     def drop_after(self, step: int) -> None:
         """Forget the snapshots of steps after ``step`` (a rollback abandoned them)."""
@@ -133,7 +191,7 @@ class SnapshotStore:
             self._drop(snapshot)
 
     def close(self) -> None:
-        """Forget every snapshot and stop the writer thread (the driver is done)."""
+        """Forget every snapshot and stop the writer thread (the driver is done; never raises for storage)."""
         self.clear()
         if self._writer is not None:
             self._writer.shutdown(wait=True)
@@ -148,14 +206,19 @@ class SnapshotStore:
             self.copier.release(snapshot.tree)
             snapshot.tree = None
         if snapshot.path is not None:
-            snapshot.path.unlink(missing_ok=True)
-            snapshot.path = None
+            path, snapshot.path = snapshot.path, None
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:  # a folder turned read-only, a file where the folder was
+                warnings.warn(
+                    f"stabilitykit: could not remove the recovery snapshot {path}: {exc!r}; training goes on",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
 
 
-def _write(tree: HostTree, path: Path) -> None:
-    """On the writer thread: wait for the device copy, then write ``tree`` to ``path`` (whole or not at all)."""
+def _write(tree: HostTree, path: Path) -> str:
+    """On the writer thread: wait for the device copy, then write ``tree`` to ``path`` (whole or not at all);
+    returns the file's SHA-256."""
     tree.wait()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".pt.tmp")
-    torch.save(tree.tree, tmp)
-    tmp.replace(path)
+    return write_checksummed(tree.tree, path)
