@@ -672,10 +672,15 @@ def test_loss_drift_and_spike_alert_are_told_apart() -> None:
         guard.backward(model(x).pow(2).mean())
         guard.step()
         guard.zero_grad()
+        # alerts as the ledger hands them to the library's observers (recovery never reads the user's bus)
         if i == 9:  # an alert of another rule: no rollback
-            guard.hooks.emit(sk.Event("spike_alert", 9, "loss jumped", {"rule": "loss"}))
+            for observe in guard.engine.observers:
+                observe(sk.Event("spike_alert", 9, "loss jumped", {"rule": "loss"}))
         if i == 14:  # the drift rule's alert, as the spike monitor raises it
-            guard.hooks.emit(sk.Event("spike_alert", 14, "loss climbed", {"rule": DRIFT_RULE}))
+            for observe in guard.engine.observers:
+                observe(sk.Event("spike_alert", 14, "loss climbed", {"rule": DRIFT_RULE}))
+        if i == 16:  # the same alert on the user's event bus is output only: it triggers nothing
+            guard.hooks.emit(sk.Event("spike_alert", 16, "loss climbed", {"rule": DRIFT_RULE}))
     assert [(e.details["trigger"], e.details["trigger_step"], e.details["restored_step"]) for e in events] == [
         ("loss_drift", 14, 12)
     ]

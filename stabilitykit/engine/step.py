@@ -117,6 +117,9 @@ class StabilityEngine:
     ) -> None:
         self.config = config or StabilityConfig()
         self.user_rules = list(rules)
+        #: The library's own observers of folded events (recovery's triggers): fed from the ledger in step
+        #: order, before the events go out to the user's hooks and sinks, never through them.
+        self.observers: list[Callable[[Event], None]] = []
         #: An LR scheduler is held on skipped steps (the driver says so; named in a late skip's event).
         self.has_scheduler = False
         self.metric_layout = RecordLayout()
@@ -602,6 +605,8 @@ class StabilityEngine:
                 row_signals = {**(row_signals or {}), **recorded}
             events, divergence = self.ledger.fold(row, source, row_signals)
             for event in events:
+                for observe in self.observers:
+                    observe(event)  # the library's own observers (recovery's triggers), in step order
                 self.hooks.emit(event)
             first = first or divergence
         return first

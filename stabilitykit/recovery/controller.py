@@ -123,7 +123,7 @@ class Recovery:
             )
         self._listening = any(t in config.trigger for t in ("spike_alert", "loss_drift"))
         if self._listening:
-            hooks.on("spike_alert", self._on_alert)
+            engine.observers.append(self._on_alert)  # the ledger's events in step order, not the user's bus
 
     # ------------------------------------------------------------------ what the driver core calls
     def track_scheduler(self, scheduler: Any) -> None:
@@ -145,7 +145,7 @@ class Recovery:
     def close(self) -> None:
         """Stop listening for alerts and drop every snapshot (the driver is done)."""
         if self._listening:
-            self.hooks.off("spike_alert", self._on_alert)
+            self.engine.observers.remove(self._on_alert)
             self._listening = False
         self.store.close()
 
@@ -233,6 +233,8 @@ class Recovery:
 
     # ------------------------------------------------------------------ triggers
     def _on_alert(self, event: Event) -> None:
+        if event.kind != "spike_alert":
+            return
         trigger = "loss_drift" if event.details.get("rule") == DRIFT_RULE else "spike_alert"
         if trigger in self.config.trigger and (self._alert is None or event.step < self._alert[1]):
             self._alert = (trigger, event.step)
