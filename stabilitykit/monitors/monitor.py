@@ -9,21 +9,30 @@ sync, and on an unsampled step each hook returns after one Python attribute chec
 Hooks are installed once, when the monitor is built, and removed by ``close()``; nothing grows
 per step. Metric names, under the engine's prefix: ``monitors/<signal>/<module>`` with signal one of
 ``act_rms``, ``act_max``, ``resid_norm``, ``attn_logit_max``, ``logits_max``, ``log_z``.
+
+A measurement never breaks a step: a hook that raises disables itself with one warning naming the
+module and the reason, and the step goes on. Modules that cannot be measured are listed once, by
+name and reason, after the first sampled step (``unmeasured``).
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from stabilitykit.config import MonitorConfig
-from stabilitykit.monitors.attention import AttentionProbe, attention_probe
+from stabilitykit.monitors.attention import AttentionCapture, attention_modules
 from stabilitykit.monitors.select import MonitorTargets, select_targets
 from stabilitykit.monitors.stats import activation_stats, first_tensor, logit_stats
 
 __all__ = ["SIGNALS", "ModelMonitor"]
+
+LOGGER = logging.getLogger("stabilitykit")
 
 #: Every signal a monitor records, and whether values measured on several sampled steps between
 #: two reads keep their running maximum (True) or the latest value (False).
@@ -54,15 +63,21 @@ class ModelMonitor:
         self.targets: MonitorTargets = select_targets(model, config.modules)
         self._store: dict[str, Tensor] = {}
         self._handles: list[Any] = []
-        self.probes: list[AttentionProbe] = []
-        self._install()
+        #: Modules (and the output logits) that are not measured, with the reason: a hook that
+        #: raised, an attention module whose forward made no attention call we can read.
+        self.unmeasured: dict[str, str] = {}
+        self._sampled = False  # a sampled step has run since the monitor was built
+        self._reported = False
+        self.capture: AttentionCapture | None = None
+        self._mask: Tensor | None = None
+        self._install(model)
 
     # ------------------------------------------------------------------ hooks
 
     def _active(self) -> bool:
         return self.sampling
 
-    def _install(self) -> None:
+    def _install(self, model: nn.Module) -> None:
         cfg, targets = self.config, self.targets
         block_names = {n for n, _ in targets.blocks} if cfg.residual else set()
         act_names = {n for n, _ in targets.activations} if cfg.activations else set()
@@ -71,20 +86,52 @@ class ModelMonitor:
                 hook = self._activation_hook(name, name in act_names, name in block_names)
                 self._handles.append(module.register_forward_hook(hook))
         if cfg.attention:
-            for name, module in targets.modules:
-                probe = attention_probe(name, module, self._active, self.record, cfg.causal)
-                if probe is not None:
-                    self.probes.append(probe)
-        if cfg.logits and targets.head is not None:
-            self._handles.append(targets.head[1].register_forward_hook(self._head_hook(targets.head[0])))
+            record = self._recorder("attn_logit_max")
+            self.capture = AttentionCapture(attention_modules(targets.modules), self._active, record, self._failed)
+        if cfg.logits:
+            self._install_logits(targets.root)
+
+    def _install_logits(self, root: nn.Module) -> None:
+        """Measure the model's output logits: at the LM head, with the model's final soft-cap applied
+        as the model applies it (``config.final_logit_softcapping``: Gemma 2/3), inside the model's
+        forward (one compiled graph); a model without an LM head at its output's ``logits``. The
+        model's ``attention_mask`` keyword (read by a pre-hook on the module that owns the head)
+        keeps padding out."""
+        head = self.targets.head
+        self.logits_name = head[0] if head is not None else "logits"
+        config = getattr(root, "config", None)
+        cap = getattr(config, "final_logit_softcapping", None)
+        self._softcap = float(cap) if isinstance(cap, (int, float)) and cap > 0 else None
+        self._handles.append(root.register_forward_pre_hook(self._take_mask, with_kwargs=True))
+        if head is not None:
+            self._handles.append(head[1].register_forward_hook(self._head_hook))
+        else:
+            self._handles.append(root.register_forward_hook(self._output_hook))
+
+    def _failed(self, name: str, reason: str) -> None:
+        """A measurement raised: that module is left alone from now on, said once."""
+        if name in self.unmeasured:
+            return
+        self.unmeasured[name] = reason
+        warnings.warn(f"stabilitykit monitors: {name} is not measured: {reason}", RuntimeWarning, stacklevel=2)
+
+    def _guarded(self, name: str, measure: Callable[[], None]) -> None:
+        """Run one measurement; an exception disables ``name`` with one warning, the step goes on."""
+        if name in self.unmeasured:
+            return
+        try:
+            measure()
+        except Exception as error:  # a monitor never breaks a step
+            self._failed(name, f"measuring it raised {type(error).__name__}: {error}")
+
+    def _recorder(self, signal: str) -> Callable[[str, Tensor], None]:
+        def record(module: str, value: Tensor) -> None:
+            self.record(signal, module, value)
+
+        return record
 
     def _activation_hook(self, name: str, activations: bool, residual: bool) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self.sampling or not module.training:
-                return
-            x = first_tensor(output)
-            if x is None or not x.is_floating_point() or x.dim() == 0:
-                return
+        def measure(x: Tensor) -> None:
             rms, top, norm = activation_stats(x)
             if activations:
                 self.record("act_rms", name, rms)
@@ -92,20 +139,52 @@ class ModelMonitor:
             if residual:
                 self.record("resid_norm", name, norm)
 
-        return hook
-
-    def _head_hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self.sampling or not module.training:
                 return
-            logits = first_tensor(output)
-            if logits is None or not logits.is_floating_point():
+            x = first_tensor(output)
+            if x is None or not x.is_floating_point() or x.dim() == 0:
                 return
-            top, log_z = logit_stats(logits, self.config.log_z_positions)
-            self.record("logits_max", name, top)
-            self.record("log_z", name, log_z)
+            self._guarded(name, lambda: measure(x))
 
         return hook
+
+    def _take_mask(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if not self.sampling or not module.training:
+            return
+        encoder_decoder = bool(getattr(getattr(module, "config", None), "is_encoder_decoder", False))
+        mask = kwargs.get("decoder_attention_mask" if encoder_decoder else "attention_mask")
+        self._mask = mask if isinstance(mask, Tensor) else None
+
+    def _head_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.sampling or not module.training:
+            return
+        logits = first_tensor(output)
+        if logits is None or not logits.is_floating_point() or logits.dim() == 0:
+            return
+        if self._softcap is not None:
+            logits = torch.tanh(logits.detach() / self._softcap) * self._softcap
+        self._logits(logits)
+
+    def _output_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.sampling or not module.training:
+            return
+        logits = getattr(output, "logits", None)
+        if logits is None and isinstance(output, dict):
+            logits = output.get("logits")
+        if isinstance(logits, Tensor) and logits.is_floating_point() and logits.dim() > 0:
+            self._logits(logits)
+
+    def _logits(self, logits: Tensor) -> None:
+        mask, self._mask = self._mask, None
+        if mask is not None and tuple(mask.shape) != tuple(logits.shape[:-1]):
+            mask = None  # not a mask over these logits' positions
+        self._guarded(self.logits_name, lambda: self._measure_logits(logits, mask))
+
+    def _measure_logits(self, logits: Tensor, mask: Tensor | None) -> None:
+        top, log_z = logit_stats(logits, self.config.log_z_positions, mask)
+        self.record("logits_max", self.logits_name, top)
+        self.record("log_z", self.logits_name, log_z)
 
     def record(self, signal: str, module: str, value: Tensor) -> None:
         """Keep one measured value on the device (a running max for max signals) until the next read."""
@@ -117,12 +196,34 @@ class ModelMonitor:
 
     def begin_step(self, step: int, logging: bool) -> None:
         """The engine's call before step ``step``'s forward passes (``logging``: it is a logging step)."""
+        if self.sampling:
+            self._sampled = True
+        if self._sampled and not self._reported:
+            self._report_unmeasured()
         self.sampling = logging if self.every is None else step % self.every == 0
 
     def stability_metrics(self) -> dict[str, Tensor]:
         """The values measured since the last read (device tensors), emptied: each is read once."""
+        if self.sampling:
+            self._sampled = True  # read on the sampled step itself (every=None)
+        if self._sampled and not self._reported:
+            self._report_unmeasured()
         out, self._store = self._store, {}
         return out
+
+    def _report_unmeasured(self) -> None:
+        """After the first sampled step: list once every module that was not measured, and why."""
+        self._reported = True
+        if self.capture is not None:
+            for name in self.capture.names:
+                if f"monitors/attn_logit_max/{name}" not in self._store and name not in self.unmeasured:
+                    self.unmeasured[name] = (
+                        "no scaled_dot_product_attention or softmax call in its forward on a sampled step "
+                        "(a flash or custom kernel, Tensor.softmax, or not run in training mode)"
+                    )
+        if self.unmeasured:
+            listed = "; ".join(f"{name}: {reason}" for name, reason in self.unmeasured.items())
+            warnings.warn(f"stabilitykit monitors: not measured: {listed}", RuntimeWarning, stacklevel=3)
 
     def discard(self) -> None:
         """Drop the values measured since the last read (a rollback undid the steps they came from)."""
@@ -138,8 +239,8 @@ class ModelMonitor:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for probe in self.probes:
-            probe.close()
+        if self.capture is not None:
+            self.capture.close()
         self.sampling = False
 
     @property
@@ -149,4 +250,4 @@ class ModelMonitor:
         names += [n for n, _ in self.targets.blocks if self.config.residual and n not in names]
         if self.config.logits and self.targets.head is not None:
             names.append(self.targets.head[0])
-        return names + [p.name for p in self.probes]
+        return names + (self.capture.names if self.capture is not None else [])
