@@ -92,21 +92,18 @@ class ModelMonitor:
             self._install_logits(targets.root)
 
     def _install_logits(self, root: nn.Module) -> None:
-        """Measure the model's output logits: at the LM head, with the model's final soft-cap applied
-        as the model applies it (``config.final_logit_softcapping``: Gemma 2/3), inside the model's
-        forward (one compiled graph); a model without an LM head at its output's ``logits``. The
-        model's ``attention_mask`` keyword (read by a pre-hook on the module that owns the head)
-        keeps padding out."""
+        """Measure the model's own output logits, after any final soft-cap or scale (Gemma 2's cap,
+        Cohere's ``logit_scale``): the ``logits`` of the output of the module that owns the LM head
+        when it is a Hugging Face model (it has a ``config``), else the LM head's output. The model's
+        ``attention_mask`` keyword (read by a pre-hook on that module) keeps padding out."""
         head = self.targets.head
         self.logits_name = head[0] if head is not None else "logits"
-        config = getattr(root, "config", None)
-        cap = getattr(config, "final_logit_softcapping", None)
-        self._softcap = float(cap) if isinstance(cap, (int, float)) and cap > 0 else None
+        from_output = head is None or getattr(root, "config", None) is not None
         self._handles.append(root.register_forward_pre_hook(self._take_mask, with_kwargs=True))
-        if head is not None:
-            self._handles.append(head[1].register_forward_hook(self._head_hook))
-        else:
+        if from_output:
             self._handles.append(root.register_forward_hook(self._output_hook))
+        elif head is not None:
+            self._handles.append(head[1].register_forward_hook(self._head_hook))
 
     def _failed(self, name: str, reason: str) -> None:
         """A measurement raised: that module is left alone from now on, said once."""
@@ -160,12 +157,12 @@ class ModelMonitor:
         if not self.sampling or not module.training:
             return
         logits = first_tensor(output)
-        if logits is None or not logits.is_floating_point() or logits.dim() == 0:
-            return
-        if self._softcap is not None:
-            logits = torch.tanh(logits.detach() / self._softcap) * self._softcap
-        self._logits(logits)
+        if logits is not None and logits.is_floating_point() and logits.dim() > 0:
+            self._logits(logits)
 
+    # The output hook runs where the model returns, outside a compiled model's graph when the model
+    # itself is compiled: kept out of Dynamo so that it compiles no graph of its own.
+    @torch.compiler.disable
     def _output_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self.sampling or not module.training:
             return
