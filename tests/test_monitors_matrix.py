@@ -7,6 +7,7 @@ model has them. No step may raise because of a monitor."""
 
 from __future__ import annotations
 
+import functools
 import io
 import sys
 import warnings
@@ -82,6 +83,10 @@ FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {
                          shared_expert_intermediate_size=32),
     "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4)),
     "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**TINY)),
+    "bert_mlm": lambda: transformers.BertForMaskedLM(transformers.BertConfig(**TINY)),
+    "t5_self_and_cross": lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
+        pad_token_id=0)),
 }  # fmt: skip
 
 
@@ -125,7 +130,8 @@ def _train_and_compare(model: torch.nn.Module, batches: list[dict[str, torch.Ten
             assert value == pytest.approx(reference, rel=1e-4), names[module_id]
             checked += 1
         logits = out.logits.detach().float()
-        mask = batch.get("attention_mask") if logits.shape[:-1] == batch["input_ids"].shape else None
+        encoder_decoder = model.config.is_encoder_decoder  # its logits are the decoder's: no mask given
+        mask = None if encoder_decoder else batch["attention_mask"]
         weights = torch.ones(logits.shape[:-1]) if mask is None else mask.float()
         real = logits[weights.bool()]
         head = [k for k in metrics if "/monitors/logits_max/" in k]
@@ -151,3 +157,137 @@ def test_every_logged_value_matches_the_models_own_forward(family: str, implemen
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no module may go unmeasured
         _train_and_compare(model, [_batch(padding, seed) for seed in range(2)])
+
+
+def _guard(model: torch.nn.Module, **monitors: Any) -> sk.StabilityGuard:
+    cfg = sk.StabilityConfig(log_every_n_steps=1, spikes=sk.SpikeConfig(enabled=False),
+                             monitors=sk.MonitorConfig(**monitors))  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return sk.StabilityGuard(model, opt, config=cfg, sinks=[sk.sinks.ConsoleSink(stream=io.StringIO())])
+
+
+def test_blocks_of_every_stack_are_measured_encoder_and_decoder() -> None:
+    torch.manual_seed(0)
+    model = FAMILIES["t5_self_and_cross"]()
+    guard = _guard(model)
+    guard.backward(model(**_batch(False, 0)).loss)
+    guard.step()
+    logged = {k.split("/", 3)[3] for k in guard.engine.last_host_metrics if "/resid_norm/" in k}
+    assert logged == {"encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"}
+    attention = {k.split("/", 3)[3] for k in guard.engine.last_host_metrics if "/attn_logit_max/" in k}
+    assert "decoder.block.0.layer.1.EncDecAttention" in attention  # cross-attention too
+    assert "encoder.block.0.layer.0.SelfAttention" in attention
+
+
+class _RopeQKNormAttention(torch.nn.Module):
+    """A nanoGPT-style attention with a fused qkv, rotary embeddings and QK-norm, ending in SDPA."""
+
+    def __init__(self, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, width // heads
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.q_norm, self.k_norm = torch.nn.RMSNorm(self.head_dim), torch.nn.RMSNorm(self.head_dim)
+        self.proj = torch.nn.Linear(width, width)
+        self.seen: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = self.q_norm(q) * 4.0, self.k_norm(k) * 4.0
+        angle = torch.arange(t)[:, None] * (1e-2 ** (torch.arange(self.head_dim // 2) / (self.head_dim // 2)))
+        cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)
+        half = self.head_dim // 2
+        rotate = lambda z: z * cos + torch.cat([-z[..., half:], z[..., :half]], -1) * sin  # noqa: E731
+        q, k = rotate(q), rotate(k)
+        logits = (q @ k.transpose(-2, -1)) / self.head_dim**0.5
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        self.seen.append(float(logits.detach().masked_fill(~causal, -torch.inf).amax()))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class _Stack(torch.nn.Module):
+    """Embedding, two blocks of a given attention, a head."""
+
+    def __init__(self, attention: Callable[[], torch.nn.Module]) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 32)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({"attn": attention()}) for _ in range(2))
+        self.lm_head = torch.nn.Linear(32, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            attn = block["attn"]
+            if isinstance(attn, torch.nn.MultiheadAttention):
+                out, weights = attn(x, x, x, need_weights=True, average_attn_weights=False)
+            else:
+                out = attn(x)
+            x = x + out
+        return self.lm_head(x)
+
+
+def test_a_plain_sdpa_module_with_rope_and_qk_norm_is_measured_from_its_own_call() -> None:
+    torch.manual_seed(0)
+    model = _Stack(_RopeQKNormAttention)
+    guard = _guard(model)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    guard.backward(torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()))
+    guard.step()
+    for i in range(2):
+        reference = model.blocks[i]["attn"].seen[-1]
+        value = guard.engine.last_host_metrics[f"stability/monitors/attn_logit_max/blocks.{i}.attn"]
+        assert reference > 2.0 and value == pytest.approx(reference, rel=1e-4)
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_multihead_attention_is_measured_on_both_of_its_paths(need_weights: bool) -> None:
+    torch.manual_seed(0)
+    model = _Stack(lambda: torch.nn.MultiheadAttention(32, 4, batch_first=True))
+    captured: dict[int, torch.Tensor] = {}
+    for i, block in enumerate(model.blocks):
+        block["attn"].register_forward_pre_hook(lambda m, a, i=i: captured.__setitem__(i, a[0].detach()))
+    guard = _guard(model)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    if not need_weights:
+        for block in model.blocks:
+            block["attn"].forward = functools.partial(_no_weights, block["attn"])
+    guard.backward(torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()))
+    references = {}
+    with torch.no_grad():  # before the step updates the weights
+        for i, x in captured.items():
+            attn = model.blocks[i]["attn"]
+            q, k, _ = torch.nn.functional.linear(x, attn.in_proj_weight, attn.in_proj_bias).chunk(3, -1)
+            q, k = (z.unflatten(-1, (4, 8)).transpose(1, 2) for z in (q, k))
+            references[i] = float(((q @ k.transpose(-2, -1)) / 8**0.5).amax())
+    guard.step()
+    for i, reference in references.items():
+        value = guard.engine.last_host_metrics[f"stability/monitors/attn_logit_max/blocks.{i}.attn"]
+        assert value == pytest.approx(reference, rel=1e-4)
+
+
+def _no_weights(attn: torch.nn.MultiheadAttention, *args: Any, **kwargs: Any) -> Any:
+    kwargs["need_weights"] = False
+    return torch.nn.MultiheadAttention.forward(attn, *args, **kwargs)
+
+
+class _Sparse(torch.nn.Module):
+    """Returns a sparse tensor: the activation statistics cannot measure it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to_sparse()
+
+
+def test_a_measurement_that_raises_disables_itself_with_one_warning_and_the_step_goes_on() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Sparse())
+    guard = _guard(model, modules=["1"], attention=False, logits=False, residual=False)
+    with pytest.warns(RuntimeWarning, match=r"1 is not measured: measuring it raised") as record:
+        for _ in range(3):
+            out = model(torch.randn(2, 4)).to_dense()
+            guard.backward(out.square().sum())
+            guard.step()
+    assert len([w for w in record if "is not measured: measuring" in str(w.message)]) == 1
+    assert guard.engine.step == 3
+    monitor = guard.engine.monitor
+    assert monitor is not None and "1" in monitor.unmeasured

@@ -95,11 +95,12 @@ class ModelMonitor:
         """Measure the model's own output logits, after any final soft-cap or scale (Gemma 2's cap,
         Cohere's ``logit_scale``): the ``logits`` of the output of the module that owns the LM head
         when it is a Hugging Face model (it has a ``config``), else the LM head's output. The model's
-        ``attention_mask`` keyword (read by a pre-hook on that module) keeps padding out."""
+        ``attention_mask`` keyword (read by a pre-hook on the model) keeps padding out."""
         head = self.targets.head
         self.logits_name = head[0] if head is not None else "logits"
         from_output = head is None or getattr(root, "config", None) is not None
-        self._handles.append(root.register_forward_pre_hook(self._take_mask, with_kwargs=True))
+        model = self.targets.model
+        self._handles.append(model.register_forward_pre_hook(self._take_mask, with_kwargs=True))
         if from_output:
             self._handles.append(root.register_forward_hook(self._output_hook))
         elif head is not None:
@@ -119,7 +120,8 @@ class ModelMonitor:
         try:
             measure()
         except Exception as error:  # a monitor never breaks a step
-            self._failed(name, f"measuring it raised {type(error).__name__}: {error}")
+            message = str(error).splitlines()[0][:200] if str(error) else ""
+            self._failed(name, f"measuring it raised {type(error).__name__}: {message}")
 
     def _recorder(self, signal: str) -> Callable[[str, Tensor], None]:
         def record(module: str, value: Tensor) -> None:

@@ -25,7 +25,8 @@ class MonitorTargets:
     blocks: list[tuple[str, nn.Module]] = field(default_factory=list)
     modules: list[tuple[str, nn.Module]] = field(default_factory=list)  # every module, for attention probes
     head: tuple[str, nn.Module] | None = None
-    root: nn.Module = field(default_factory=nn.Module)  # the unwrapped model, whose output holds the logits
+    root: nn.Module = field(default_factory=nn.Module)  # the module that owns the head: its output holds the logits
+    model: nn.Module = field(default_factory=nn.Module)  # the unwrapped model: its call holds the attention mask
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -87,4 +88,4 @@ def select_targets(model: nn.Module, patterns: Sequence[str] | None = None) -> M
         activations = [(n, m) for n, m in named if n in chosen]
     # the module that owns the head returns the model's logits (HF: ``.logits``, after any final soft-cap)
     owner = next((m for m in inner.modules() if head is not None and any(c is head[1] for c in m.children())), inner)
-    return MonitorTargets(activations=activations, blocks=blocks, modules=named, head=head, root=owner)
+    return MonitorTargets(activations=activations, blocks=blocks, modules=named, head=head, root=owner, model=inner)
