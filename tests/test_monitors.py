@@ -445,3 +445,25 @@ def test_two_optimizers_hook_the_model_once() -> None:
     guard = sk.StabilityGuard(model, optimizers, config=cfg, sinks=[sk.sinks.ConsoleSink(stream=io.StringIO())])
     assert [core.engine.monitor is not None for core in guard.cores] == [True, False]
     assert len(model.transformer.h[0]._forward_hooks) == 1
+
+
+@pytest.mark.parametrize(("every", "accumulation"), [(2, 1), (None, 2)], ids=["every_2_log_4", "accumulate_2"])
+def test_a_compiled_model_keeps_two_graphs_with_values_waiting_between_reads(every: int | None, accumulation: int) -> None:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_llama()
+    compiled = torch.compile(model, backend="eager")
+    guard = _guard(compiled, log_every_n_steps=4, monitors=sk.MonitorConfig(every=every))
+    batches = token_batches(8 * accumulation)
+    for step in range(8):
+        for micro in range(accumulation):
+            guard.backward(compiled(**batches[step * accumulation + micro]).loss / accumulation)
+        guard.step()
+        guard.zero_grad()
+    # a sampled and an unsampled variant, whether values of earlier forward passes wait or not
+    assert counters["stats"]["unique_graphs"] == 2
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert guard.cores[0].engine.last_host_metrics["stability/monitors/attn_logit_max/model.layers.0.self_attn"] > 0
+    torch._dynamo.reset()

@@ -46,6 +46,19 @@ SIGNALS = {
 }
 
 
+class _Slot:
+    """One metric's value since the last read. Its value is always a tensor on a sampled step (primed
+    before the step by ``begin_step``, outside any compiled code), so a hook's running max reads no
+    Python state that changes between forward passes: a compiled model keeps one graph for sampled
+    forward passes, whether values from earlier micro-batches or steps are waiting or not."""
+
+    __slots__ = ("filled", "value")
+
+    def __init__(self) -> None:
+        self.value: Tensor | None = None
+        self.filled = False
+
+
 class ModelMonitor:
     """Activation, residual, attention-logit and output-logit monitors over ``model``.
 
@@ -61,7 +74,8 @@ class ModelMonitor:
         #: True while the coming forward passes belong to a sampled step.
         self.sampling = False
         self.targets: MonitorTargets = select_targets(model, config.modules)
-        self._store: dict[str, Tensor] = {}
+        self._slots: dict[str, _Slot] = {}
+        self._device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
         self._handles: list[Any] = []
         #: Modules (and the output logits) that are not measured, with the reason: a hook that
         #: raised, an attention module whose forward made no attention call we can read.
@@ -83,11 +97,18 @@ class ModelMonitor:
         act_names = {n for n, _ in targets.activations} if cfg.activations else set()
         for name, module in targets.modules:
             if name in block_names or name in act_names:
+                if name in act_names:
+                    self._slot("act_rms", name)
+                    self._slot("act_max", name)
+                if name in block_names:
+                    self._slot("resid_norm", name)
                 hook = self._activation_hook(name, name in act_names, name in block_names)
                 self._handles.append(module.register_forward_hook(hook))
         if cfg.attention:
             record = self._recorder("attn_logit_max")
             self.capture = AttentionCapture(attention_modules(targets.modules), self._active, record, self._failed)
+            for name in self.capture.names:
+                self._slot("attn_logit_max", name)
         if cfg.logits:
             self._install_logits(targets.root)
 
@@ -98,6 +119,8 @@ class ModelMonitor:
         ``attention_mask`` keyword (read by a pre-hook on the model) keeps padding out."""
         head = self.targets.head
         self.logits_name = head[0] if head is not None else "logits"
+        self._slot("logits_max", self.logits_name)
+        self._slot("log_z", self.logits_name)
         from_output = head is None or getattr(root, "config", None) is not None
         model = self.targets.model
         self._handles.append(model.register_forward_pre_hook(self._take_mask, with_kwargs=True))
@@ -185,11 +208,27 @@ class ModelMonitor:
         self.record("logits_max", self.logits_name, top)
         self.record("log_z", self.logits_name, log_z)
 
+    def _slot(self, signal: str, module: str) -> None:
+        """Declare a metric when its hook is installed (the set of slots never changes afterwards)."""
+        self._slots.setdefault(f"monitors/{signal}/{module}", _Slot())
+
     def record(self, signal: str, module: str, value: Tensor) -> None:
         """Keep one measured value on the device (a running max for max signals) until the next read."""
-        key = f"monitors/{signal}/{module}"
-        previous = self._store.get(key)
-        self._store[key] = torch.maximum(previous, value) if previous is not None and SIGNALS[signal] else value
+        slot = self._slots.get(f"monitors/{signal}/{module}")
+        if slot is None:
+            return
+        if SIGNALS[signal] and slot.value is not None:
+            slot.value = torch.maximum(slot.value, value.float())
+        else:
+            slot.value = value.float()
+        slot.filled = True
+
+    def _prime(self) -> None:
+        """Before a sampled step: every unfilled slot holds its own -inf (one tensor per slot: a compiled
+        graph must not see two slots as one input; sampled steps only)."""
+        empty = [slot for slot in self._slots.values() if slot.value is None]
+        for slot in empty:
+            slot.value = torch.full((), -torch.inf, device=self._device)
 
     # ------------------------------------------------------------------ the engine's side
 
@@ -200,6 +239,8 @@ class ModelMonitor:
         if self._sampled and not self._reported:
             self._report_unmeasured()
         self.sampling = logging if self.every is None else step % self.every == 0
+        if self.sampling:
+            self._prime()
 
     def stability_metrics(self) -> dict[str, Tensor]:
         """The values measured since the last read (device tensors), emptied: each is read once."""
@@ -207,15 +248,23 @@ class ModelMonitor:
             self._sampled = True  # read on the sampled step itself (every=None)
         if self._sampled and not self._reported:
             self._report_unmeasured()
-        out, self._store = self._store, {}
+        out = {key: slot.value for key, slot in self._slots.items() if slot.filled and slot.value is not None}
+        self._clear()
+        if self.sampling:
+            self._prime()  # read in the middle of a sampled step: its later forward passes still measure
         return out
+
+    def _clear(self) -> None:
+        for slot in self._slots.values():
+            slot.value, slot.filled = None, False
 
     def _report_unmeasured(self) -> None:
         """After the first sampled step: list once every module that was not measured, and why."""
         self._reported = True
         if self.capture is not None:
             for name in self.capture.names:
-                if f"monitors/attn_logit_max/{name}" not in self._store and name not in self.unmeasured:
+                slot = self._slots.get(f"monitors/attn_logit_max/{name}")
+                if (slot is None or not slot.filled) and name not in self.unmeasured:
                     self.unmeasured[name] = (
                         "no scaled_dot_product_attention or softmax call in its forward on a sampled step "
                         "(a flash or custom kernel, Tensor.softmax, or not run in training mode)"
@@ -226,7 +275,9 @@ class ModelMonitor:
 
     def discard(self) -> None:
         """Drop the values measured since the last read (a rollback undid the steps they came from)."""
-        self._store = {}
+        self._clear()
+        if self.sampling:
+            self._prime()
 
     def is_precursor(self, key: str) -> bool:
         """Whether the spike detector's trend warnings should watch ``key`` (``MonitorConfig.precursors``)."""
