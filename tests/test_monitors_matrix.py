@@ -291,3 +291,75 @@ def test_a_measurement_that_raises_disables_itself_with_one_warning_and_the_step
     assert guard.engine.step == 3
     monitor = guard.engine.monitor
     assert monitor is not None and "1" in monitor.unmeasured
+
+
+class _KernelAttention(torch.nn.Module):
+    """An attention computed by a kernel the monitors cannot see into (here: ``Tensor.softmax``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return (q @ k.transpose(-2, -1)).softmax(-1) @ v
+
+
+def test_an_attention_that_cannot_be_measured_is_named_once_and_in_the_run_summary() -> None:
+    torch.manual_seed(0)
+    model = _Stack(_KernelAttention)
+    guard = _guard(model)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    with pytest.warns(RuntimeWarning, match=r"not measured: blocks\.0\.attn: no scaled_dot_product_attention") as got:
+        for _ in range(3):
+            guard.backward(torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()))
+            guard.step()
+            guard.zero_grad()
+    assert len([w for w in got if "not measured" in str(w.message)]) == 1
+    assert not [k for k in guard.engine.last_host_metrics if "/attn_logit_max/" in k]
+    summary = guard.summary()
+    assert [u.split(":")[0] for u in summary.unmeasured] == ["blocks.0.attn", "blocks.1.attn"]
+    assert "not measured by the monitors: blocks.0.attn" in summary.line()
+
+
+class _Bottleneck(torch.nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm = torch.nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(self.conv(x))
+
+
+class _Stage(torch.nn.Module):
+    """A CNN stage as timm's ConvNeXt builds it: a downsample, then a Sequential of blocks."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.downsample = torch.nn.Conv2d(channels, channels, 2, stride=2)
+        self.blocks = torch.nn.Sequential(_Bottleneck(channels), _Bottleneck(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.downsample(x))
+
+
+def test_every_cnn_stage_has_its_blocks_measured_over_channels_per_pixel() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("stem", torch.nn.Conv2d(3, 8, 1))
+    model.add_module("stages", torch.nn.Sequential(_Stage(8), _Stage(8)))
+    model.add_module("head", torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4)))
+    outputs: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if name.count(".") == 3:  # stages.i.blocks.j
+            module.register_forward_hook(lambda m, a, out, name=name: outputs.__setitem__(name, out.detach()))
+    guard = _guard(model)
+    x = torch.randn(2, 3, 8, 8)
+    guard.backward(model(x).square().mean())
+    guard.step()
+    metrics = guard.engine.last_host_metrics
+    resid = {k.split("/", 3)[3]: v for k, v in metrics.items() if "/resid_norm/" in k}
+    assert sorted(resid) == ["stages.0.blocks.0", "stages.0.blocks.1", "stages.1.blocks.0", "stages.1.blocks.1"]
+    for name, out in outputs.items():  # the mean over pixels of the L2 norm over channels
+        assert resid[name] == pytest.approx(float(out.norm(dim=1).mean()), rel=1e-5)
