@@ -448,7 +448,9 @@ def test_two_optimizers_hook_the_model_once() -> None:
 
 
 @pytest.mark.parametrize(("every", "accumulation"), [(2, 1), (None, 2)], ids=["every_2_log_4", "accumulate_2"])
-def test_a_compiled_model_keeps_two_graphs_with_values_waiting_between_reads(every: int | None, accumulation: int) -> None:
+def test_a_compiled_model_keeps_two_graphs_with_values_waiting_between_reads(
+    every: int | None, accumulation: int
+) -> None:
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()

@@ -30,7 +30,8 @@ REFERENCE: dict[int, float] = {}  # id(attention module) -> max pre-softmax logi
 def _reference(implementation: str) -> Callable[..., Any]:
     """Record the max logit from what the model hands its attention function, then run the real one."""
 
-    def forward(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, **kw: Any) -> Any:
+    def forward(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, given: Any, **kw: Any) -> Any:
+        mask = given
         keys = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
         scaling = kw.get("scaling")
         logits = (query @ keys.transpose(-2, -1)).detach().float()
@@ -47,8 +48,8 @@ def _reference(implementation: str) -> Callable[..., Any]:
             logits = logits.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else logits + mask.float()
         REFERENCE[id(module)] = max(REFERENCE.get(id(module), -torch.inf), float(logits.amax()))
         if implementation == "sdpa":
-            return sdpa_attention_forward(module, query, key, value, mask if bias is None else mask, **kw)
-        return sys.modules[type(module).__module__].eager_attention_forward(module, query, key, value, mask, **kw)
+            return sdpa_attention_forward(module, query, key, value, given, **kw)
+        return sys.modules[type(module).__module__].eager_attention_forward(module, query, key, value, given, **kw)
 
     return forward
 
@@ -81,7 +82,9 @@ FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {
     "mixtral": _causal("Mixtral", num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": _causal("Qwen2Moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                          shared_expert_intermediate_size=32),
-    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4)),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4)
+    ),
     "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**TINY)),
     "bert_mlm": lambda: transformers.BertForMaskedLM(transformers.BertConfig(**TINY)),
     "t5_self_and_cross": lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
@@ -197,7 +200,7 @@ class _RopeQKNormAttention(torch.nn.Module):
         angle = torch.arange(t)[:, None] * (1e-2 ** (torch.arange(self.head_dim // 2) / (self.head_dim // 2)))
         cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)
         half = self.head_dim // 2
-        rotate = lambda z: z * cos + torch.cat([-z[..., half:], z[..., :half]], -1) * sin  # noqa: E731
+        rotate = lambda z: z * cos + torch.cat([-z[..., half:], z[..., :half]], -1) * sin
         q, k = rotate(q), rotate(k)
         logits = (q @ k.transpose(-2, -1)) / self.head_dim**0.5
         causal = torch.ones(t, t, dtype=torch.bool).tril()
@@ -220,7 +223,7 @@ class _Stack(torch.nn.Module):
         for block in self.blocks:
             attn = block["attn"]
             if isinstance(attn, torch.nn.MultiheadAttention):
-                out, weights = attn(x, x, x, need_weights=True, average_attn_weights=False)
+                out, _ = attn(x, x, x, need_weights=True, average_attn_weights=False)
             else:
                 out = attn(x)
             x = x + out
@@ -349,7 +352,9 @@ def test_every_cnn_stage_has_its_blocks_measured_over_channels_per_pixel() -> No
     model = torch.nn.Sequential()
     model.add_module("stem", torch.nn.Conv2d(3, 8, 1))
     model.add_module("stages", torch.nn.Sequential(_Stage(8), _Stage(8)))
-    model.add_module("head", torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4)))
+    model.add_module(
+        "head", torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
+    )
     outputs: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if name.count(".") == 3:  # stages.i.blocks.j
