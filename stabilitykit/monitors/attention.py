@@ -63,15 +63,22 @@ def sdpa_max_logit(
     if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     factor = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * factor
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1))  # a fresh tensor: masked in place below
+    mask = attn_mask.detach() if attn_mask is not None else None
+    additive = mask is not None and mask.dtype != torch.bool
+    if additive or factor < 0:
+        scores.mul_(factor)  # an added mask comes after the scale
     if is_causal:
         length, source = scores.shape[-2:]
-        allowed = torch.ones(length, source, dtype=torch.bool, device=scores.device).tril()
-        scores = scores.masked_fill(~allowed, -torch.inf)
-    if attn_mask is not None:
-        mask = attn_mask.detach()
-        scores = scores.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else scores + mask.float()
-    return scores.amax()
+        hidden = torch.ones(length, source, dtype=torch.bool, device=scores.device).triu_(1)
+        scores.masked_fill_(hidden, -torch.inf)
+    if mask is not None:
+        if additive:
+            scores.add_(mask.float())
+        else:
+            scores.masked_fill_(~mask, -torch.inf)
+    top = scores.amax()
+    return top if additive or factor < 0 else top * factor  # max(x) * s == max(x * s) for s >= 0
 
 
 def _is_attention(module: nn.Module) -> bool:
