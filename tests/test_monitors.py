@@ -469,3 +469,22 @@ def test_a_compiled_model_keeps_two_graphs_with_values_waiting_between_reads(
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert guard.cores[0].engine.last_host_metrics["stability/monitors/attn_logit_max/model.layers.0.self_attn"] > 0
     torch._dynamo.reset()
+
+
+def test_log_z_positions_are_spread_over_the_whole_batch_and_skip_padding() -> None:
+    from stabilitykit.monitors.stats import logit_stats
+
+    logits = torch.zeros(8, 48, 16)  # 384 positions, 256 kept: every sequence must be read
+    logits[6:] = 5.0  # sequences 6 and 7 alone have a larger log Z
+    _, log_z = logit_stats(logits, positions=256)
+    rows = torch.tensor([(i * 383) // 255 for i in range(256)])
+    reference = torch.logsumexp(logits.reshape(-1, 16)[rows], -1).mean()
+    assert float(log_z) == pytest.approx(float(reference), rel=1e-6)
+    assert (rows >= 6 * 48).sum() > 60  # about a quarter of the kept positions are in sequences 6 and 7
+    mask = torch.ones(8, 48)
+    mask[0, :40] = 0  # left padding
+    logits[0, :40] = 50.0  # what a pad position may hold
+    top, log_z = logit_stats(logits, positions=None, mask=mask)
+    real = logits[mask.bool()]
+    assert float(top) == float(real.abs().max())
+    assert float(log_z) == pytest.approx(float(torch.logsumexp(real, -1).mean()), rel=1e-6)
