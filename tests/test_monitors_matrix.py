@@ -368,3 +368,61 @@ def test_every_cnn_stage_has_its_blocks_measured_over_channels_per_pixel() -> No
     assert sorted(resid) == ["stages.0.blocks.0", "stages.0.blocks.1", "stages.1.blocks.0", "stages.1.blocks.1"]
     for name, out in outputs.items():  # the mean over pixels of the L2 norm over channels
         assert resid[name] == pytest.approx(float(out.norm(dim=1).mean()), rel=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_hf_vit_attention_and_class_logits_match_its_own_forward(implementation: str) -> None:
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(
+        image_size=16,
+        patch_size=4,
+        num_channels=3,
+        num_labels=5,
+        **{k: v for k, v in TINY.items() if k != "vocab_size"},
+    )
+    model = transformers.ViTForImageClassification(config)
+    model.set_attn_implementation(f"sk_matrix_{implementation}")
+    _grow_qk(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    guard = _guard(model, log_z_positions=None)
+    REFERENCE.clear()
+    pixels = torch.randn(BATCH, 3, 16, 16)
+    out = model(pixel_values=pixels, labels=torch.tensor([1, 3]))
+    guard.backward(out.loss)
+    guard.step()
+    metrics = guard.engine.last_host_metrics
+    assert len(REFERENCE) == 2
+    for module_id, reference in REFERENCE.items():
+        value = metrics[f"stability/monitors/attn_logit_max/{names[module_id]}"]
+        assert value == pytest.approx(reference, rel=1e-4)
+    logits = out.logits.detach()
+    assert metrics["stability/monitors/logits_max/logits"] == pytest.approx(float(logits.abs().max()), rel=1e-4)
+    log_z = float(torch.logsumexp(logits, -1).mean())
+    assert metrics["stability/monitors/log_z/logits"] == pytest.approx(log_z, rel=1e-4)
+
+
+def test_torch_transformer_encoder_layers_are_measured_from_their_sdpa_call() -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    )
+    inputs: dict[int, torch.Tensor] = {}
+    for i, block in enumerate(model[1].layers):
+        block.self_attn.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0].detach()))
+    guard = _guard(model, logits=False)
+    x = torch.randn(BATCH, SEQ, 8) * 4
+    guard.backward(model(x).square().mean())
+    references = {}
+    with torch.no_grad():
+        for i, h in inputs.items():
+            attn = model[1].layers[i].self_attn
+            q, k, _ = torch.nn.functional.linear(h, attn.in_proj_weight, attn.in_proj_bias).chunk(3, -1)
+            q, k = (z.unflatten(-1, (4, 8)).transpose(1, 2) for z in (q, k))
+            references[i] = float(((q @ k.transpose(-2, -1)) / 8**0.5).amax())
+    guard.step()
+    metrics = guard.engine.last_host_metrics
+    for i, reference in references.items():
+        value = metrics[f"stability/monitors/attn_logit_max/1.layers.{i}.self_attn"]
+        assert value == pytest.approx(reference, rel=1e-4)
+    assert {k.split("/", 3)[3] for k in metrics if "/resid_norm/" in k} == {"1.layers.0", "1.layers.1"}
