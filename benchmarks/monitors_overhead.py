@@ -1,9 +1,12 @@
 """What the monitors (``MonitorConfig``) cost per training step. Prints milliseconds and ratios.
 
     python benchmarks/monitors_overhead.py [--rounds 20] [--batch 4] [--context 256] [--device cpu]
+        [--models gpt2,llama,gemma2,bert,tiny_llama]
 
-Models: a 4-layer, 256-wide HF GPT-2 (4 heads, vocabulary 8192) at context 256, and a tiny HF Llama
-(2 layers, 32 wide, the test suite's ``tiny_llama``) at context 16. Arms, run interleaved in one
+Models, all 4 layers x 256 wide with 4 heads and a vocabulary of 8192 at context 256: HF GPT-2 (SDPA),
+HF Llama (SDPA, 2 key-value heads), HF Gemma 2 (eager: a sliding window of 128, attention and final
+logit soft-caps), HF BERT (masked LM, SDPA); and a tiny HF Llama (2 layers, 32 wide, the test
+suite's ``tiny_llama``) at context 16. Arms, run interleaved in one
 process (round-robin, same batch, each its own copy of the same weights), every one a whole step
 (forward, backward, ``guard.step()`` with fused AdamW, ``zero_grad``) with no logging step inside
 the timed region (the tiny Llama gets ten times the rounds: its steps take milliseconds):
@@ -27,7 +30,16 @@ import time
 from collections.abc import Callable
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 import stabilitykit as sk
 
@@ -41,6 +53,34 @@ def _gpt2(context: int) -> torch.nn.Module:
     )
     config.attn_pdrop = config.resid_pdrop = config.embd_pdrop = 0.0
     return GPT2LMHeadModel(config)
+
+
+def _llama_256(context: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=8192, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=context,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def _gemma2(context: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=8192, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=context, sliding_window=128,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, attn_implementation="eager",
+    )  # fmt: skip
+    return Gemma2ForCausalLM(config)
+
+
+def _bert(context: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=8192, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+        max_position_embeddings=context, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return BertForMaskedLM(config)
 
 
 def _llama(context: int) -> torch.nn.Module:
@@ -134,11 +174,20 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU; 1 on a busy machine)")
+    parser.add_argument("--models", default="gpt2,llama,gemma2,bert,tiny_llama", help="comma-separated")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    measure("HF GPT-2, 4 layers x 256", _gpt2, args.context, args, args.rounds)
-    measure("tiny HF Llama, 2 layers x 32", _llama, 16, args, args.rounds * 10)  # ms steps: more rounds
+    models = {
+        "gpt2": ("HF GPT-2, 4 layers x 256", _gpt2, args.context, args.rounds),
+        "llama": ("HF Llama, 4 layers x 256", _llama_256, args.context, args.rounds),
+        "gemma2": ("HF Gemma 2 (eager, window, soft-caps), 4 layers x 256", _gemma2, args.context, args.rounds),
+        "bert": ("HF BERT masked LM, 4 layers x 256", _bert, args.context, args.rounds),
+        "tiny_llama": ("tiny HF Llama, 2 layers x 32", _llama, 16, args.rounds * 10),  # ms steps: more rounds
+    }
+    for key in args.models.split(","):
+        name, make, context, rounds = models[key]
+        measure(name, make, context, args, rounds)
 
 
 if __name__ == "__main__":

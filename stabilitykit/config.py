@@ -384,11 +384,14 @@ class MonitorConfig(_Strict):
     when the driver starts.
 
     On a sampled step, forward hooks measure on the device: the output RMS and max |x| of the
-    selected modules, the residual-stream norm after each block, the largest attention logit of
-    each recognised attention module (``q_proj``/``k_proj`` with rotary embeddings as in HF Llama,
-    ``query``/``key``, a fused ``c_attn`` or ``qkv``), and the output logits' max and log Z. The
-    values are read with the logging step's one device-to-host copy; on other steps every hook
-    returns at once.
+    selected modules, the residual-stream norm after each block of every stack, the largest
+    attention logit of each attention module, taken at the call that computes the attention
+    (``F.scaled_dot_product_attention`` with the model's mask, window and scale, or the input of the
+    eager path's softmax, after mask, window and soft-cap), and the max and log Z of the model's own
+    output logits over real (unpadded) positions. The values are read with the logging step's one
+    device-to-host copy; on other steps every hook returns at once. A measurement that fails
+    disables itself with one warning; modules that cannot be measured are named once and in the
+    run summary.
     """
 
     every: int | None = Field(
@@ -407,22 +410,27 @@ class MonitorConfig(_Strict):
         ),
     )
     activations: bool = Field(True, description="Output RMS and max |x| of the selected modules.")
-    attention: bool = Field(True, description="Largest attention logit of each recognised attention module.")
-    logits: bool = Field(True, description="Output logits' max |logit| and mean log Z of the LM head.")
+    attention: bool = Field(
+        True, description="Largest attention logit of each attention module, at its attention call."
+    )
+    logits: bool = Field(
+        True, description="Max |logit| and mean log Z of the model's output logits (after any final soft-cap)."
+    )
     residual: bool = Field(True, description="Residual-stream norm (mean L2 norm per token) after each block.")
     causal: bool | None = Field(
         None,
         description=(
-            "Mask attention logits causally: None follows each attention module's is_causal attribute "
-            "(True without one); False for encoders (ViT, BERT) that do not say."
+            "Deprecated, no effect: the attention logits are measured with the mask the model itself "
+            "hands its attention call (causal or not, padding, sliding window)."
         ),
     )
     log_z_positions: int | None = Field(
         256,
         ge=1,
         description=(
-            "Token positions (evenly spaced) whose log Z is averaged: a log-sum-exp over the whole "
-            "vocabulary at every position costs about as much as the LM head's own matmul. None: all positions."
+            "Token positions (spread evenly over the whole batch, padding left out) whose log Z is averaged: "
+            "a log-sum-exp over the whole vocabulary at every position costs about as much as the LM head's "
+            "own matmul. None: all positions."
         ),
     )
     precursors: list[Literal["attn_logit_max", "logits_max", "log_z", "act_max", "act_rms", "resid_norm"]] = Field(
@@ -432,6 +440,21 @@ class MonitorConfig(_Strict):
             "logged only."
         ),
     )
+
+
+    @field_validator("causal")
+    @classmethod
+    def _causal_is_read_from_the_model(cls, value: bool | None) -> bool | None:
+        if value is not None:
+            import warnings
+
+            warnings.warn(
+                "MonitorConfig.causal has no effect: attention logits are measured with the mask the model "
+                "hands its attention call",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        return value
 
 
 class RecoveryConfig(_Strict):

@@ -630,8 +630,16 @@ class DriverCore:
         self.flush()
         c = self.engine.counters
         source = str(self.last_nonfinite) if self.last_nonfinite is not None else None
+        monitor = self.engine.monitor
+        unmeasured = tuple(f"{n}: {r}" for n, r in monitor.unmeasured.items()) if monitor is not None else ()
         return RunSummary(
-            self.engine.step, c.skipped_total, c.clipped_total, c.max_norm, c.nonfinite_total, nonfinite_source=source
+            self.engine.step,
+            c.skipped_total,
+            c.clipped_total,
+            c.max_norm,
+            c.nonfinite_total,
+            nonfinite_source=source,
+            unmeasured=unmeasured,
         )
 
     def flush(self, final_row: bool = False) -> None:

@@ -91,6 +91,8 @@ class RunSummary:
     nonfinite_steps: int
     nonfinite_source: str | None = None
     optimizers: tuple[RunSummary, ...] = ()
+    #: Modules the monitors could not measure, as "name: reason" (``MonitorConfig``).
+    unmeasured: tuple[str, ...] = ()
 
     def __getitem__(self, key: str) -> Any:
         if key not in self.__dataclass_fields__:
@@ -110,6 +112,8 @@ class RunSummary:
         )
         if self.nonfinite_source:
             text += f"; first non-finite: {self.nonfinite_source}"
+        if self.unmeasured:
+            text += f"; not measured by the monitors: {', '.join(self.unmeasured)}"
         return text
 
     def log(self) -> None:

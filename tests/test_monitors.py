@@ -68,20 +68,25 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------ a reference from the model's own attention
 
-REFERENCE: dict[int, float] = {}  # layer index -> max |q k^T| * scaling over causal positions, last forward
+REFERENCE: dict[int, float] = {}  # layer index -> max q k^T * scaling over causal positions, last forward
 
 
 def _reference(implementation: str) -> Any:
-    """An attention function that records the max pre-softmax |logit| from the very q and k the model
-    hands its attention kernel, then runs the kernel: the model file's own eager one, or SDPA."""
+    """An attention function that records the max pre-softmax logit from the very q, k and mask the
+    model hands its attention kernel, then runs the kernel: the model file's own eager one, or SDPA.
+    The signed max (the logit that saturates a softmax), as QK-clip and QKNormAttention measure it."""
 
     def forward(module: Any, query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         groups = query.shape[1] // key.shape[1]
         keys = key.repeat_interleave(groups, dim=1)  # HF's repeat_kv
-        logits = (query @ keys.transpose(-2, -1)) * kwargs["scaling"]
-        t = logits.shape[-1]
-        causal = torch.ones(t, t, dtype=torch.bool).tril()
-        REFERENCE[module.layer_idx] = float(logits.detach().abs().masked_fill(~causal, 0).amax())
+        logits = ((query @ keys.transpose(-2, -1)) * kwargs["scaling"]).detach()
+        mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
+        if mask is None and implementation == "sdpa":  # sdpa_attention_forward then passes is_causal
+            t = logits.shape[-1]
+            mask = torch.ones(t, t, dtype=torch.bool).tril()
+        if mask is not None:
+            logits = logits.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else logits + mask
+        REFERENCE[module.layer_idx] = float(logits.amax())
         if implementation == "sdpa":
             return sdpa_attention_forward(module, query, key, *args, **kwargs)
         eager = sys.modules[type(module).__module__].eager_attention_forward
@@ -366,7 +371,8 @@ def test_the_example_warns_on_the_runaway_layer_before_the_loss_moves(tmp_path: 
 
 
 def test_device_statistics_against_plain_torch() -> None:
-    from stabilitykit.monitors.stats import activation_stats, logit_stats, max_attention_logit
+    from stabilitykit.monitors.attention import sdpa_max_logit
+    from stabilitykit.monitors.stats import activation_stats, logit_stats
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 7, 5, generator=gen)
@@ -378,14 +384,15 @@ def test_device_statistics_against_plain_torch() -> None:
     top, log_z = logit_stats(logits)
     assert float(top) == float(logits.abs().max())
     assert float(log_z) == pytest.approx(float(torch.logsumexp(logits, -1).mean()), rel=1e-6)
-    _, sampled = logit_stats(logits, positions=100)  # every 12th of the 1200 positions
-    rows = logits.reshape(-1, 11)[::12]
+    _, sampled = logit_stats(logits, positions=100)  # 100 positions spread over all 1200, both sequences
+    rows = logits.reshape(-1, 11)[[(i * 1199) // 99 for i in range(100)]]
     assert float(sampled) == pytest.approx(float(torch.logsumexp(rows, -1).mean()), rel=1e-6)
     q, k = torch.randn(2, 4, 6, 8, generator=gen), torch.randn(2, 2, 6, 8, generator=gen)  # grouped-query
-    full = (q @ k.repeat_interleave(2, dim=1).transpose(-2, -1)).abs() * 0.3
-    assert float(max_attention_logit(q, k, 0.3, causal=False)) == pytest.approx(float(full.max()), rel=1e-6)
-    causal = full.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), 0)
-    assert float(max_attention_logit(q, k, 0.3, causal=True)) == pytest.approx(float(causal.max()), rel=1e-6)
+    full = (q @ k.repeat_interleave(2, dim=1).transpose(-2, -1)) * 0.3
+    assert float(sdpa_max_logit(q, k, scale=0.3, enable_gqa=True)) == pytest.approx(float(full.max()), rel=1e-6)
+    causal = full.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), -torch.inf)
+    value = sdpa_max_logit(q, k, is_causal=True, scale=0.3, enable_gqa=True)
+    assert float(value) == pytest.approx(float(causal.max()), rel=1e-6)
 
 
 def test_a_user_written_attention_with_a_fused_qkv_is_probed_too() -> None:
@@ -400,14 +407,15 @@ def test_a_user_written_attention_with_a_fused_qkv_is_probed_too() -> None:
     metrics = guard.engine.last_host_metrics
     for i, qkv in captured.items():
         q, k, _ = (z.unflatten(-1, (4, 8)).transpose(1, 2) for z in qkv.split(32, dim=-1))
-        logits = (q @ k.transpose(-2, -1)).abs() / math.sqrt(8)
-        reference = logits.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), 0).max()
+        logits = (q @ k.transpose(-2, -1)) / math.sqrt(8)
+        reference = logits.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), -torch.inf).max()
         value = metrics[f"stability/monitors/attn_logit_max/blocks.{i}.attn"]
         assert value == pytest.approx(float(reference), rel=1e-5)
     assert "stability/monitors/resid_norm/blocks.1" in metrics and "stability/monitors/log_z/lm_head" in metrics
     own = sk.testing.tiny_gpt(n_layer=2, n_embd=32, n_head=4, qk_norm=True)  # QKNormAttention measures itself
     monitor = _guard(own).engine.monitor
-    assert monitor is not None and monitor.probes == []
+    assert monitor is not None and monitor.capture is not None
+    assert not [n for n in monitor.capture.names if n.endswith(".attn")]
 
 
 def test_sampling_more_often_than_logging_keeps_the_running_max_on_the_device() -> None:
@@ -437,3 +445,46 @@ def test_two_optimizers_hook_the_model_once() -> None:
     guard = sk.StabilityGuard(model, optimizers, config=cfg, sinks=[sk.sinks.ConsoleSink(stream=io.StringIO())])
     assert [core.engine.monitor is not None for core in guard.cores] == [True, False]
     assert len(model.transformer.h[0]._forward_hooks) == 1
+
+
+@pytest.mark.parametrize(("every", "accumulation"), [(2, 1), (None, 2)], ids=["every_2_log_4", "accumulate_2"])
+def test_a_compiled_model_keeps_two_graphs_with_values_waiting_between_reads(
+    every: int | None, accumulation: int
+) -> None:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_llama()
+    compiled = torch.compile(model, backend="eager")
+    guard = _guard(compiled, log_every_n_steps=4, monitors=sk.MonitorConfig(every=every))
+    batches = token_batches(8 * accumulation)
+    for step in range(8):
+        for micro in range(accumulation):
+            guard.backward(compiled(**batches[step * accumulation + micro]).loss / accumulation)
+        guard.step()
+        guard.zero_grad()
+    # a sampled and an unsampled variant, whether values of earlier forward passes wait or not
+    assert counters["stats"]["unique_graphs"] == 2
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert guard.cores[0].engine.last_host_metrics["stability/monitors/attn_logit_max/model.layers.0.self_attn"] > 0
+    torch._dynamo.reset()
+
+
+def test_log_z_positions_are_spread_over_the_whole_batch_and_skip_padding() -> None:
+    from stabilitykit.monitors.stats import logit_stats
+
+    logits = torch.zeros(8, 48, 16)  # 384 positions, 256 kept: every sequence must be read
+    logits[6:] = 5.0  # sequences 6 and 7 alone have a larger log Z
+    _, log_z = logit_stats(logits, positions=256)
+    rows = torch.tensor([(i * 383) // 255 for i in range(256)])
+    reference = torch.logsumexp(logits.reshape(-1, 16)[rows], -1).mean()
+    assert float(log_z) == pytest.approx(float(reference), rel=1e-6)
+    assert (rows >= 6 * 48).sum() > 60  # about a quarter of the kept positions are in sequences 6 and 7
+    mask = torch.ones(8, 48)
+    mask[0, :40] = 0  # left padding
+    logits[0, :40] = 50.0  # what a pad position may hold
+    top, log_z = logit_stats(logits, positions=None, mask=mask)
+    real = logits[mask.bool()]
+    assert float(top) == float(real.abs().max())
+    assert float(log_z) == pytest.approx(float(torch.logsumexp(real, -1).mean()), rel=1e-6)

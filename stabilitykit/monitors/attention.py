@@ -1,214 +1,239 @@
-"""Attention probes: the largest attention logit of attention modules we did not write.
+"""Attention capture: the largest attention logit, measured at the call that computes the attention.
 
-A probe reads the query and key projections of one attention module with forward hooks and
-computes ``max |q·kᵀ| * scaling`` on the device (``stats.max_attention_logit``), whatever kernel the
-module then runs (eager, SDPA, flash): the logits are rebuilt from q and k, never read from the
-kernel. Recognised layouts:
+Every attention we know of ends in one call that receives the final query and key (after rotary,
+QK-norm and scaling) with the mask, the window and the soft-cap already folded in:
 
-* separate ``q_proj`` / ``k_proj`` children (HF Llama, Mistral, Qwen2/3, Gemma, ...): their outputs,
-  the optional per-head ``q_norm`` / ``k_norm``, and the rotary embedding the module receives as its
-  ``position_embeddings`` keyword (cos, sin), applied with the model file's own
-  ``apply_rotary_pos_emb``;
-* separate ``query`` / ``key`` children (HF BERT / ViT style), as above without rotary;
-* a fused ``c_attn`` (HF GPT-2) or ``qkv`` child (timm, nanoGPT-style models): its output split
-  into [q | k | v] along the features.
+* ``F.scaled_dot_product_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa)``:
+  Hugging Face's ``sdpa`` attention function, timm, nanoGPT-style modules and
+  ``nn.MultiheadAttention(need_weights=False)`` (``nn.TransformerEncoderLayer``) call it. The max
+  logit is recomputed from exactly these tensors: ``q·kᵀ * scale`` (``1/sqrt(head_dim)`` when
+  ``scale`` is None), grouped-query heads as ``enable_gqa`` says, the boolean mask as positions
+  allowed, a float mask added, ``is_causal`` as SDPA's own top-left causal mask.
+* ``F.softmax(scores)``: every eager attention (Hugging Face's ``eager_attention_forward`` and the
+  eager paths of GPT-2, BERT, T5, ViT, GPT-NeoX, ``nn.MultiheadAttention(need_weights=True)``)
+  normalises its pre-softmax logits with it, after the mask (an additive ``finfo.min`` or
+  ``torch.where``), the sliding window, relative position biases and the soft-cap. The max logit is
+  the max of that very input.
 
-The scale is the module's own ``scaling`` (HF sets it, GPT-2's inverse layer index included) or
-``scale`` (timm) when it has one, else ``1/sqrt(head_dim)``. The causal mask follows the module's
-``is_causal`` attribute (True when it has none, or as ``MonitorConfig.causal`` says). Padding
-masks and sliding windows are not applied.
+While a monitor exists, these two functions of ``torch.nn.functional`` are replaced by thin
+wrappers (restored when the last monitor closes). A wrapper measures only while a monitored
+attention module's forward runs on a sampled step; otherwise it calls the original function and
+nothing else, so an unsampled step dispatches exactly the bare model's device ops. Monitored
+attention modules are the innermost modules whose class name contains ``Attention`` or ``Attn``
+(``LlamaAttention``, ``GPT2Attention``, ``T5Attention``, timm's ``Attention``,
+``nn.MultiheadAttention``, a user's ``CausalSelfAttention``); a forward pre-hook marks the module
+whose forward is running. A module whose forward made neither call on a sampled step (a flash or
+custom kernel, ``Tensor.softmax``) is reported as not measured.
+
+The value is the signed maximum (the logit that saturates a softmax; QK-clip and
+``QKNormAttention`` measure the same), over every head and every position the mask allows.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from stabilitykit.monitors.stats import max_attention_logit
+__all__ = ["AttentionCapture", "attention_modules", "sdpa_max_logit"]
 
-__all__ = ["AttentionProbe", "FusedQKVProbe", "QKProjProbe", "attention_probe"]
-
-#: Receives (metric kind, module name, 0-d device tensor) from a probe.
-Record = Callable[[str, str, Tensor], None]
-#: True on sampled steps; read first by every hook.
-Active = Callable[[], bool]
+#: Receives (module name, 0-d device tensor) for each measured attention call.
+Record = Callable[[str, Tensor], None]
 
 
-def _head_dim(module: nn.Module, q_width: int | None) -> int | None:
-    """The head dim from the module's attributes or its ``config``, else the query width / heads."""
-    config = getattr(module, "config", None)
-    head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)
-    if isinstance(head_dim, int) and head_dim > 0:
-        return head_dim
-    heads = next(
-        (h for h in (getattr(module, a, None) for a in ("num_heads", "n_head", "n_heads", "num_attention_heads"))
-         if isinstance(h, int) and h > 0),
-        getattr(config, "num_attention_heads", None),
-    )  # fmt: skip
-    if isinstance(heads, int) and heads > 0 and q_width:
-        return q_width // heads
-    return None
+def sdpa_max_logit(
+    query: Tensor,
+    key: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """The largest logit ``F.scaled_dot_product_attention`` computes before its softmax, in float32.
+
+    Same arguments as SDPA. ``query``: (..., H, L, D); ``key``: (..., H_kv, S, D). A boolean mask
+    marks the positions that take part, a float mask is added; ``is_causal`` hides the positions
+    above the top-left diagonal, as SDPA does.
+    """
+    q, k = query.detach(), key.detach()
+    if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    factor = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1))  # a fresh tensor: masked in place below
+    mask = attn_mask.detach() if attn_mask is not None else None
+    additive = mask is not None and mask.dtype != torch.bool
+    if additive or factor < 0:
+        scores.mul_(factor)  # an added mask comes after the scale
+    if is_causal:
+        length, source = scores.shape[-2:]
+        hidden = torch.ones(length, source, dtype=torch.bool, device=scores.device).triu_(1)
+        scores.masked_fill_(hidden, -torch.inf)
+    if mask is not None:
+        if additive:
+            scores.add_(mask.float())
+        else:
+            scores.masked_fill_(~mask, -torch.inf)
+    top = scores.amax()
+    return top if additive or factor < 0 else top * factor  # max(x) * s == max(x * s) for s >= 0
 
 
-def _scaling(module: nn.Module, head_dim: int) -> float:
-    for attribute in ("scaling", "scale"):
-        scaling = getattr(module, attribute, None)
-        if isinstance(scaling, (int, float)) and not isinstance(scaling, bool):
-            return float(scaling)
-    return 1.0 / math.sqrt(head_dim)
+def _is_attention(module: nn.Module) -> bool:
+    name = type(module).__name__.lower()
+    return isinstance(module, nn.MultiheadAttention) or "attention" in name or "attn" in name
 
 
-def _out_features(module: nn.Module | None) -> int | None:
-    """A projection's output width: ``nn.Linear.out_features`` or GPT-2 ``Conv1D.nf``."""
-    width = getattr(module, "out_features", None) or getattr(module, "nf", None)
-    return int(width) if isinstance(width, int) else None
+def attention_modules(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The innermost attention modules of ``named`` (``named_modules()`` order): those whose class
+    name says attention and that hold no other such module (``BertSelfAttention``, not
+    ``BertAttention``)."""
+    candidates = [(n, m) for n, m in named if _is_attention(m)]
+    return [(n, m) for n, m in candidates if not any(c is not m and _is_attention(c) for c in m.modules())]
 
 
-class AttentionProbe:
-    """Hooks on one attention module; ``close()`` removes them. Subclasses say where q and k come from."""
+class _Current:
+    """The capture whose attention module's forward is running on a sampled step."""
+
+    def __init__(self) -> None:
+        self.capture: AttentionCapture | None = None
+        self.name: str = ""
+
+
+_CURRENT = _Current()
+_ORIGINAL: dict[str, Any] = {}
+_USERS = [0]
+
+
+def _sdpa(*args: Any, **kwargs: Any) -> Any:
+    capture = _CURRENT.capture
+    if capture is not None:
+        capture.measure_sdpa(_CURRENT.name, args, kwargs)
+    return _ORIGINAL["scaled_dot_product_attention"](*args, **kwargs)
+
+
+def _softmax(*args: Any, **kwargs: Any) -> Any:
+    capture = _CURRENT.capture
+    if capture is not None:
+        capture.measure_softmax(_CURRENT.name, args, kwargs)
+    return _ORIGINAL["softmax"](*args, **kwargs)
+
+
+_WRAPPERS = {"scaled_dot_product_attention": _sdpa, "softmax": _softmax}
+
+
+def _patch() -> None:
+    """Install the wrappers in ``torch.nn.functional`` (once, however many monitors exist)."""
+    if _USERS[0] == 0:
+        for name, wrapper in _WRAPPERS.items():
+            _ORIGINAL[name] = getattr(F, name)
+            setattr(F, name, wrapper)
+    _USERS[0] += 1
+
+
+def _unpatch() -> None:
+    """Restore ``torch.nn.functional`` when the last monitor closes."""
+    _USERS[0] -= 1
+    if _USERS[0] == 0:
+        for name, original in _ORIGINAL.items():
+            if getattr(F, name) is _WRAPPERS[name]:
+                setattr(F, name, original)
+        _ORIGINAL.clear()
+
+
+class AttentionCapture:
+    """Marks the running attention module on sampled steps and measures its attention call.
+
+    ``active()`` says whether the coming forward passes are sampled; ``record(name, value)`` keeps a
+    value; ``failed(name, reason)`` is told once when measuring a module raised (the module is then
+    left alone: the step itself never sees the exception).
+    """
 
     def __init__(
-        self, name: str, module: nn.Module, head_dim: int, active: Active, record: Record, causal: bool | None
+        self,
+        modules: list[tuple[str, nn.Module]],
+        active: Callable[[], bool],
+        record: Record,
+        failed: Callable[[str, str], None],
     ) -> None:
-        self.name = name
-        self.module = module
-        self.head_dim = head_dim
-        self.scaling = _scaling(module, head_dim)
-        self.causal = bool(getattr(module, "is_causal", True)) if causal is None else causal
+        self.modules = modules
         self.active = active
         self.record = record
+        self.failed = failed
+        #: Modules whose measurement raised: never measured again.
+        self.disabled: set[str] = set()
         self.handles: list[Any] = []
+        self._outer: list[tuple[AttentionCapture | None, str]] = []
+        _patch()
+        self._patched = True
+        for name, module in modules:
+            if callable(getattr(module, "stability_metrics", None)):
+                continue  # measures itself (QKNormAttention): attention/max_logit
+            self.handles.append(module.register_forward_pre_hook(self._enter(name)))
+            self.handles.append(module.register_forward_hook(self._exit(name), always_call=True))
 
-    def _emit(self, q: Tensor, k: Tensor) -> None:
-        """q: (B, H, T, D), k: (B, H_kv, T, D): record this module's max logit."""
-        self.record("attn_logit_max", self.name, max_attention_logit(q, k, self.scaling, self.causal))
+    @property
+    def names(self) -> list[str]:
+        """The attention modules this capture watches."""
+        return [n for n, m in self.modules if not callable(getattr(m, "stability_metrics", None))]
 
-    def _split(self, x: Tensor) -> Tensor:
-        """(B, T, H*D) -> (B, H, T, D)."""
-        return x.detach().unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+    def _enter(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if not self.active() or not module.training or name in self.disabled:
+                return
+            self._outer.append((_CURRENT.capture, _CURRENT.name))
+            _CURRENT.capture, _CURRENT.name = self, name
+
+        return hook
+
+    def _exit(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if _CURRENT.capture is self and _CURRENT.name == name and self._outer:
+                _CURRENT.capture, _CURRENT.name = self._outer.pop()
+
+        return hook
+
+    def measure_sdpa(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Measure an ``F.scaled_dot_product_attention`` call made in ``name``'s forward."""
+        try:
+            params = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            bound = dict(zip(params, args, strict=False)) | kwargs
+            value = sdpa_max_logit(
+                bound["query"],
+                bound["key"],
+                bound.get("attn_mask"),
+                bool(bound.get("is_causal", False)),
+                bound.get("scale"),
+                bool(bound.get("enable_gqa", False)),
+            )
+        except Exception as error:  # a measurement never breaks the user's step
+            self._fail(name, f"its scaled_dot_product_attention call could not be measured ({error})")
+            return
+        self.record(name, value)
+
+    def measure_softmax(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Measure the input of an ``F.softmax`` call made in ``name``'s forward: the pre-softmax logits."""
+        try:
+            scores = args[0] if args else kwargs["input"]
+            value = scores.detach().amax().float()
+        except Exception as error:  # a measurement never breaks the user's step
+            self._fail(name, f"its softmax call could not be measured ({error})")
+            return
+        self.record(name, value)
+
+    def _fail(self, name: str, reason: str) -> None:
+        self.disabled.add(name)
+        self.failed(name, reason)
 
     def close(self) -> None:
-        """Remove the hooks."""
+        """Remove the hooks and, with the last monitor, the wrappers."""
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-
-
-class QKProjProbe(AttentionProbe):
-    """``q_proj`` / ``k_proj`` (or ``query`` / ``key``) outputs, per-head norms and the rotary
-    ``position_embeddings`` keyword."""
-
-    def __init__(
-        self,
-        name: str,
-        module: nn.Module,
-        head_dim: int,
-        active: Active,
-        record: Record,
-        causal: bool | None,
-        children: tuple[str, str] = ("q_proj", "k_proj"),
-    ) -> None:
-        super().__init__(name, module, head_dim, active, record, causal)
-        self._q: Tensor | None = None
-        self._k: Tensor | None = None
-        self._rope: Any = None
-        self._rotate = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)
-        q_proj, k_proj = module.get_submodule(children[0]), module.get_submodule(children[1])
-        self.handles = [
-            module.register_forward_pre_hook(self._enter, with_kwargs=True),
-            q_proj.register_forward_hook(self._take_q),
-            k_proj.register_forward_hook(self._take_k),
-            module.register_forward_hook(self._exit),
-        ]
-
-    def _enter(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        if not self.active() or not module.training:
-            return
-        self._rope = kwargs.get("position_embeddings")
-
-    def _take_q(self, module: nn.Module, args: Any, output: Tensor) -> None:
-        if not self.active() or not module.training:
-            return
-        self._q = output
-
-    def _take_k(self, module: nn.Module, args: Any, output: Tensor) -> None:
-        if not self.active() or not module.training:
-            return
-        self._k = output
-
-    def _norm(self, which: str, x: Tensor) -> Tensor:
-        """The module's own per-head ``q_norm`` / ``k_norm`` (Qwen3, Gemma 3), applied as it does."""
-        norm = getattr(self.module, which, None)
-        return norm(x) if isinstance(norm, nn.Module) else x
-
-    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self.active() or not module.training:
-            return
-        q_out, k_out, rope = self._q, self._k, self._rope
-        self._q = self._k = self._rope = None
-        if q_out is None or k_out is None:
-            return
-        with torch.no_grad():  # a measurement: nothing here joins the graph the loss backpropagates through
-            q = self._norm("q_norm", self._split(q_out))
-            k = self._norm("k_norm", self._split(k_out))
-            if rope is not None and self._rotate is not None:
-                cos, sin = rope
-                q, k = self._rotate(q, k, cos, sin)
-            self._emit(q, k)
-
-
-class FusedQKVProbe(AttentionProbe):
-    """GPT-2's ``c_attn`` or a ``qkv`` projection: one output that is [q | k | v] along the features."""
-
-    def __init__(
-        self,
-        name: str,
-        module: nn.Module,
-        head_dim: int,
-        active: Active,
-        record: Record,
-        causal: bool | None,
-        child: str = "c_attn",
-    ) -> None:
-        super().__init__(name, module, head_dim, active, record, causal)
-        projection = module.get_submodule(child)
-        self.width = (_out_features(projection) or 0) // 3
-        self.handles = [projection.register_forward_hook(self._take)]
-
-    def _take(self, module: nn.Module, args: Any, output: Tensor) -> None:
-        if not self.active() or not module.training:
-            return
-        qkv = output.detach()
-        self._emit(self._split(qkv[..., : self.width]), self._split(qkv[..., self.width : 2 * self.width]))
-
-
-def attention_probe(
-    name: str, module: nn.Module, active: Active, record: Record, causal: bool | None = None
-) -> AttentionProbe | None:
-    """A probe for ``module`` when it is an attention module of a recognised layout, else None.
-
-    ``causal``: mask the logits causally (None: the module's ``is_causal``, True without one).
-    Modules that measure themselves (``stability_metrics()``: ``QKNormAttention``) are left alone.
-    """
-    if callable(getattr(module, "stability_metrics", None)):
-        return None
-    children = dict(module.named_children())
-    for q_name, k_name in (("q_proj", "k_proj"), ("query", "key")):
-        if q_name in children and k_name in children:
-            head_dim = _head_dim(module, _out_features(children[q_name]))
-            if head_dim is None:
-                return None
-            return QKProjProbe(name, module, head_dim, active, record, causal, (q_name, k_name))
-    for fused in ("c_attn", "qkv"):
-        width = _out_features(children.get(fused))
-        if width and width % 3 == 0 and not getattr(module, "is_cross_attention", False):
-            head_dim = _head_dim(module, width // 3)
-            if head_dim is None:
-                return None
-            return FusedQKVProbe(name, module, head_dim, active, record, causal, fused)
-    return None
+        if _CURRENT.capture is self:
+            _CURRENT.capture, _CURRENT.name = None, ""
+        if self._patched:
+            self._patched = False
+            _unpatch()

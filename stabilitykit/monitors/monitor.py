@@ -9,21 +9,30 @@ sync, and on an unsampled step each hook returns after one Python attribute chec
 Hooks are installed once, when the monitor is built, and removed by ``close()``; nothing grows
 per step. Metric names, under the engine's prefix: ``monitors/<signal>/<module>`` with signal one of
 ``act_rms``, ``act_max``, ``resid_norm``, ``attn_logit_max``, ``logits_max``, ``log_z``.
+
+A measurement never breaks a step: a hook that raises disables itself with one warning naming the
+module and the reason, and the step goes on. Modules that cannot be measured are listed once, by
+name and reason, after the first sampled step (``unmeasured``).
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from stabilitykit.config import MonitorConfig
-from stabilitykit.monitors.attention import AttentionProbe, attention_probe
+from stabilitykit.monitors.attention import AttentionCapture, attention_modules
 from stabilitykit.monitors.select import MonitorTargets, select_targets
 from stabilitykit.monitors.stats import activation_stats, first_tensor, logit_stats
 
 __all__ = ["SIGNALS", "ModelMonitor"]
+
+LOGGER = logging.getLogger("stabilitykit")
 
 #: Every signal a monitor records, and whether values measured on several sampled steps between
 #: two reads keep their running maximum (True) or the latest value (False).
@@ -35,6 +44,19 @@ SIGNALS = {
     "logits_max": True,
     "log_z": False,
 }
+
+
+class _Slot:
+    """One metric's value since the last read. Its value is always a tensor on a sampled step (primed
+    before the step by ``begin_step``, outside any compiled code), so a hook's running max reads no
+    Python state that changes between forward passes: a compiled model keeps one graph for sampled
+    forward passes, whether values from earlier micro-batches or steps are waiting or not."""
+
+    __slots__ = ("filled", "value")
+
+    def __init__(self) -> None:
+        self.value: Tensor | None = None
+        self.filled = False
 
 
 class ModelMonitor:
@@ -52,39 +74,86 @@ class ModelMonitor:
         #: True while the coming forward passes belong to a sampled step.
         self.sampling = False
         self.targets: MonitorTargets = select_targets(model, config.modules)
-        self._store: dict[str, Tensor] = {}
+        self._slots: dict[str, _Slot] = {}
+        self._device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
         self._handles: list[Any] = []
-        self.probes: list[AttentionProbe] = []
-        self._install()
+        #: Modules (and the output logits) that are not measured, with the reason: a hook that
+        #: raised, an attention module whose forward made no attention call we can read.
+        self.unmeasured: dict[str, str] = {}
+        self._sampled = False  # a sampled step has run since the monitor was built
+        self._reported = False
+        self.capture: AttentionCapture | None = None
+        self._mask: Tensor | None = None
+        self._install(model)
 
     # ------------------------------------------------------------------ hooks
 
     def _active(self) -> bool:
         return self.sampling
 
-    def _install(self) -> None:
+    def _install(self, model: nn.Module) -> None:
         cfg, targets = self.config, self.targets
         block_names = {n for n, _ in targets.blocks} if cfg.residual else set()
         act_names = {n for n, _ in targets.activations} if cfg.activations else set()
         for name, module in targets.modules:
             if name in block_names or name in act_names:
+                if name in act_names:
+                    self._slot("act_rms", name)
+                    self._slot("act_max", name)
+                if name in block_names:
+                    self._slot("resid_norm", name)
                 hook = self._activation_hook(name, name in act_names, name in block_names)
                 self._handles.append(module.register_forward_hook(hook))
         if cfg.attention:
-            for name, module in targets.modules:
-                probe = attention_probe(name, module, self._active, self.record, cfg.causal)
-                if probe is not None:
-                    self.probes.append(probe)
-        if cfg.logits and targets.head is not None:
-            self._handles.append(targets.head[1].register_forward_hook(self._head_hook(targets.head[0])))
+            record = self._recorder("attn_logit_max")
+            self.capture = AttentionCapture(attention_modules(targets.modules), self._active, record, self._failed)
+            for name in self.capture.names:
+                self._slot("attn_logit_max", name)
+        if cfg.logits:
+            self._install_logits(targets.root)
+
+    def _install_logits(self, root: nn.Module) -> None:
+        """Measure the model's own output logits, after any final soft-cap or scale (Gemma 2's cap,
+        Cohere's ``logit_scale``): the ``logits`` of the output of the module that owns the LM head
+        when it is a Hugging Face model (it has a ``config``), else the LM head's output. The model's
+        ``attention_mask`` keyword (read by a pre-hook on the model) keeps padding out."""
+        head = self.targets.head
+        self.logits_name = head[0] if head is not None else "logits"
+        self._slot("logits_max", self.logits_name)
+        self._slot("log_z", self.logits_name)
+        from_output = head is None or getattr(root, "config", None) is not None
+        model = self.targets.model
+        self._handles.append(model.register_forward_pre_hook(self._take_mask, with_kwargs=True))
+        if from_output:
+            self._handles.append(root.register_forward_hook(self._output_hook))
+        elif head is not None:
+            self._handles.append(head[1].register_forward_hook(self._head_hook))
+
+    def _failed(self, name: str, reason: str) -> None:
+        """A measurement raised: that module is left alone from now on, said once."""
+        if name in self.unmeasured:
+            return
+        self.unmeasured[name] = reason
+        warnings.warn(f"stabilitykit monitors: {name} is not measured: {reason}", RuntimeWarning, stacklevel=2)
+
+    def _guarded(self, name: str, measure: Callable[[], None]) -> None:
+        """Run one measurement; an exception disables ``name`` with one warning, the step goes on."""
+        if name in self.unmeasured:
+            return
+        try:
+            measure()
+        except Exception as error:  # a monitor never breaks a step
+            message = str(error).splitlines()[0][:200] if str(error) else ""
+            self._failed(name, f"measuring it raised {type(error).__name__}: {message}")
+
+    def _recorder(self, signal: str) -> Callable[[str, Tensor], None]:
+        def record(module: str, value: Tensor) -> None:
+            self.record(signal, module, value)
+
+        return record
 
     def _activation_hook(self, name: str, activations: bool, residual: bool) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self.sampling or not module.training:
-                return
-            x = first_tensor(output)
-            if x is None or not x.is_floating_point() or x.dim() == 0:
-                return
+        def measure(x: Tensor) -> None:
             rms, top, norm = activation_stats(x)
             if activations:
                 self.record("act_rms", name, rms)
@@ -92,41 +161,123 @@ class ModelMonitor:
             if residual:
                 self.record("resid_norm", name, norm)
 
-        return hook
-
-    def _head_hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self.sampling or not module.training:
                 return
-            logits = first_tensor(output)
-            if logits is None or not logits.is_floating_point():
+            x = first_tensor(output)
+            if x is None or not x.is_floating_point() or x.dim() == 0:
                 return
-            top, log_z = logit_stats(logits, self.config.log_z_positions)
-            self.record("logits_max", name, top)
-            self.record("log_z", name, log_z)
+            self._guarded(name, lambda: measure(x))
 
         return hook
 
+    def _take_mask(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if not self.sampling or not module.training:
+            return
+        encoder_decoder = bool(getattr(getattr(module, "config", None), "is_encoder_decoder", False))
+        mask = kwargs.get("decoder_attention_mask" if encoder_decoder else "attention_mask")
+        self._mask = mask if isinstance(mask, Tensor) else None
+
+    def _head_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.sampling or not module.training:
+            return
+        logits = first_tensor(output)
+        if logits is not None and logits.is_floating_point() and logits.dim() > 0:
+            self._logits(logits)
+
+    # The output hook runs where the model returns, outside a compiled model's graph when the model
+    # itself is compiled: kept out of Dynamo so that it compiles no graph of its own.
+    @torch.compiler.disable
+    def _output_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.sampling or not module.training:
+            return
+        logits = getattr(output, "logits", None)
+        if logits is None and isinstance(output, dict):
+            logits = output.get("logits")
+        if isinstance(logits, Tensor) and logits.is_floating_point() and logits.dim() > 0:
+            self._logits(logits)
+
+    def _logits(self, logits: Tensor) -> None:
+        mask, self._mask = self._mask, None
+        if mask is not None and tuple(mask.shape) != tuple(logits.shape[:-1]):
+            mask = None  # not a mask over these logits' positions
+        self._guarded(self.logits_name, lambda: self._measure_logits(logits, mask))
+
+    def _measure_logits(self, logits: Tensor, mask: Tensor | None) -> None:
+        top, log_z = logit_stats(logits, self.config.log_z_positions, mask)
+        self.record("logits_max", self.logits_name, top)
+        self.record("log_z", self.logits_name, log_z)
+
+    def _slot(self, signal: str, module: str) -> None:
+        """Declare a metric when its hook is installed (the set of slots never changes afterwards)."""
+        self._slots.setdefault(f"monitors/{signal}/{module}", _Slot())
+
     def record(self, signal: str, module: str, value: Tensor) -> None:
         """Keep one measured value on the device (a running max for max signals) until the next read."""
-        key = f"monitors/{signal}/{module}"
-        previous = self._store.get(key)
-        self._store[key] = torch.maximum(previous, value) if previous is not None and SIGNALS[signal] else value
+        slot = self._slots.get(f"monitors/{signal}/{module}")
+        if slot is None:
+            return
+        if SIGNALS[signal] and slot.value is not None:
+            slot.value = torch.maximum(slot.value, value.float())
+        else:
+            slot.value = value.float()
+        slot.filled = True
+
+    def _prime(self) -> None:
+        """Before a sampled step: every unfilled slot holds its own -inf (one tensor per slot: a compiled
+        graph must not see two slots as one input; sampled steps only)."""
+        empty = [slot for slot in self._slots.values() if slot.value is None]
+        for slot in empty:
+            slot.value = torch.full((), -torch.inf, device=self._device)
 
     # ------------------------------------------------------------------ the engine's side
 
     def begin_step(self, step: int, logging: bool) -> None:
         """The engine's call before step ``step``'s forward passes (``logging``: it is a logging step)."""
+        if self.sampling:
+            self._sampled = True
+        if self._sampled and not self._reported:
+            self._report_unmeasured()
         self.sampling = logging if self.every is None else step % self.every == 0
+        if self.sampling:
+            self._prime()
 
     def stability_metrics(self) -> dict[str, Tensor]:
         """The values measured since the last read (device tensors), emptied: each is read once."""
-        out, self._store = self._store, {}
+        if self.sampling:
+            self._sampled = True  # read on the sampled step itself (every=None)
+        if self._sampled and not self._reported:
+            self._report_unmeasured()
+        out = {key: slot.value for key, slot in self._slots.items() if slot.filled and slot.value is not None}
+        self._clear()
+        if self.sampling:
+            self._prime()  # read in the middle of a sampled step: its later forward passes still measure
         return out
+
+    def _clear(self) -> None:
+        for slot in self._slots.values():
+            slot.value, slot.filled = None, False
+
+    def _report_unmeasured(self) -> None:
+        """After the first sampled step: list once every module that was not measured, and why."""
+        self._reported = True
+        if self.capture is not None:
+            for name in self.capture.names:
+                slot = self._slots.get(f"monitors/attn_logit_max/{name}")
+                if (slot is None or not slot.filled) and name not in self.unmeasured:
+                    self.unmeasured[name] = (
+                        "no scaled_dot_product_attention or softmax call in its forward on a sampled step "
+                        "(a flash or custom kernel, Tensor.softmax, or not run in training mode)"
+                    )
+        if self.unmeasured:
+            listed = "; ".join(f"{name}: {reason}" for name, reason in self.unmeasured.items())
+            warnings.warn(f"stabilitykit monitors: not measured: {listed}", RuntimeWarning, stacklevel=3)
 
     def discard(self) -> None:
         """Drop the values measured since the last read (a rollback undid the steps they came from)."""
-        self._store = {}
+        self._clear()
+        if self.sampling:
+            self._prime()
 
     def is_precursor(self, key: str) -> bool:
         """Whether the spike detector's trend warnings should watch ``key`` (``MonitorConfig.precursors``)."""
@@ -138,8 +289,8 @@ class ModelMonitor:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for probe in self.probes:
-            probe.close()
+        if self.capture is not None:
+            self.capture.close()
         self.sampling = False
 
     @property
@@ -149,4 +300,4 @@ class ModelMonitor:
         names += [n for n, _ in self.targets.blocks if self.config.residual and n not in names]
         if self.config.logits and self.targets.head is not None:
             names.append(self.targets.head[0])
-        return names + [p.name for p in self.probes]
+        return names + (self.capture.names if self.capture is not None else [])

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["activation_stats", "first_tensor", "logit_stats", "max_attention_logit"]
+__all__ = ["activation_stats", "feature_dim", "first_tensor", "logit_stats", "spread_rows"]
 
 
 def first_tensor(value: Any) -> Tensor | None:
@@ -30,45 +30,59 @@ def _max_abs(x: Tensor) -> Tensor:
     return torch.maximum(-low, high).float()
 
 
+def feature_dim(x: Tensor) -> int:
+    """The dimension that holds a position's features: channels (1) of an image batch (N, C, H, W),
+    else the last one (tokens: (..., T, features))."""
+    return 1 if x.dim() == 4 else -1
+
+
 def activation_stats(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """RMS over all elements, max |x|, and the mean L2 norm per position (the last dimension: features).
+    """RMS over all elements, max |x|, and the mean L2 norm per position (over the features:
+    ``feature_dim``, the channels of each pixel of an image batch, else the last dimension).
 
     Two reductions over ``x``, neither allocating a tensor of its size: the per-position norms
     (``vector_norm``, accumulated in float32) give the RMS and the mean norm; ``aminmax`` the max.
     """
     x = x.detach()
-    norms = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
-    rms = norms.square().mean().div(max(1, x.shape[-1])).sqrt()
+    dim = feature_dim(x)
+    norms = torch.linalg.vector_norm(x, dim=dim, dtype=torch.float32)
+    rms = norms.square().mean().div(max(1, x.shape[dim])).sqrt()
     return rms, _max_abs(x), norms.mean()
 
 
-def logit_stats(logits: Tensor, positions: int | None = None) -> tuple[Tensor, Tensor]:
-    """max |logit| over all output logits (..., vocab), and the mean log Z (log-sum-exp over the
-    vocabulary) over at most ``positions`` evenly spaced token positions (None: all of them).
+def spread_rows(total: int, count: int | None, device: torch.device | str = "cpu") -> Tensor | None:
+    """``count`` row indices spread evenly over ``range(total)`` (first and last included; built on
+    ``device``, no copy from the host), None for all rows."""
+    if count is None or total <= count:
+        return None
+    step = max(1, count - 1)
+    return torch.arange(count, device=device).mul_(total - 1).div_(step, rounding_mode="floor")
 
-    The max is one cheap min/max pass; a log-sum-exp costs an exp per logit, about as much as the
-    LM head's matmul, so the mean log Z is estimated from a strided subset of positions.
+
+def logit_stats(logits: Tensor, positions: int | None = None, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """max |logit| over the output logits (..., vocab) of the positions ``mask`` keeps, and the mean
+    log Z (log-sum-exp over the vocabulary) over at most ``positions`` positions spread evenly over
+    the whole batch (None: all of them), padding left out.
+
+    ``mask``: the model's ``attention_mask`` (batch, tokens), 1 for a real token, or None. The max
+    is one min/max pass per position; a log-sum-exp costs an exp per logit, about as much as the
+    LM head's matmul, so the mean log Z is estimated from a subset of positions. No host sync: the
+    padding enters as weights, never as a data-dependent selection.
     """
     logits = logits.detach()
     rows = logits.reshape(-1, logits.shape[-1])
-    if positions is not None and rows.shape[0] > positions:
-        rows = rows[:: rows.shape[0] // positions][:positions]
-    return _max_abs(logits), torch.logsumexp(rows.float(), dim=-1).mean()
-
-
-def max_attention_logit(q: Tensor, k: Tensor, scaling: float, causal: bool) -> Tensor:
-    """max |q·kᵀ| * ``scaling`` over heads and (causally allowed) positions.
-
-    ``q``: (batch, heads, T_q, head_dim); ``k``: (batch, kv_heads, T_k, head_dim) with ``heads`` a
-    multiple of ``kv_heads`` (grouped-query attention: each key head serves ``heads // kv_heads``
-    query heads, as ``repeat_kv`` does, without copying the keys). Computed in the input's dtype,
-    as the model computes its own logits; positions a causal mask hides count as 0 (the scores
-    are masked in place, then one min/max pass: no other tensor of their size).
-    """
-    q, k = q.detach(), k.detach()
-    b, h, t_q, d = q.shape
-    kv = k.shape[1]
-    scores = q.reshape(b, kv, h // kv, t_q, d) @ k.unsqueeze(2).transpose(-2, -1)
-    if causal:
-        scores.tril_(diagonal=k.shape[2] - t_q)
-    return _max_abs(scores) * abs(scaling)
+    weights = None
+    if mask is not None and mask.numel() == rows.shape[0]:
+        weights = mask.detach().reshape(-1).to(device=rows.device, dtype=torch.float32).clamp(0, 1)
+    low, high = torch.aminmax(rows, dim=-1)
+    top = torch.maximum(-low, high).float()
+    if weights is not None:
+        top = top * weights  # |logit| >= 0: a padded position counts as 0
+    index = spread_rows(rows.shape[0], positions, rows.device)
+    if index is not None:
+        rows = rows.index_select(0, index)
+        weights = weights.index_select(0, index) if weights is not None else None
+    log_z = torch.logsumexp(rows.float(), dim=-1)
+    if weights is None:
+        return top.amax(), log_z.mean()
+    return top.amax(), (log_z * weights).sum() / weights.sum().clamp_min(1.0)
