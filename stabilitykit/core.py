@@ -648,15 +648,17 @@ class DriverCore:
         if self.recovery is not None:
             self.recovery.flush(rows)
 
-    def close(self) -> None:
+    def close(self, final_row: bool = True) -> None:
         """Fold what is left, remove tracing hooks and every wrapper (monitor hooks included); the
-        wrappers and hooks go even when finishing the last step raises (a divergence)."""
+        wrappers and hooks go even when finishing the last step raises (a divergence). ``final_row``:
+        the steps since the last logging step get a metrics row (drivers whose framework has its own
+        logging rows pass False)."""
         try:
             if self.decision is not None:
                 self.finish()
         finally:
             try:
-                self.flush(final_row=True)
+                self.flush(final_row=final_row)
             finally:
                 if self.tracer is not None:
                     self.tracer.detach()

@@ -63,7 +63,7 @@ class StabilityCallback(Callback):
     ) -> None:
         """``rules``: your own skip rules (``stabilitykit.SkipRule``), run after the built-in ones."""
         #: The lifecycle every driver shares (``drivers/base.py``): cores, losses, rules, state, the end.
-        self.driver = Driver(config, sinks=sinks, rules=rules)
+        self.driver = Driver(config, sinks=sinks, rules=rules, final_row=False)  # Lightning's own rows only
         self.config = self.driver.config
         self.name = name
         self.hooks = self.driver.hooks

@@ -63,7 +63,11 @@ class Driver:
         sinks: Iterable[Sink] | None = None,
         hooks: HookManager | None = None,
         rules: Sequence[SkipRule] = (),
+        final_row: bool = True,
     ) -> None:
+        """``final_row``: a run's last steps since its last logging step get a row of their own at the
+        end (the plain loop); False where the framework has its own logging rows (Lightning, HF)."""
+        self.final_row = final_row
         self.config = coerce_config(config)
         self.hooks = hooks or HookManager()
         for sink in sinks or []:
@@ -179,10 +183,10 @@ class Driver:
         try:
             if self.cores:
                 try:
-                    self.cores[0].close()  # finishes, folds and logs the final row, undoes wrappers and hooks
+                    self.cores[0].close(self.final_row)  # finishes, folds (and logs), undoes wrappers and hooks
                 finally:
                     for core in self.cores[1:]:
-                        core.close()
+                        core.close(self.final_row)
                 self.summary().log()
         finally:
             _ACTIVE[:] = [ref for ref in _ACTIVE if ref() is not None and ref() is not self]

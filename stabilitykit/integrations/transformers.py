@@ -152,7 +152,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         if restore_into_attached and getattr(self, "_trainer", None) is not None:
             return  # the attached callback came back from __new__: keep everything it holds
         #: The lifecycle every driver shares (``drivers/base.py``): cores, losses, rules, state, the end.
-        self.driver = Driver(config, sinks=sinks, rules=rules)
+        self.driver = Driver(config, sinks=sinks, rules=rules, final_row=False)  # the Trainer's own rows only
         self.config = self.driver.config
         self.hooks = self.driver.hooks
         self.logs = _TrainerLogs()
@@ -294,7 +294,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         log), the summary line, every route undone, sinks closed."""
         if self.core is not None:
             self.core.finish()
-            self.core.flush(final_row=True)
+            self.core.flush()
             self._write_events(at_end=state)
         self.driver.end_run()
         self._release()
