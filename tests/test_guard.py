@@ -305,3 +305,19 @@ def test_schedule_step_counts_steps_less_skips_and_survives_a_resume() -> None:
     assert other.schedule_step == 5 and other.step_count == 6
     guard.close()
     other.close()
+
+
+def test_reading_the_summary_before_close_keeps_the_final_row(tmp_path) -> None:
+    # the quickstart's order: print(guard.summary().line()), then guard.close()
+    model = sk.testing.tiny_gpt()
+    opt = _optimizer(model, "fused")
+    log = tmp_path / "run.jsonl"
+    cfg = sk.StabilityConfig(log_every_n_steps=10)
+    guard, _ = _train(model, opt, batches(25), config=cfg, sinks=[sk.sinks.JsonlSink(log)])
+    summary = guard.summary()
+    assert summary["steps"] == 25
+    guard.close()
+    rows, _ = sk.sinks.read_jsonl(log)
+    assert [row["step"] for row in rows] == [0, 10, 20, 24]
+    assert guard.summary()["steps"] == 25  # reading it again changes nothing
+    assert [row["step"] for row in sk.sinks.read_jsonl(log)[0]] == [0, 10, 20, 24]

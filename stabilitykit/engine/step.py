@@ -122,6 +122,9 @@ class StabilityEngine:
         self._no_request = torch.zeros((), dtype=torch.float32, device=self.device)
         self._loss_sum: Tensor | None = None
         self.last_host_metrics: dict[str, float] = {}
+        #: The newest row folded by a plain ``flush`` (a ``summary()``) but not logged yet: the
+        #: closing ``flush(final_row=True)`` still owes the sinks its row.
+        self._unlogged_row: Row | None = None
         #: Where a driver's tracer saw the first non-finite value; named by this step's skip events.
         self.source_hint: Any | None = None
         #: Modules that measure themselves, QK-clip and the model monitor (``engine/sources.py``).
@@ -534,12 +537,15 @@ class StabilityEngine:
         the run is closing, so the steps since the last logging step also get a metrics row (at
         the newest step's number) in every sink. Returns the rows read.
         """
-        if not len(self.journal):
-            return []
-        rows, _ = self.journal.read()
-        divergence = self._fold(rows, self.step)
-        if final_row and rows:
-            self._log_rows(rows[-1], rows[-1].step, None, [])
+        rows: list[Row] = []
+        divergence = None
+        if len(self.journal):
+            rows, _ = self.journal.read()
+            divergence = self._fold(rows, self.step)
+            if rows:
+                self._unlogged_row = rows[-1]
+        if final_row and self._unlogged_row is not None:
+            self._log_rows(self._unlogged_row, self._unlogged_row.step, None, [])
         if divergence is not None:
             self.report_divergence(divergence, raise_error=False)
         return rows
@@ -566,6 +572,7 @@ class StabilityEngine:
                 Event("clipped", step, f"{count} step(s) clipped since the last logging step", {"count": count})
             )
         c.reset_recent()
+        self._unlogged_row = None
         self.last_host_metrics = dict(named)
         self.hooks.log_metrics(named, step)
 
