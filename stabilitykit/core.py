@@ -244,7 +244,9 @@ class DriverCore:
         self.buffers = BufferGuard(running_stat_buffers(model, self.config.skip.restore_buffers))
         self.precision_choice: PrecisionChoice | None = None
         if apply_precision:
-            self.precision_choice = apply_precision_config(self.config.precision, self.engine.device, self.hooks)
+            self.precision_choice = apply_precision_config(
+                self.config.precision, self.engine.device, self.hooks, self.scaler.enabled, params
+            )
         self.decision: StepDecision | None = None
         self.last_report: StepReport | None = None
         self.last_nonfinite: NonFiniteRecord | None = None

@@ -22,7 +22,7 @@ CFG = sk.StabilityConfig(clip=sk.ClipConfig(mode="off"), log_every_n_steps=2)
 def _messages(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
     """This run's lines at ``level`` (the precision choice, also INFO, is left out)."""
     records = [r for r in caplog.records if r.name == "stabilitykit" and r.levelno == level]
-    return [r.getMessage() for r in records if not r.getMessage().startswith("precision for")]
+    return [r.getMessage() for r in records if not r.getMessage().startswith("precision ")]
 
 
 def test_plain_loop_logs_each_skip_and_a_summary(caplog: pytest.LogCaptureFixture) -> None:
