@@ -113,12 +113,12 @@ def test_library_sites_are_matched_by_the_package_location_not_a_folder_named_st
     model = sk.testing.tiny_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(log_every_n_steps=1), sinks=[])
-    (x, y), = batches(1)
+    ((x, y),) = batches(1)
     with count_host_syncs() as counter:
         module.read(torch.ones(3))  # the test's own sync, in a folder named stabilitykit
         guard.backward(model.loss(x, y))
         guard.step()
-    assert PACKAGE_DIR == Path(sk.__file__).resolve().parent
+    assert Path(sk.__file__).resolve().parent == PACKAGE_DIR
     assert any(str(clone_tests) in site for site in counter.sites)
     assert not any(str(clone_tests) in site for site in counter.library_sites())
     assert len(counter.library_sites()) == 1  # the logging step's one read
