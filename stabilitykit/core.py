@@ -187,6 +187,20 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
+def _refuse_non_optimizer(optimizer: Any) -> None:
+    """A clear error when the optimizer argument is something else (a config passed in its place)."""
+    if hasattr(optimizer, "param_groups"):
+        return
+    name = type(optimizer).__name__
+    hint = ""
+    if name == "StabilityConfig" or isinstance(optimizer, (Mapping, str)):
+        hint = (
+            f"; a {name} was given where the optimizer goes: the optimizer comes second, "
+            "e.g. StabilityGuard(model, optimizer, config)"
+        )
+    raise TypeError(f"stabilitykit needs a torch optimizer (an object with param_groups), got {name}{hint}")
+
+
 def optimizer_params(optimizer: Any) -> list[Tensor]:
     """Every parameter the optimizer updates, in param-group order, without duplicates."""
     seen: set[int] = set()
@@ -226,11 +240,18 @@ class DriverCore:
         _warn_contradictions(self.config)
         self.model = model
         self.optimizer = unwrap_optimizer(optimizer)
+        _refuse_non_optimizer(self.optimizer)
         params = optimizer_params(self.optimizer)
         if not params:
             raise ValueError(
                 f"stabilitykit has nothing to guard: {type(self.optimizer).__name__} holds no parameters "
                 "(check what configure_optimizers / your optimizer was given)"
+            )
+        if not any(p.requires_grad for p in params):
+            raise ValueError(
+                f"stabilitykit has nothing to guard: none of the {len(params)} parameters "
+                f"{type(self.optimizer).__name__} holds requires grad (the model is frozen), so no step "
+                "would ever change them; unfreeze what should train (p.requires_grad_(True)) first"
             )
         check_supported(model, self.optimizer, params)
         self._param_count = self._count_params()
@@ -535,6 +556,7 @@ class DriverCore:
 
     def hold_scheduler(self, scheduler: Any) -> None:
         """Hold ``scheduler`` on skipped steps (its saved state is never touched) until ``release``."""
+        self.engine.ledger.holds_scheduler = True
         hold_scheduler(scheduler, self.should_hold_scheduler)
         self._undo.append(lambda: release_scheduler(scheduler))
 

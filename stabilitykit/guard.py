@@ -135,6 +135,7 @@ class StabilityGuard:
         for core in self.cores:
             for sched in self._schedulers_of(core):
                 core.track_scheduler(sched)  # recovery saves and restores it with each snapshot
+                core.engine.ledger.holds_scheduler = True  # step() holds it on skips
         self._pending_losses: list[Tensor] = []  # several optimizers: losses not yet claimed by a step
         # each optimizer's step is routed through its core once, for the guard's life (undone by close())
         self._unroute = [self._route_step(core) for core in self.cores]

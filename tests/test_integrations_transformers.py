@@ -319,3 +319,17 @@ def test_alerts_page_the_active_wandb_run_as_the_wandb_sink_does(tmp_path: Path)
     alerts = WandbRunFile.read(Path(run.dir).parent).alerts
     assert [a["title"] for a in alerts] == ["stabilitykit: nonfinite at step 1"]
     assert alerts[0]["level"] == "WARN" and "non-finite" in alerts[0]["text"]
+
+
+def test_a_spike_warning_raised_by_a_layer_logs_1_not_a_negative_z_score() -> None:
+    from stabilitykit.integrations.transformers import _event_value
+    from stabilitykit.spikes import StepScores, warning_rule
+
+    cfg = sk.SpikeConfig()
+    by_layer = StepScores(12, 1.3, 2.0, -2.09, 0.1, "model.layers.1.mlp", None, 0.0)
+    event = warning_rule(by_layer, cfg)
+    assert event is not None and event.details["z"] == -2.09
+    assert _event_value(event) == 1.0  # the total's z-score (negative here) is not what raised it
+    by_total = StepScores(12, 9.0, 2.0, 7.5, 0.1, None, None, 0.0)
+    event = warning_rule(by_total, cfg)
+    assert event is not None and _event_value(event) == 7.5

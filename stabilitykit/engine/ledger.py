@@ -76,6 +76,8 @@ class Ledger:
         self.rank = rank
         self.counters = Counters()
         self.scheduler_debt = 0
+        #: An LR scheduler is held on this optimizer's skips (the driver says so); the skip message names it only then.
+        self.holds_scheduler = False
         self.spikes = SpikeMonitor(config.spikes, layer_names) if config.spikes.enabled else None
         self.fp16 = Fp16Monitor(config.fp16)
 
@@ -199,9 +201,9 @@ class Ledger:
         skipped = f"step {step} skipped: {reason}"
         if late:
             details["learned_late"] = True
+            skipped += " (skipped on the device by the fused optimizer, learned at this logging step"
             skipped += (
-                " (skipped on the device by the fused optimizer; its LR scheduler stepped once and is held one "
-                "step to catch up)"
+                "; its LR scheduler stepped once and is held one step to catch up)" if self.holds_scheduler else ")"
             )
         return [first, Event("skipped", step, skipped, details)]
 

@@ -58,6 +58,15 @@ _NOT_LOGGED = ("precision",)
 
 
 # ---------------------------------------------------------------------- state as JSON
+def _event_value(event: Event) -> float:
+    """An event's value in the Trainer's logs: 1, or the grad norm's z-score when that z-score itself
+    raised a spike warning (then at least ``z_warning``). A warning raised by a layer or a
+    precursor logs 1: the total's z-score may then be low or negative, which reads as no spike."""
+    if event.kind == "spike_warning" and event.details.get("signal") == "grad_norm":
+        return float(event.details.get("z", 1.0))
+    return 1.0
+
+
 def _json_float(x: float) -> float | str:
     """A float strict JSON can hold: non-finite values as "nan", "inf", "-inf" (``json`` would write NaN)."""
     return x if math.isfinite(x) else str(x)
@@ -384,7 +393,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         entry: dict[str, float] = {}
         for event in events:
             key = f"{prefix}/events/{event.kind}".lstrip("/")
-            entry[key] = float(event.details.get("z", 1.0)) if event.kind == "spike_warning" else 1.0
+            entry[key] = _event_value(event)
             entry[f"{key}_step"] = float(event.step)
         if merge:
             self.logs.metrics.update(entry)
