@@ -9,22 +9,45 @@ the HF callback's train end).
 
 The logger gets a stderr handler of its own unless something already configured one (as Lightning
 and transformers do for theirs); silence it with ``logging.getLogger("stabilitykit").setLevel(...)``.
+While a tqdm progress bar is on the screen (the HF Trainer's, Lightning's), that handler writes
+through ``tqdm.write``, so a warning gets a line of its own instead of being glued onto the bar.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from stabilitykit.events import Event
 
-__all__ = ["LOGGER", "EventLog", "RunSummary"]
+__all__ = ["LOGGER", "EventLog", "RunSummary", "TqdmSafeHandler"]
+
+
+class TqdmSafeHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A stderr handler that writes through ``tqdm.write`` while a tqdm bar is active.
+
+    ``tqdm.write`` clears the bars, writes the line and draws them again, so a log line never
+    lands on the end of a bar. With no bar (or no tqdm imported) it is a plain ``StreamHandler``.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm_module = sys.modules.get("tqdm")
+        bars = getattr(getattr(tqdm_module, "tqdm", None), "_instances", None)
+        if not bars:
+            super().emit(record)
+            return
+        try:
+            tqdm_module.tqdm.write(self.format(record), file=self.stream)  # type: ignore[union-attr]
+        except Exception:  # a handler never raises into the training loop
+            self.handleError(record)
+
 
 LOGGER = logging.getLogger("stabilitykit")
 if not LOGGER.handlers:
-    _handler = logging.StreamHandler()
+    _handler = TqdmSafeHandler()
     _handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     LOGGER.addHandler(_handler)
     LOGGER.setLevel(logging.INFO)

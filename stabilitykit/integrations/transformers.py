@@ -26,7 +26,7 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -58,6 +58,12 @@ _NOT_LOGGED = ("precision",)
 
 
 # ---------------------------------------------------------------------- state as JSON
+#: What the Trainer's console shows of our keys with ``console="short"`` (besides the events).
+CONSOLE_KEYS = ("grad_norm/total", "skipped/total", "nonfinite/total")
+#: ``console=``: "short" prints the keys a person reads, "all" every key.
+ConsoleMode = Literal["short", "all"]
+
+
 def _event_value(event: Event) -> float:
     """An event's value in the Trainer's logs: 1, or the grad norm's z-score when that z-score itself
     raised a spike warning (then at least ``z_warning``). A warning raised by a layer or a
@@ -153,6 +159,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         alerts: bool | Iterable[str] = False,
         log_events: bool = True,
         *,
+        console: ConsoleMode = "short",
         restore_into_attached: bool = False,
     ) -> None:
         if restore_into_attached and getattr(self, "_trainer", None) is not None:
@@ -163,6 +170,9 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         self.hooks.add_sink(self.logs)
         self.alert_on: set[str] = set(ALERT_KINDS if alerts is True else [] if alerts is False else alerts)
         self.log_events = log_events
+        if console not in ("short", "all"):
+            raise ValueError(f"console={console!r}: expected 'short' or 'all'")
+        self.console: ConsoleMode = console
         self.core: DriverCore | None = None
         self.saved_state: dict[str, Any] | None = None  # set by the Trainer's callback-state restore
         self._trainer: weakref.ReferenceType[Trainer] | None = None
@@ -279,16 +289,27 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             self._undo.pop()()
 
     def _console_route(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """The Trainer's console printers get each log entry without the per-layer keys (every
-        ``report_to`` integration still gets them)."""
+        """The Trainer's console printers get each log entry cut to what a person reads (every
+        ``report_to`` integration, and ``trainer.state.log_history``, still get every key).
+
+        ``console="short"`` (default): the Trainer's own keys (loss, grad_norm, learning_rate, ...),
+        and of ours the total grad norm, the skip and non-finite counts and the events; ``"all"``:
+        every key, as the Trainer prints them without stabilitykit.
+        """
         prefix = f"{self.config.metric_prefix}/".lstrip("/")
-        per_layer = tuple(f"{prefix}{family}/" for family in ("grad_norm", "update_ratio", "weight_norm"))
-        kept = {f"{prefix}grad_norm/total", f"{prefix}grad_norm/max"}
+        shown = {f"{prefix}{name}" for name in CONSOLE_KEYS}
+        events = f"{prefix}events/"
+
+        def ours(key: str) -> bool:
+            return key.startswith(prefix) if prefix else "/" in key
+
+        def keep(key: str) -> bool:
+            return not ours(key) or key in shown or key.startswith(events)
 
         def route(original: Callable[..., Any]) -> Callable[..., Any]:
             def on_log(*args: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-                if logs is not None:
-                    logs = {k: v for k, v in logs.items() if k in kept or not k.startswith(per_layer)}
+                if logs is not None and self.console == "short":
+                    logs = {k: v for k, v in logs.items() if keep(k)}
                 return original(*args, logs=logs, **kwargs)
 
             return on_log
