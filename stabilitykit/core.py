@@ -630,9 +630,11 @@ class DriverCore:
         self.flush()
         c = self.engine.counters
         source = str(self.last_nonfinite) if self.last_nonfinite is not None else None
-        return RunSummary(
+        summary = RunSummary(
             self.engine.step, c.skipped_total, c.clipped_total, c.max_norm, c.nonfinite_total, nonfinite_source=source
         )
+        records = self.recovery.log.records if self.recovery is not None else []
+        return summary.with_rollbacks(records, self.engine.step)
 
     def flush(self, final_row: bool = False) -> None:
         """Fold the steps since the last logging step now (one sync); ``final_row``: and log their row."""

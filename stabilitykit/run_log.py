@@ -15,9 +15,11 @@ through ``tqdm.write``, so a warning gets a line of its own instead of being glu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -105,7 +107,14 @@ class EventLog:
 
 @dataclass(frozen=True)
 class RunSummary:
-    """A run's totals (``guard.summary()``); readable by key too (``summary["skipped"]``)."""
+    """A run's totals (``guard.summary()``); readable by key too (``summary["skipped"]``).
+
+    ``skipped``: steps skipped because they were bad (non-finite, a bad batch, a spike, an fp16
+    overflow). A rollback's work is counted apart: ``rollbacks``, ``undone_steps`` (optimizer steps
+    whose effect a rollback took back) and ``skipped_ahead`` (batches a rollback skipped after it,
+    ``RecoveryConfig.skip_after``, never trained on). ``clipped`` includes the clips of a
+    framework's own clipping that the driver applies (the HF Trainer's ``max_grad_norm``).
+    """
 
     steps: int
     skipped: int
@@ -114,6 +123,9 @@ class RunSummary:
     nonfinite_steps: int
     nonfinite_source: str | None = None
     optimizers: tuple[RunSummary, ...] = ()
+    rollbacks: int = 0
+    undone_steps: int = 0
+    skipped_ahead: int = 0
 
     def __getitem__(self, key: str) -> Any:
         if key not in self.__dataclass_fields__:
@@ -131,9 +143,33 @@ class RunSummary:
             f"{self.steps} steps, {self.skipped} skipped, {self.clipped} clipped, max grad norm {norm}, "
             f"{self.nonfinite_steps} non-finite"
         )
+        if self.rollbacks:
+            text += (
+                f"; {self.rollbacks} rollback(s): {self.undone_steps} step(s) undone, "
+                f"{self.skipped_ahead} batch(es) skipped after"
+            )
         if self.nonfinite_source:
             text += f"; first non-finite: {self.nonfinite_source}"
         return text
+
+    def with_rollbacks(self, records: Sequence[Any], steps: int) -> RunSummary:
+        """This summary with the rollbacks ``records`` (``RollbackRecord``) counted apart: their undone
+        steps, and the batches they skipped ahead up to ``steps`` (taken out of ``skipped``, which
+        counted them as skipped steps)."""
+        if not records:
+            return self
+        undone = sum(int(r.skipped_steps) for r in records)
+        ahead = 0
+        for r in records:
+            if r.skip_ahead_to is not None:
+                ahead += max(0, min(int(r.skip_ahead_to), steps - 1) - int(r.at_step))
+        return dataclasses.replace(
+            self,
+            skipped=max(0, self.skipped - ahead),
+            rollbacks=len(records),
+            undone_steps=undone,
+            skipped_ahead=ahead,
+        )
 
     def log(self) -> None:
         """Write ``line()`` to the ``stabilitykit`` logger (INFO, rank zero only)."""

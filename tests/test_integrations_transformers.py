@@ -391,3 +391,30 @@ def test_the_console_shows_what_a_person_reads_and_warnings_get_their_own_line(
     lines = [line for line in text.replace("\r", "\n").splitlines() if "stabilitykit:" in line]
     assert any("skipped" in line for line in lines)
     assert all(line.startswith("stabilitykit:") for line in lines), lines
+
+
+def test_the_run_summary_counts_the_steps_max_grad_norm_clipped_across_a_resume(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+    import math
+
+    def train(resume: str | None) -> tuple[Trainer, Any]:
+        model = tiny_llama()
+        args = _args(tmp_path, max_steps=8, max_grad_norm=0.5, logging_steps=1, save_strategy="steps", save_steps=4)
+        trainer = Trainer(model=model, args=args, train_dataset=_dataset(), callbacks=[Poison(model, 3)])
+        callback = stabilize(trainer, sk.StabilityConfig())
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, callback
+
+    caplog.set_level(logging.INFO, logger="stabilitykit")
+    trainer, callback = train(None)
+    norms = [row["grad_norm"] for row in trainer.state.log_history if "grad_norm" in row]
+    expected = sum(1 for n in norms if math.isfinite(n) and n > 0.5)
+    assert len(norms) == 8 and expected >= 5  # the NaN step is skipped, not clipped
+    summary = callback.summary()
+    assert summary is not None and summary.clipped == expected and summary.skipped == 1
+    assert any(f"1 skipped, {expected} clipped" in r.getMessage() for r in caplog.records)
+    _, resumed = train(str(tmp_path / "checkpoint-4"))
+    again = resumed.summary()
+    assert again is not None and again.clipped == expected and again.skipped == 1

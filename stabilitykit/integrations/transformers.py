@@ -22,6 +22,7 @@ Requires the ``transformers`` extra: ``pip install 'stabilitykit[transformers]'`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 import weakref
@@ -40,6 +41,7 @@ from stabilitykit.hooks import HookManager
 from stabilitykit.integrations._extras import missing
 from stabilitykit.patching import route_attribute
 from stabilitykit.report import StepReport
+from stabilitykit.run_log import RunSummary
 from stabilitykit.sinks.base import Sink
 from stabilitykit.sinks.wandb import ALERT_KINDS, send_alert
 
@@ -58,6 +60,8 @@ _NOT_LOGGED = ("precision",)
 
 
 # ---------------------------------------------------------------------- state as JSON
+#: The key, in the saved state, of the steps the Trainer's max_grad_norm clipped.
+_TRAINER_CLIPPED = "trainer_clipped"
 #: What the Trainer's console shows of our keys with ``console="short"`` (besides the events).
 CONSOLE_KEYS = ("grad_norm/total", "skipped/total", "nonfinite/total")
 #: ``console=``: "short" prints the keys a person reads, "all" every key.
@@ -179,6 +183,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         self._undo: list[Callable[[], None]] = []
         self._global_step = 0
         self._warned_fallback = False
+        #: steps the Trainer's own max_grad_norm clipped (a device count; None before the first)
+        self._trainer_clipped: Tensor | None = None
 
     # ------------------------------------------------------------------ attaching
     def attach(self, trainer: Trainer) -> StabilityTrainerCallback:
@@ -248,8 +254,12 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         )
         saved = self.saved_state or self._saved_in(state)
         self.saved_state = None
+        self._trainer_clipped = None
         if saved and state.global_step > 0:
+            saved = dict(saved)
+            clipped = int(saved.pop(_TRAINER_CLIPPED, 0))
             core.load_state_dict(from_json(saved, core.engine.device))
+            self._trainer_clipped = torch.tensor(clipped, device=core.engine.device)
         self._global_step = state.global_step
         self._undo.append(route_accelerated_step(core, trainer.optimizer))
         self._undo.append(core.release)  # its wrappers, hold and recovery (idempotent)
@@ -281,7 +291,9 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             self.core.finish()
             self.core.flush()
             self._write_events(at_end=state)
-            self.core.summary().log()
+            summary = self.summary()
+            if summary is not None:
+                summary.log()
         self._release()
 
     def _release(self) -> None:
@@ -338,11 +350,27 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
                 norm = decision.report.grad_norm
                 if max_norm is not None and math.isfinite(max_norm) and max_norm > 0:
                     self._trainer_clip(core, norm, float(max_norm))
+                    self._count_trainer_clip(norm, float(max_norm), decision.report.skipped)
                 return norm
 
             return clip_grad_norm_
 
         return route
+
+    def _count_trainer_clip(self, norm: Tensor, max_norm: float, skipped: Tensor) -> None:
+        """Count a step ``max_grad_norm`` clipped (finite norm above it, step not skipped), on the
+        device: read once, by ``summary()``."""
+        hit = (torch.isfinite(norm) & (max_norm / (norm + CLIP_EPS) < 1) & ~skipped).to(torch.int64)
+        self._trainer_clipped = hit if self._trainer_clipped is None else self._trainer_clipped + hit
+
+    def summary(self) -> RunSummary | None:
+        """The run's totals (None before training starts): the steps the Trainer's ``max_grad_norm``
+        clipped are counted in ``clipped``, rollbacks apart (see ``RunSummary``)."""
+        if self.core is None:
+            return None
+        summary = self.core.summary()
+        clipped = int(self._trainer_clipped) if self._trainer_clipped is not None else 0
+        return dataclasses.replace(summary, clipped=summary.clipped + clipped)
 
     @staticmethod
     def _trainer_clip(core: DriverCore, norm: Tensor, max_norm: float) -> None:
@@ -427,6 +455,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
     def state(self) -> dict[str, Any]:
         """What the Trainer writes into ``trainer_state.json`` at each checkpoint (JSON values only)."""
         saved = to_json(self.core.state_dict()) if self.core is not None else None
+        if saved is not None and self._trainer_clipped is not None:
+            saved[_TRAINER_CLIPPED] = int(self._trainer_clipped)  # a checkpoint: syncs anyway
         return {"args": {"restore_into_attached": True}, "attributes": {"saved_state": saved}}
 
 
