@@ -182,8 +182,9 @@ class StabilityEngine:
 
     def _install(self, parts: _Parts) -> None:
         """Swap ``parts`` in (all at once, after they were built and loaded)."""
-        if hasattr(self, "ledger"):
-            parts.ledger.holds_scheduler = self.ledger.holds_scheduler
+        previous: Ledger | None = getattr(self, "ledger", None)  # None at construction
+        if previous is not None:
+            parts.ledger.holds_scheduler = previous.holds_scheduler
         self.ledger, self.clip = parts.ledger, parts.clip
         self.spike_rule, self.journal = parts.spike_rule, parts.journal
 
