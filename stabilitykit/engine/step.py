@@ -548,7 +548,9 @@ class StabilityEngine:
             if rows:
                 self._unlogged_row = rows[-1]
         if final_row and self._unlogged_row is not None:
+            measured = self.last_host_metrics  # logging-step-only measurements (modules, update ratios)
             self._log_rows(self._unlogged_row, self._unlogged_row.step, None, [])
+            self.last_host_metrics = {**measured, **self.last_host_metrics}  # stay readable after close
         if divergence is not None:
             self.report_divergence(divergence, raise_error=False)
         return rows
