@@ -12,6 +12,7 @@ step is over.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import types
 import warnings
@@ -26,6 +27,7 @@ from stabilitykit.buffers import BufferGuard, running_stat_buffers
 from stabilitykit.config import StabilityConfig
 from stabilitykit.engine import StabilityEngine, StepDecision, StepGate, is_fused
 from stabilitykit.engine.journal import upgrade_v1_rows, upgrade_v2_rows
+from stabilitykit.events import Event
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import (
     NaNTracer,
@@ -264,9 +266,16 @@ class DriverCore:
         )
         self.buffers = BufferGuard(running_stat_buffers(model, self.config.skip.restore_buffers))
         self.precision_choice: PrecisionChoice | None = None
+        #: Start-of-run events (the precision event), emitted at the first step with its number, so
+        #: a resumed run's sinks see them at the step it resumes from, not at 0.
+        self._start_events: list[Event] = []
         if apply_precision:
             self.precision_choice = apply_precision_config(
-                self.config.precision, self.engine.device, self.hooks, self.scaler.enabled, params
+                self.config.precision,
+                self.engine.device,
+                types.SimpleNamespace(emit=self._start_events.append),
+                self.scaler.enabled,
+                params,
             )
         self.decision: StepDecision | None = None
         self.last_report: StepReport | None = None
@@ -446,6 +455,10 @@ class DriverCore:
         decision, self.decision = self.decision, None
         if decision is None:
             return None
+        if self._start_events:
+            for event in self._start_events:
+                self.hooks.emit(dataclasses.replace(event, step=decision.report.step))
+            self._start_events = []
         self.buffers.save()
         self.should_hold_scheduler()  # decided once per step even when no scheduler asks (schedule_step)
         self._note_state_created(decision)

@@ -234,7 +234,11 @@ def test_precision_advice_is_given_only_when_asked() -> None:
     asked = sk.StabilityConfig(precision=sk.PrecisionConfig(report_choice=True))
     guard = sk.StabilityGuard(model, opt, asked, hooks=hooks)
     assert guard.precision_choice is not None and guard.precision_choice.lightning_precision == "bf16-mixed"
-    assert len(events) == 1 and events[0].details["advice"]["amp_dtype"] == "bfloat16"
+    assert events == []  # emitted with the run's first step
+    ((x, y),) = batches(1)
+    guard.backward(model.loss(x, y))
+    guard.step()
+    assert len(events) == 1 and events[0].details["advice"]["amp_dtype"] == "bfloat16" and events[0].step == 0
     assert "advice" in events[0].message and "cpu" in events[0].message
     assert sk.StabilityGuard(model, opt, sk.StabilityConfig()).precision_choice is None  # the default: no advice
 

@@ -6,9 +6,9 @@ partial last line left by a process killed mid-write is cut off before appending
 stays valid JSONL; a failing write (disk full) warns once, says what it dropped, and retries.
 
 Two runs never share one file silently. With the default ``mode="new"`` a run that starts over
-(its first metrics row is not past the first step already in the file) gets a fresh file at
+(its first record is not past the first step already in the file) gets a fresh file at
 ``path``, and the earlier run's file is kept beside it as ``run.1.jsonl`` (then ``run.2.jsonl``,
-...), with a warning saying so; a resumed run (its first row is past the file's first step)
+...), with a warning saying so; a resumed run (its first record is past the file's first step)
 continues the file, as it should. ``mode="append"`` always continues the file, ``mode="overwrite"``
 always replaces it.
 """
@@ -119,9 +119,9 @@ class JsonlSink:
     ``mode`` says what happens to a file that already holds records when this sink first writes:
     ``"new"`` (default) keeps a new run apart from an old one (the old file is moved to
     ``run.1.jsonl``, ``run.2.jsonl``, ... and ``previous`` names it) while a resumed run, whose
-    first metrics row is past the file's first step, continues the file; ``"append"`` always
-    continues it; ``"overwrite"`` replaces it. The choice is made at the first metrics row; events
-    emitted before it (the start-of-run ``precision`` event) are written right after that choice.
+    first record is past the file's first step, continues the file; ``"append"`` always
+    continues it; ``"overwrite"`` replaces it. The choice is made at this sink's first record (the
+    drivers write nothing before their first step, so a resume's first record carries its step).
     """
 
     def __init__(self, path: str | os.PathLike[str], fsync: bool = False, mode: JsonlMode = "new") -> None:
@@ -134,7 +134,6 @@ class JsonlSink:
         #: Where an earlier run's file was moved to (``mode="new"``), else None.
         self.previous: Path | None = None
         self._chosen = mode == "append"  # whether the file for this run is settled
-        self._held: list[Mapping[str, Any]] = []  # events before the first metrics row
         self._file: IO[str] | None = None
         self._identity: tuple[int, int] | None = None
         self.written = 0
@@ -241,34 +240,21 @@ class JsonlSink:
             stacklevel=4,
         )
 
-    def _release_held(self, step: int | None) -> None:
-        if not self._chosen:
-            self._choose_file(step)
-        held, self._held = self._held, []
-        for record in held:
-            self._write(record)
-
     # ------------------------------------------------------------------ the sink protocol
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Write one line holding the step and every metric."""
-        if not self._chosen or self._held:
-            self._release_held(step)
+        if not self._chosen:
+            self._choose_file(step)
         self._write({"step": step, **metrics})
 
     def log_event(self, event: Event) -> None:
         """Write one line for an event: ``{"event": kind, "step": s, "message": ..., details}``."""
-        record = {"event": event.kind, "step": event.step, "message": event.message, **event.details}
         if not self._chosen:
-            self._held.append(record)
-            return
-        self._write(record)
+            self._choose_file(event.step)
+        self._write({"event": event.kind, "step": event.step, "message": event.message, **event.details})
 
     def close(self) -> None:
         """Close the file (a later write reopens it in append mode); warn if records were dropped."""
-        if self._held or not self._chosen:
-            steps = [r["step"] for r in self._held if isinstance(r.get("step"), int)]
-            if self._held:
-                self._release_held(max(steps) if steps else None)
         if self._file is not None:
             with contextlib.suppress(OSError):  # every line was flushed: nothing is lost here
                 self._file.close()
