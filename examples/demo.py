@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
     summary = guard.summary().to_dict()
     summary.update(first_loss=first_loss, last_loss=last_loss, elapsed_s=elapsed, log=str(log_path))
-    kinds = sorted({e.kind for e in events})
+    kinds = sorted({e.kind for e in events if e.kind != "precision"})  # training events, not the set-up
     print("stabilitykit demo: tiny GPT, CPU")
     print(f"  steps            {summary['steps']}")
     print(f"  skipped          {summary['skipped']}  (NaN batch injected at step {NAN_STEP})")

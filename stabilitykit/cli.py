@@ -95,8 +95,9 @@ def _run_precision(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     """Draw the picture; a log or output it cannot use is one line on stderr and exit status 2."""
     import warnings
+    from pathlib import Path
 
-    from stabilitykit.report_plot import draw_report
+    from stabilitykit.report_plot import check_output, draw_report, load_run_log
 
     def one_line(message: Warning | str, category: type[Warning], *_: object, **__: object) -> None:
         text = str(message).removeprefix("stabilitykit: ")
@@ -105,7 +106,11 @@ def _report(args: argparse.Namespace) -> int:
     try:
         with warnings.catch_warnings():
             warnings.showwarning = one_line  # a skipped truncated line is worth a line, not a traceback-like block
-            path = draw_report(args.log, args.output, title=args.title, prefix=args.prefix)
+            check_output(Path(args.output))  # before the log is read: a long log is not read for nothing
+            run = load_run_log(args.log, prefix=args.prefix)
+            for note in run.notes:
+                print(f"stabilitykit report: {note}")
+            path = draw_report(run, args.output, title=args.title, prefix=args.prefix)
     except (ValueError, OSError) as exc:  # ReportError, JsonlError, unreadable files: the message names the file
         print(f"stabilitykit report: error: {exc}", file=sys.stderr)
         return 2

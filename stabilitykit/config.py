@@ -344,7 +344,11 @@ class PrecisionConfig(_Strict):
     """Precision knobs the drivers apply when they start (they do not own autocast: see sk.select_precision)."""
 
     report_choice: bool = Field(
-        True, description="Emit one 'precision' event with sk.select_precision() for the model's device."
+        False,
+        description=(
+            "Add sk.select_precision()'s advice for the model's device to the start-of-run 'precision' event "
+            "(which always says what the run uses: parameter dtypes, whether a GradScaler scales the loss)."
+        ),
     )
     tf32: bool = Field(False, description="Call sk.configure_tf32() (matmul precision 'high' unless already chosen).")
     deterministic_seed: int | None = Field(None, description="Call sk.set_determinism(seed) before training.")
@@ -440,7 +444,6 @@ class MonitorConfig(_Strict):
             "logged only."
         ),
     )
-
 
     @field_validator("causal")
     @classmethod

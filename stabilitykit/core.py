@@ -12,6 +12,7 @@ step is over.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import types
 import warnings
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 from stabilitykit.buffers import BufferGuard, running_stat_buffers
 from stabilitykit.config import StabilityConfig
 from stabilitykit.engine import StabilityEngine, StepDecision, StepGate, is_fused
+from stabilitykit.events import Event
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import (
     NaNTracer,
@@ -187,6 +189,20 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
+def _refuse_non_optimizer(optimizer: Any) -> None:
+    """A clear error when the optimizer argument is something else (a config passed in its place)."""
+    if hasattr(optimizer, "param_groups"):
+        return
+    name = type(optimizer).__name__
+    hint = ""
+    if name == "StabilityConfig" or isinstance(optimizer, (Mapping, str)):
+        hint = (
+            f"; a {name} was given where the optimizer goes: the optimizer comes second, "
+            "e.g. StabilityGuard(model, optimizer, config)"
+        )
+    raise TypeError(f"stabilitykit needs a torch optimizer (an object with param_groups), got {name}{hint}")
+
+
 def optimizer_params(optimizer: Any) -> list[Tensor]:
     """Every parameter the optimizer updates, in param-group order, without duplicates."""
     seen: set[int] = set()
@@ -228,11 +244,18 @@ class DriverCore:
         _warn_contradictions(self.config)
         self.model = model
         self.optimizer = unwrap_optimizer(optimizer)
+        _refuse_non_optimizer(self.optimizer)
         params = optimizer_params(self.optimizer)
         if not params:
             raise ValueError(
                 f"stabilitykit has nothing to guard: {type(self.optimizer).__name__} holds no parameters "
                 "(check what configure_optimizers / your optimizer was given)"
+            )
+        if not any(p.requires_grad for p in params):
+            raise ValueError(
+                f"stabilitykit has nothing to guard: none of the {len(params)} parameters "
+                f"{type(self.optimizer).__name__} holds requires grad (the model is frozen), so no step "
+                "would ever change them; unfreeze what should train (p.requires_grad_(True)) first"
             )
         check_supported(model, self.optimizer, params)
         self._param_count = self._count_params()
@@ -251,8 +274,17 @@ class DriverCore:
         )
         self.buffers = BufferGuard(running_stat_buffers(model, self.config.skip.restore_buffers))
         self.precision_choice: PrecisionChoice | None = None
+        #: Start-of-run events (the precision event), emitted at the first step with its number, so
+        #: a resumed run's sinks see them at the step it resumes from, not at 0.
+        self._start_events: list[Event] = []
         if apply_precision:
-            self.precision_choice = apply_precision_config(self.config.precision, self.engine.device, self.hooks)
+            self.precision_choice = apply_precision_config(
+                self.config.precision,
+                self.engine.device,
+                types.SimpleNamespace(emit=self._start_events.append),
+                self.scaler.enabled,
+                params,
+            )
         self.decision: StepDecision | None = None
         self.last_report: StepReport | None = None
         self.last_nonfinite: NonFiniteRecord | None = None
@@ -446,6 +478,10 @@ class DriverCore:
         decision, self.decision = self.decision, None
         if decision is None:
             return None
+        if self._start_events:
+            for event in self._start_events:
+                self.hooks.emit(dataclasses.replace(event, step=decision.report.step))
+            self._start_events = []
         self.buffers.save()
         self.should_hold_scheduler()  # decided once per step even when no scheduler asks (schedule_step)
         self._note_state_created(decision)
@@ -632,7 +668,7 @@ class DriverCore:
         source = str(self.last_nonfinite) if self.last_nonfinite is not None else None
         monitor = self.engine.monitor
         unmeasured = tuple(f"{n}: {r}" for n, r in monitor.unmeasured.items()) if monitor is not None else ()
-        return RunSummary(
+        summary = RunSummary(
             self.engine.step,
             c.skipped_total,
             c.clipped_total,
@@ -641,6 +677,8 @@ class DriverCore:
             nonfinite_source=source,
             unmeasured=unmeasured,
         )
+        records = self.recovery.log.records if self.recovery is not None else []
+        return summary.with_rollbacks(records, self.engine.step)
 
     def flush(self, final_row: bool = False) -> None:
         """Fold the steps since the last logging step now (one sync); ``final_row``: and log their row."""

@@ -55,7 +55,9 @@ def _cpu_supports_bf16() -> bool:
 def select_precision(device: str | torch.device | None = None, log_choice: bool = True) -> PrecisionChoice:
     """The precision to train with on ``device`` (default: the current CUDA device, else the CPU).
 
-    The choice is logged once per device on the ``stabilitykit`` logger.
+    This is advice for a run not started yet; the drivers never call it unless asked
+    (``PrecisionConfig(report_choice=True)``). It is logged once per device on the ``stabilitykit``
+    logger.
     """
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -108,7 +110,7 @@ def select_precision(device: str | torch.device | None = None, log_choice: bool 
         choice = PrecisionChoice(str(dev), None, False, False, "32-true", f"no precision rule for {dev.type}: fp32")
     if log_choice and choice.device not in _LOGGED:
         _LOGGED.add(choice.device)
-        log.info("precision for %s: %s (%s)", choice.device, choice.lightning_precision, choice.reason)
+        log.info("precision advice for %s: %s (%s)", choice.device, choice.lightning_precision, choice.reason)
     return choice
 
 
@@ -156,8 +158,35 @@ def set_determinism(seed: int, warn_only: bool = False) -> dict[str, Any]:
     return applied
 
 
-def apply_precision_config(config: Any, device: torch.device, hooks: Any) -> PrecisionChoice | None:
-    """What ``StabilityConfig.precision`` asks the drivers to do at start; emits one "precision" event."""
+def describe_run(device: torch.device | str, scaler_enabled: bool, params: Any = ()) -> dict[str, Any]:
+    """What this run trains with, as far as the driver can see it: parameter dtypes and loss scaling.
+
+    Autocast is entered by the user's code around each forward, so its dtype is not known here;
+    a GradScaler that scales means fp16 training, and that is said plainly.
+    """
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in params})
+    return {
+        "device": str(device),
+        "param_dtype": "/".join(dtypes) if dtypes else None,
+        "grad_scaler": bool(scaler_enabled),
+    }
+
+
+def _run_message(run: dict[str, Any]) -> str:
+    params = f"{run['param_dtype']} parameters" if run["param_dtype"] else "parameters"
+    scaling = "a GradScaler scales the loss (fp16 mixed precision)" if run["grad_scaler"] else "no loss scaling"
+    return f"{params}, {scaling}"
+
+
+def apply_precision_config(
+    config: Any, device: torch.device, hooks: Any, scaler_enabled: bool = False, params: Any = ()
+) -> PrecisionChoice | None:
+    """What ``StabilityConfig.precision`` asks the drivers to do at start; emits one "precision" event.
+
+    The event says what the run uses (parameter dtypes, whether a GradScaler scales the loss).
+    Advice (``sk.select_precision()`` for the device) is added only when asked
+    (``PrecisionConfig(report_choice=True)``), under ``advice``, and never in place of the facts.
+    """
     from stabilitykit.events import Event
 
     details: dict[str, Any] = {}
@@ -165,13 +194,20 @@ def apply_precision_config(config: Any, device: torch.device, hooks: Any) -> Pre
         details["determinism"] = set_determinism(config.deterministic_seed)
     if config.tf32:
         details["tf32_set"] = configure_tf32()
-    if not config.report_choice:
-        return None
-    choice = select_precision(device)
-    details.update(
-        amp_dtype=str(choice.amp_dtype).replace("torch.", "") if choice.amp_dtype else None,
-        use_grad_scaler=choice.use_grad_scaler,
-        lightning_precision=choice.lightning_precision,
-    )
-    hooks.emit(Event("precision", 0, f"{choice.lightning_precision} on {choice.device}: {choice.reason}", details))
+    run = describe_run(device, scaler_enabled, params)
+    details.update(run)
+    message = f"{run['device']}: {_run_message(run)}"
+    log.info("precision on %s", message)
+    choice = None
+    if config.report_choice:
+        choice = select_precision(device, log_choice=False)
+        details["advice"] = {
+            "amp_dtype": str(choice.amp_dtype).replace("torch.", "") if choice.amp_dtype else None,
+            "use_grad_scaler": choice.use_grad_scaler,
+            "lightning_precision": choice.lightning_precision,
+            "reason": choice.reason,
+        }
+        message += f"; advice for this device: {choice.lightning_precision} ({choice.reason})"
+        log.info("precision advice for %s: %s (%s)", choice.device, choice.lightning_precision, choice.reason)
+    hooks.emit(Event("precision", 0, message, details))
     return choice

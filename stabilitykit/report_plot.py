@@ -24,12 +24,13 @@ from typing import Any
 
 from stabilitykit.config import SpikeConfig
 
-__all__ = ["ReportError", "RunLog", "draw_report", "load_run_log", "report_figure"]
+__all__ = ["ReportError", "RunLog", "check_output", "draw_report", "load_run_log", "report_figure"]
 
 _MARKERS = {
     "skipped": ("x", "tab:red", "skipped"),
     "spike_warning": ("^", "tab:orange", "spike warning"),
     "loss_spike": ("v", "tab:purple", "loss spike"),
+    "spike_alert": ("*", "crimson", "spike alert"),
     "diverged": ("X", "black", "diverged"),
     "fp16_warning": ("s", "tab:brown", "fp16 warning"),
     "rollback": ("D", "tab:green", "rollback"),
@@ -56,6 +57,8 @@ _MAX_MARKS = 2000
 _FULL_LINES = 200  # up to this many marks of a kind get a full-height line on every panel
 _CHUNK = 65536  # values buffered per series before they are folded into its bins
 _UNSEEN = object()
+#: A rollback event's step range: the steps it undid and the batches it skipped after it.
+_ROLLBACK_SPAN = ("skipped_from", "skipped_to", "skip_ahead_to")
 
 
 class ReportError(ValueError):
@@ -179,6 +182,10 @@ class RunLog:
     n_rows: int = 0
     first_step: int | None = None
     last_step: int | None = None
+    #: the files the picture was drawn from, in order (several: a resumed Lightning run's versions)
+    sources: list[Path] = field(default_factory=list)
+    #: what a reader should know about how the files were chosen (printed by ``stabilitykit report``)
+    notes: list[str] = field(default_factory=list)
 
     def series(self, name: str) -> tuple[list[int], list[float]]:
         """Steps and values (the last value of each bin) of ``<prefix>/<name>`` where present."""
@@ -316,16 +323,16 @@ def _load_jsonl(path: Path, prefix: str | None, bins: int) -> RunLog:
             raise ReportError(f'{where}: a record without "step"; is this a stabilitykit log?')
         step = _step_of(record["step"], where)
         if "event" in record:
-            build.add_event(str(record["event"]), step)
+            kind = str(record["event"])
+            extra = {k: record[k] for k in _ROLLBACK_SPAN if k in record} if kind == "rollback" else None
+            build.add_event(kind, step, extra)
         else:
             build.add_row(record, step)
     return build.finish("rows")
 
 
-def _load_csv(path: Path, prefix: str | None, bins: int) -> RunLog:
-    """A Lightning ``CSVLogger`` file: rows merged by step; skips read off the ``skipped/total`` counter."""
-    build = _Builder(path, prefix, bins)
-    skipped_before = 0.0
+def _csv_rows(path: Path) -> Any:
+    """``(line number, step, numeric values)`` of each row of a Lightning ``metrics.csv`` that has a step."""
     try:
         with path.open(newline="", encoding="utf-8") as handle:
             for number, record in enumerate(csv.DictReader(handle), start=2):
@@ -344,37 +351,175 @@ def _load_csv(path: Path, prefix: str | None, bins: int) -> RunLog:
                         row[key] = float(text)
                     except (TypeError, ValueError):
                         continue
-                build.add_row(row, step)
-                total = row.get(f"{build.prefix}/skipped/total" if build.prefix else "skipped/total")
-                if total is not None and math.isfinite(total) and total > skipped_before:
-                    build.add_event("skipped", step, {"count": int(total - skipped_before)})
-                    skipped_before = total
+                yield number, step, row
     except (UnicodeDecodeError, csv.Error) as exc:
         raise ReportError(f"{path}: not a readable CSV log ({exc})") from None
+
+
+def _load_csv(paths: list[Path], prefix: str | None, bins: int) -> RunLog:
+    """Lightning ``CSVLogger`` files (one, or a resumed run's versions in order): rows merged by step;
+    skips read off the ``skipped/total`` counter.
+
+    A resumed run's counter carries over: its first rows are compared with the counter the earlier
+    files had reached before the resume's first step, so the carried-over count is no new skip.
+    """
+    build = _Builder(paths[-1], prefix, bins)
+    history: list[tuple[int, float]] = []  # (step, skipped/total) of the files read so far
+    for path in paths:
+        skipped_before: float | None = None
+        for _number, step, row in _csv_rows(path):
+            build.add_row(row, step)
+            total = row.get(f"{build.prefix}/skipped/total" if build.prefix else "skipped/total")
+            if total is None or not math.isfinite(total):
+                continue
+            if skipped_before is None:  # this file's baseline: the earlier files' count before its first step
+                skipped_before = max((t for s, t in history if s < step), default=0.0)
+            if total > skipped_before:
+                build.add_event("skipped", step, {"count": int(total - skipped_before)})
+            skipped_before = total
+            history.append((step, total))
+    build.log.sources = list(paths)
     return build.finish("CSV rows")
 
 
-def load_run_log(path: str | os.PathLike[str], prefix: str | None = None, bins: int = _LINE_BINS) -> RunLog:
-    """Read the guard's JSONL log, or a Lightning ``CSVLogger`` ``metrics.csv`` (rows merged by step).
+def _first_csv_step(path: Path) -> int | None:
+    for _number, step, _row in _csv_rows(path):
+        return step
+    return None
 
+
+def _version_key(path: Path) -> tuple[str, int, str]:
+    """``.../<name>/version_<n>/metrics.csv`` sorts by logger folder, then version number."""
+    folder = path.parent.name
+    number = int(folder.rsplit("_", 1)[1]) if folder.startswith("version_") and folder[8:].isdigit() else -1
+    return (str(path.parent.parent), number, folder)
+
+
+def _csv_run(found: list[Path]) -> tuple[list[Path], list[str]]:
+    """The newest run among Lightning ``metrics.csv`` files, with the versions it was resumed from.
+
+    A version whose first step is past the previous version's first step continues it (Lightning
+    starts a new ``version_<n>`` on every fit, a resume included); one that starts over is another run.
+    """
+    ordered = sorted(found, key=_version_key)
+    newest = ordered[-1]
+    group = [p for p in ordered if p.parent.parent == newest.parent.parent]
+    run = [group[-1]]
+    for older in reversed(group[:-1]):
+        first_newer, first_older = _first_csv_step(run[0]), _first_csv_step(older)
+        if first_newer is None or first_older is None or first_newer <= first_older:
+            break
+        run.insert(0, older)
+    names = [p.parent.name for p in run]
+    notes = []
+    if len(run) > 1:
+        notes.append(f"drawing {', '.join(names)} as one run (resumed {len(run) - 1} time(s))")
+    others = [p for p in ordered if p not in run]
+    if others:
+        notes.append(
+            f"the folder holds {len(others)} other run(s) ({', '.join(p.parent.name for p in others[:5])}"
+            f"{', ...' if len(others) > 5 else ''}); drawing the newest, {names[-1]} "
+            "(give a metrics.csv to draw another)"
+        )
+    return run, notes
+
+
+def _load_trainer_state(path: Path, prefix: str | None, bins: int) -> RunLog:
+    """A Hugging Face Trainer's ``trainer_state.json``: its ``log_history`` entries, at the Trainer's
+    global step. Events (``<prefix>/events/<kind>`` with ``..._step``, the 0-based optimizer step)
+    are marked at the global step that ran them (that step + 1)."""
+    import json
+
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ReportError(f"{path}: not a readable trainer_state.json ({exc})") from None
+    history = state.get("log_history") if isinstance(state, dict) else None
+    if not isinstance(history, list):
+        raise ReportError(f"{path}: a JSON file with no log_history; is this a Trainer's trainer_state.json?")
+    build = _Builder(path, prefix, bins)
+    for number, entry in enumerate(history):
+        if not isinstance(entry, dict) or "step" not in entry:
+            continue
+        step = _step_of(entry["step"], f"{path}: log_history[{number}]")
+        row = {}
+        for key, value in entry.items():
+            head, _, kind = key.rpartition("events/")
+            if head.endswith("/") or (head == "" and key.startswith("events/")):
+                if not kind.endswith("_step"):
+                    when = entry.get(f"{key}_step")
+                    event_step = int(when) + 1 if isinstance(when, (int, float)) and math.isfinite(when) else step
+                    build.add_event(kind, event_step)
+                continue
+            row[key] = value
+        build.add_row(row, step)
+    build.log.sources = [path]
+    return build.finish("log_history entries")
+
+
+def _trainer_states(folder: Path) -> list[Path]:
+    """``trainer_state.json`` files in a Trainer's output folder: its own, or its checkpoints' (newest last)."""
+    own = folder / "trainer_state.json"
+    if own.is_file():
+        return [own]
+
+    def number(path: Path) -> int:
+        tail = path.parent.name.rsplit("-", 1)[-1]
+        return int(tail) if tail.isdigit() else -1
+
+    return sorted(folder.rglob("trainer_state.json"), key=lambda p: (number(p), str(p)))
+
+
+def _is_trainer_state(path: Path) -> bool:
+    if path.name == "trainer_state.json":
+        return True
+    if path.suffix != ".json":
+        return False
+    with path.open("rb") as handle:
+        head = handle.read(4096)
+    return head.lstrip().startswith(b"{") and b'"log_history"' in head
+
+
+def load_run_log(path: str | os.PathLike[str], prefix: str | None = None, bins: int = _LINE_BINS) -> RunLog:
+    """Read the guard's JSONL log, a Lightning ``CSVLogger`` ``metrics.csv`` (rows merged by step),
+    or a Hugging Face Trainer's ``trainer_state.json`` (its ``log_history``).
+
+    A folder: its Lightning ``metrics.csv`` files (the newest run, with the versions it was resumed
+    from, drawn as one), else its ``*.jsonl`` log, else the Trainer's ``trainer_state.json`` (the
+    output folder's own, else the newest ``checkpoint-<n>``'s). What was chosen is in ``notes``.
     ``prefix`` is the ``metric_prefix`` the run logged with; by default it is found in the log.
     ``bins``: step bins per series (memory stays bounded by it whatever the log's length).
     Raises ``ReportError`` (or ``JsonlError``), one line naming the file, for anything it cannot draw.
     """
     path = Path(path)
+    notes: list[str] = []
     if path.is_dir():
-        found = sorted(path.rglob("metrics.csv")) or sorted(path.rglob("*.jsonl"))
+        csvs = sorted(path.rglob("metrics.csv"))
+        if csvs:
+            run, notes = _csv_run(csvs)
+            log = _load_csv(run, prefix, bins)
+            log.notes = notes
+            return log
+        found = sorted(path.rglob("*.jsonl")) or _trainer_states(path)
         if not found:
-            raise ReportError(f"{path}: a folder with no metrics.csv or *.jsonl log in it")
+            raise ReportError(f"{path}: a folder with no metrics.csv, *.jsonl or trainer_state.json log in it")
+        if len(found) > 1:
+            notes.append(f"drawing {found[-1]} ({len(found)} logs in the folder; give a file to draw another)")
         path = found[-1]
     if not path.exists():
         raise ReportError(f"{path}: no such file")
     if path.suffix == ".csv":
-        return _load_csv(path, prefix, bins)
-    return _load_jsonl(path, prefix, bins)
+        log = _load_csv([path], prefix, bins)
+    elif _is_trainer_state(path):
+        log = _load_trainer_state(path, prefix, bins)
+    else:
+        log = _load_jsonl(path, prefix, bins)
+        log.sources = [path]
+    log.notes = notes + log.notes
+    return log
 
 
-def _check_output(output: Path) -> None:
+def check_output(output: Path) -> None:
     """Fail before reading the log when the picture could not be saved there."""
     from matplotlib.backend_bases import FigureCanvasBase
 
@@ -454,7 +599,7 @@ def draw_report(
     cannot write (checked before the log is read).
     """
     output = Path(output)
-    _check_output(output)
+    check_output(output)
     fig = report_figure(log, title=title, prefix=prefix)
     try:
         fig.savefig(output, dpi=100)
@@ -470,9 +615,14 @@ def report_figure(log: str | os.PathLike[str] | RunLog, title: str | None = None
     ratio (when logged), the monitor precursors (when logged), the per-layer heatmap (when
     per-layer norms were logged); event marks on every line panel.
     """
-    from matplotlib.figure import Figure
 
     run = log if isinstance(log, RunLog) else load_run_log(log, prefix)
+    return _figure(run, title, log)
+
+
+def _figure(run: RunLog, title: str | None, log: Any) -> Any:
+    from matplotlib.figure import Figure
+
     layers = run.layer_names()
     updates = run.has_update_ratio
     monitors = run.has_monitors
@@ -493,7 +643,10 @@ def report_figure(log: str | os.PathLike[str] | RunLog, title: str | None = None
         _step_axis(ax, run)
     if layers:
         _panel_heatmap(fig, axes[-1], run, layers)
-    name = Path(os.fspath(log)).name if not isinstance(log, RunLog) else "run"
+    if run.sources:
+        name = " + ".join(p.parent.name for p in run.sources) if len(run.sources) > 1 else run.sources[0].name
+    else:
+        name = Path(os.fspath(log)).name if not isinstance(log, RunLog) else "run"
     fig.suptitle(title or f"stabilitykit report: {name}")
     # A fixed layout (tight_layout measured every label: 3/4 of the drawing time); the left margin
     # fits the longest layer name of the heatmap (7 pt text is about 0.0045 of the 12-inch width per character).
@@ -503,10 +656,21 @@ def report_figure(log: str | os.PathLike[str] | RunLog, title: str | None = None
 
 
 def _plain_log_ticks(ax: Any) -> None:
-    """A log axis labelled with plain numbers (0.9, 20, 1e-05), not "9 x 10^-1"."""
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    """A log axis labelled with plain numbers (0.9, 20, 1e-05), not "9 x 10^-1".
 
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
+    On a narrow range the decades alone would leave one label or none (a grad norm between 1 and
+    2.2 read only "1"): within a decade the ticks are evenly spaced plain values (1, 1.2, 1.4, ...),
+    within two decades at 1, 2 and 5 times each power of ten.
+    """
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+
+    low, high = ax.get_ylim()
+    if 0 < low < high and high / low < 10:  # within a decade: evenly spaced plain values (1, 1.5, 2)
+        ticks = [t for t in MaxNLocator(nbins=5, steps=[1, 2, 2.5, 5, 10]).tick_values(low, high) if t > 0]
+        ax.yaxis.set_major_locator(FixedLocator(ticks))
+    elif 0 < low < high and high / low < 100:
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:.3g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())
 
 
@@ -584,12 +748,14 @@ def _panel_monitors(ax: Any, run: RunLog) -> None:
 
 def _panel_events(line_axes: list[Any], run: RunLog) -> None:
     """Event marks in axes coordinates (y from 0 to 1, so they never move the data limits): a line on
-    every panel, a marker on the top one."""
+    every panel, a marker on the top one. A rollback also shades, on every panel, the steps it undid
+    (grey) and the batches it skipped after it (hatched): their loss is of batches never trained on."""
     by_kind: dict[str, list[int]] = {}
     for event in run.events:
         if event["kind"] in _MARKERS:
             by_kind.setdefault(event["kind"], []).append(int(event["step"]))
     top = line_axes[0]
+    _shade_rollbacks(line_axes, run)
     for kind, steps in by_kind.items():
         marker, color, label = _MARKERS[kind]
         steps = _marks(steps)
@@ -602,12 +768,29 @@ def _panel_events(line_axes: list[Any], run: RunLog) -> None:
             transform=top.get_xaxis_transform(),
             marker=marker,
             color=color,
+            s=80 if marker == "*" else None,
             zorder=5,
             label=f"{label} ({len(by_kind[kind])})",
             clip_on=False,
         )
     if by_kind:
         top.legend(loc="upper right", fontsize=8)
+
+
+def _shade_rollbacks(line_axes: list[Any], run: RunLog) -> None:
+    """Grey: steps a rollback undid (``skipped_from..skipped_to``); hatched: the batches it skipped
+    after it (``skipped_to + 1..skip_ahead_to``)."""
+    spans = [e for e in run.events if e["kind"] == "rollback" and "skipped_from" in e and "skipped_to" in e]
+    for i, event in enumerate(spans):
+        undone = (int(event["skipped_from"]) - 0.5, int(event["skipped_to"]) + 0.5)
+        ahead = event.get("skip_ahead_to")
+        for ax in line_axes:
+            label = "undone by a rollback" if i == 0 and ax is line_axes[0] else None
+            ax.axvspan(*undone, color="gray", alpha=0.18, lw=0, label=label)
+            if isinstance(ahead, (int, float)) and ahead > event["skipped_to"]:
+                label = "batches skipped after a rollback" if i == 0 and ax is line_axes[0] else None
+                ax.axvspan(undone[1], int(ahead) + 0.5, facecolor="none", edgecolor="gray", hatch="//",
+                           alpha=0.5, lw=0, label=label)  # fmt: skip
 
 
 def _step_axis(ax: Any, run: RunLog) -> None:

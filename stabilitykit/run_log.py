@@ -9,22 +9,47 @@ the HF callback's train end).
 
 The logger gets a stderr handler of its own unless something already configured one (as Lightning
 and transformers do for theirs); silence it with ``logging.getLogger("stabilitykit").setLevel(...)``.
+While a tqdm progress bar is on the screen (the HF Trainer's, Lightning's), that handler writes
+through ``tqdm.write``, so a warning gets a line of its own instead of being glued onto the bar.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from stabilitykit.events import Event
 
-__all__ = ["LOGGER", "EventLog", "RunSummary"]
+__all__ = ["LOGGER", "EventLog", "RunSummary", "TqdmSafeHandler"]
+
+
+class TqdmSafeHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A stderr handler that writes through ``tqdm.write`` while a tqdm bar is active.
+
+    ``tqdm.write`` clears the bars, writes the line and draws them again, so a log line never
+    lands on the end of a bar. With no bar (or no tqdm imported) it is a plain ``StreamHandler``.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm_module = sys.modules.get("tqdm")
+        bars = getattr(getattr(tqdm_module, "tqdm", None), "_instances", None)
+        if not bars:
+            super().emit(record)
+            return
+        try:
+            tqdm_module.tqdm.write(self.format(record), file=self.stream)  # type: ignore[union-attr]
+        except Exception:  # a handler never raises into the training loop
+            self.handleError(record)
+
 
 LOGGER = logging.getLogger("stabilitykit")
 if not LOGGER.handlers:
-    _handler = logging.StreamHandler()
+    _handler = TqdmSafeHandler()
     _handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     LOGGER.addHandler(_handler)
     LOGGER.setLevel(logging.INFO)
@@ -82,7 +107,14 @@ class EventLog:
 
 @dataclass(frozen=True)
 class RunSummary:
-    """A run's totals (``guard.summary()``); readable by key too (``summary["skipped"]``)."""
+    """A run's totals (``guard.summary()``); readable by key too (``summary["skipped"]``).
+
+    ``skipped``: steps skipped because they were bad (non-finite, a bad batch, a spike, an fp16
+    overflow). A rollback's work is counted apart: ``rollbacks``, ``undone_steps`` (optimizer steps
+    whose effect a rollback took back) and ``skipped_ahead`` (batches a rollback skipped after it,
+    ``RecoveryConfig.skip_after``, never trained on). ``clipped`` includes the clips of a
+    framework's own clipping that the driver applies (the HF Trainer's ``max_grad_norm``).
+    """
 
     steps: int
     skipped: int
@@ -93,6 +125,9 @@ class RunSummary:
     optimizers: tuple[RunSummary, ...] = ()
     #: Modules the monitors could not measure, as "name: reason" (``MonitorConfig``).
     unmeasured: tuple[str, ...] = ()
+    rollbacks: int = 0
+    undone_steps: int = 0
+    skipped_ahead: int = 0
 
     def __getitem__(self, key: str) -> Any:
         if key not in self.__dataclass_fields__:
@@ -110,11 +145,35 @@ class RunSummary:
             f"{self.steps} steps, {self.skipped} skipped, {self.clipped} clipped, max grad norm {norm}, "
             f"{self.nonfinite_steps} non-finite"
         )
+        if self.rollbacks:
+            text += (
+                f"; {self.rollbacks} rollback(s): {self.undone_steps} step(s) undone, "
+                f"{self.skipped_ahead} batch(es) skipped after"
+            )
         if self.nonfinite_source:
             text += f"; first non-finite: {self.nonfinite_source}"
         if self.unmeasured:
             text += f"; not measured by the monitors: {', '.join(self.unmeasured)}"
         return text
+
+    def with_rollbacks(self, records: Sequence[Any], steps: int) -> RunSummary:
+        """This summary with the rollbacks ``records`` (``RollbackRecord``) counted apart: their undone
+        steps, and the batches they skipped ahead up to ``steps`` (taken out of ``skipped``, which
+        counted them as skipped steps)."""
+        if not records:
+            return self
+        undone = sum(int(r.skipped_steps) for r in records)
+        ahead = 0
+        for r in records:
+            if r.skip_ahead_to is not None:
+                ahead += max(0, min(int(r.skip_ahead_to), steps - 1) - int(r.at_step))
+        return dataclasses.replace(
+            self,
+            skipped=max(0, self.skipped - ahead),
+            rollbacks=len(records),
+            undone_steps=undone,
+            skipped_ahead=ahead,
+        )
 
     def log(self) -> None:
         """Write ``line()`` to the ``stabilitykit`` logger (INFO, rank zero only)."""

@@ -12,7 +12,6 @@ This costs nothing on the step path and scores every step, not only logging step
 from __future__ import annotations
 
 import math
-import warnings
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -459,22 +458,15 @@ class SpikeMonitor:
         grad_norm: float,
         loss: float | None,
         layer_norms: Sequence[float] | None,
-        *legacy: Any,
+        *,
         signals: Mapping[str, float] | None = None,
     ) -> list[Event]:
         """Score one step; the events it raises (``spike_warning``, ``spike_alert``, ``loss_spike``).
 
         ``signals``: optional precursors measured at this step, by name (e.g.
         ``{"attention/max_logit": 31.0, "log_z": 6.2, "update_rms": 1e-3}``); a missing or
-        non-finite one is simply not scored. ``legacy``: the former ``skipped`` flag, which was never
-        used; still accepted in its place, with a ``DeprecationWarning``.
+        non-finite one is simply not scored.
         """
-        if legacy:
-            warnings.warn(
-                "SpikeMonitor.update no longer takes `skipped` (it was unused); drop the argument",
-                DeprecationWarning,
-                stacklevel=2,
-            )
         cfg = self.config
         z_grad, z_loss = self.detector.update([grad_norm, math.nan if loss is None else loss])
         self.last_z = (z_grad, z_loss)

@@ -65,3 +65,19 @@ def test_precision_out_that_is_a_file_is_one_line_before_anything_runs(
     captured = capsys.readouterr()
     assert captured.err.startswith(f"stabilitykit precision: error: --out {blocker}: cannot create the folder")
     assert captured.out == ""  # the evaluation did not run
+
+
+def test_the_documented_precision_model_works_from_any_folder(tmp_path: Path) -> None:
+    """The guide's command, run where a user runs it: not the repository's root."""
+    elsewhere = tmp_path / "somewhere"
+    elsewhere.mkdir()
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}  # the package as installed, nothing else
+    done = subprocess.run(
+        [sys.executable, "-m", "stabilitykit.cli", "precision", "--model", "stabilitykit.testing.models:tiny_gpt",
+         "--variants", "bf16", "--out", str(tmp_path / "report")],
+        capture_output=True, text=True, cwd=elsewhere, env=env, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "report" / "precision.json").is_file()
+    guide = (ROOT / "docs" / "guides" / "precision-report.md").read_text()
+    assert "stabilitykit precision --model stabilitykit.testing.models:tiny_gpt" in guide

@@ -128,3 +128,26 @@ def test_a_setting_that_can_never_take_effect_warns_once(config: sk.StabilityCon
 )
 def test_defaults_and_consistent_settings_do_not_warn(config: sk.StabilityConfig) -> None:
     assert _guard_warnings(config) == []
+
+
+def test_a_config_where_the_optimizer_goes_is_named() -> None:
+    import torch
+
+    model = sk.testing.tiny_gpt()
+    cfg = sk.StabilityConfig()
+    with pytest.raises(
+        TypeError, match=r"got StabilityConfig; .*optimizer comes second.*StabilityGuard\(model, optimizer"
+    ):
+        sk.StabilityGuard(model, cfg)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"needs a torch optimizer .*got dict"):
+        sk.StabilityGuard(model, {"log_every_n_steps": 5})  # type: ignore[arg-type]
+    assert sk.StabilityGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg).step_count == 0
+
+
+def test_a_frozen_model_is_refused() -> None:
+    import torch
+
+    model = sk.testing.tiny_gpt().requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match=r"none of the \d+ parameters AdamW holds requires grad"):
+        sk.StabilityGuard(model, opt)

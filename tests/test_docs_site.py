@@ -30,3 +30,48 @@ def test_the_site_renders_the_config_reference_and_does_not_publish_the_hook(tmp
     assert not list(site.rglob("*.py"))
     reference = (site / "configuration" / "index.html").read_text()
     assert "Fixed mode: the largest total grad norm after clipping." in reference  # the hook's table
+
+
+def _section_code(page: Path, heading: str) -> str:
+    """The first ```python block after ``heading`` on a docs page."""
+    text = page.read_text()
+    after = text[text.index(heading) :]
+    start = after.index("```python\n") + len("```python\n")
+    return after[start : after.index("```", start)]
+
+
+def test_the_plain_loop_guides_fp16_snippet_runs_and_uses_the_scaler(tmp_path: Path, monkeypatch) -> None:
+    import torch
+
+    import stabilitykit as sk
+    from stabilitykit.testing import char_batches, tiny_gpt
+
+    code = _section_code(ROOT / "docs" / "guides" / "plain-loop.md", "## fp16 with a GradScaler")
+    code = code.replace('"cuda"', '"cpu"')  # the same recipe on the CPU
+    monkeypatch.chdir(tmp_path)
+    model = tiny_gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = char_batches(batch_size=4, seed=0)
+    namespace = {
+        "torch": torch,
+        "sk": sk,
+        "model": model,
+        "optimizer": optimizer,
+        "cfg": sk.StabilityConfig(log_every_n_steps=2),
+        "scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+        "loader": [next(data) for _ in range(4)],
+    }
+    exec(compile(code, "plain-loop.md", "exec"), namespace)
+    guard = namespace["guard"]
+    assert guard.summary()["steps"] == 4 and namespace["scaler"].get_scale() > 0
+    rows, events = sk.sinks.read_jsonl(tmp_path / "run.jsonl")
+    assert [e["grad_scaler"] for e in events if e["event"] == "precision"] == [True]
+    assert "stability/scaler/scale" in rows[-1] or "stability/grad_norm/total" in rows[-1]
+
+
+def test_the_configuration_page_says_where_its_field_tables_come_from() -> None:
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    head, marker, tail = page.partition("<!-- config-reference -->")
+    assert marker and not tail.strip()  # the hook fills the end of the page
+    assert "generated from the pydantic models when the site is built" in head
+    assert ".venv/bin/mkdocs" in head and "model_json_schema()" in head

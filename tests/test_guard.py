@@ -305,3 +305,38 @@ def test_schedule_step_counts_steps_less_skips_and_survives_a_resume() -> None:
     assert other.schedule_step == 5 and other.step_count == 6
     guard.close()
     other.close()
+
+
+def test_reading_the_summary_before_close_keeps_the_final_row(tmp_path) -> None:
+    # the quickstart's order: print(guard.summary().line()), then guard.close()
+    model = sk.testing.tiny_gpt()
+    opt = _optimizer(model, "fused")
+    log = tmp_path / "run.jsonl"
+    cfg = sk.StabilityConfig(log_every_n_steps=10)
+    guard, _ = _train(model, opt, batches(25), config=cfg, sinks=[sk.sinks.JsonlSink(log)])
+    summary = guard.summary()
+    assert summary["steps"] == 25
+    guard.close()
+    rows, _ = sk.sinks.read_jsonl(log)
+    assert [row["step"] for row in rows] == [0, 10, 20, 24]
+    assert guard.summary()["steps"] == 25  # reading it again changes nothing
+    assert [row["step"] for row in sk.sinks.read_jsonl(log)[0]] == [0, 10, 20, 24]
+
+
+@pytest.mark.parametrize("with_scheduler", [False, True])
+def test_a_fused_skip_names_the_scheduler_hold_only_with_a_scheduler(with_scheduler: bool) -> None:
+    model = sk.testing.tiny_gpt()
+    opt = _optimizer(model, "fused")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0) if with_scheduler else None
+    messages: list[str] = []
+    cfg = sk.StabilityConfig(log_every_n_steps=5)
+    guard = sk.StabilityGuard(model, opt, cfg, scheduler=scheduler)
+    guard.hooks.on("skipped", lambda event: messages.append(event.message))
+    for i, (x, y) in enumerate(batches(6)):
+        guard.backward(model.loss(x, y) * (float("nan") if i == 2 else 1.0))
+        guard.step()
+        guard.zero_grad()
+    guard.close()
+    (message,) = messages
+    assert "fused optimizer" in message
+    assert ("LR scheduler" in message) is with_scheduler

@@ -319,3 +319,102 @@ def test_alerts_page_the_active_wandb_run_as_the_wandb_sink_does(tmp_path: Path)
     alerts = WandbRunFile.read(Path(run.dir).parent).alerts
     assert [a["title"] for a in alerts] == ["stabilitykit: nonfinite at step 1"]
     assert alerts[0]["level"] == "WARN" and "non-finite" in alerts[0]["text"]
+
+
+def test_a_spike_warning_raised_by_a_layer_logs_1_not_a_negative_z_score() -> None:
+    from stabilitykit.integrations.transformers import _event_value
+    from stabilitykit.spikes import StepScores, warning_rule
+
+    cfg = sk.SpikeConfig()
+    by_layer = StepScores(12, 1.3, 2.0, -2.09, 0.1, "model.layers.1.mlp", None, 0.0)
+    event = warning_rule(by_layer, cfg)
+    assert event is not None and event.details["z"] == -2.09
+    assert _event_value(event) == 1.0  # the total's z-score (negative here) is not what raised it
+    by_total = StepScores(12, 9.0, 2.0, 7.5, 0.1, None, None, 0.0)
+    event = warning_rule(by_total, cfg)
+    assert event is not None and _event_value(event) == 7.5
+
+
+def _printed_entries(text: str) -> list[dict[str, Any]]:
+    """The dicts the Trainer's console printed (one per log entry)."""
+    import ast
+
+    entries = []
+    for segment in text.replace("\r", "\n").splitlines():
+        segment = segment.strip()
+        if segment.startswith("{") and segment.endswith("}"):
+            entries.append(ast.literal_eval(segment.replace("nan", "None")))
+    return entries
+
+
+@pytest.mark.parametrize("console", ["short", "all"])
+def test_the_console_shows_what_a_person_reads_and_warnings_get_their_own_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], console: str
+) -> None:
+    import sys
+
+    from stabilitykit.run_log import LOGGER, TqdmSafeHandler
+
+    handlers = [h for h in LOGGER.handlers if isinstance(h, TqdmSafeHandler)]
+    assert handlers, "the stabilitykit logger's own handler"
+    previous = handlers[0].setStream(sys.stderr)  # the stream the bars write to in this test
+    try:
+        model = tiny_llama()
+        args = _args(tmp_path, max_steps=6, logging_steps=2, disable_tqdm=False, max_grad_norm=0.0)
+        trainer = Trainer(model=model, args=args, train_dataset=_dataset(), callbacks=[Poison(model, 3)])
+        stabilize(trainer, sk.StabilityConfig(monitors=sk.MonitorConfig()), console=console)
+        trainer.train()
+        captured = capsys.readouterr()
+    finally:
+        handlers[0].setStream(previous)
+    text = captured.out + captured.err
+    entries = [e for e in _printed_entries(text) if "loss" in e]
+    assert len(entries) == 3
+    history = [row for row in trainer.state.log_history if "loss" in row]
+    assert all(len([k for k in row if k.startswith("stability/")]) > 30 for row in history)  # report_to: all
+    stability_keys = {k for e in entries for k in e if k.startswith("stability/")}
+    if console == "short":
+        assert stability_keys <= {
+            "stability/grad_norm/total",
+            "stability/skipped/total",
+            "stability/nonfinite/total",
+            "stability/events/skipped",
+            "stability/events/skipped_step",
+            "stability/events/nonfinite",
+            "stability/events/nonfinite_step",
+        }
+        assert {"loss", "grad_norm", "stability/grad_norm/total", "stability/skipped/total"} <= set(entries[-1])
+        assert max(len(str(e)) for e in entries) < 400
+    else:
+        assert len(stability_keys) > 30
+    # the skip's WARNING line starts a line of its own: never glued onto the end of a bar
+    lines = [line for line in text.replace("\r", "\n").splitlines() if "stabilitykit:" in line]
+    assert any("skipped" in line for line in lines)
+    assert all(line.startswith("stabilitykit:") for line in lines), lines
+
+
+def test_the_run_summary_counts_the_steps_max_grad_norm_clipped_across_a_resume(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+    import math
+
+    def train(resume: str | None) -> tuple[Trainer, Any]:
+        model = tiny_llama()
+        args = _args(tmp_path, max_steps=8, max_grad_norm=0.5, logging_steps=1, save_strategy="steps", save_steps=4)
+        trainer = Trainer(model=model, args=args, train_dataset=_dataset(), callbacks=[Poison(model, 3)])
+        callback = stabilize(trainer, sk.StabilityConfig())
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, callback
+
+    caplog.set_level(logging.INFO, logger="stabilitykit")
+    trainer, callback = train(None)
+    norms = [row["grad_norm"] for row in trainer.state.log_history if "grad_norm" in row]
+    expected = sum(1 for n in norms if math.isfinite(n) and n > 0.5)
+    assert len(norms) == 8 and expected >= 5  # the NaN step is skipped, not clipped
+    summary = callback.summary()
+    assert summary is not None and summary.clipped == expected and summary.skipped == 1
+    assert any(f"1 skipped, {expected} clipped" in r.getMessage() for r in caplog.records)
+    _, resumed = train(str(tmp_path / "checkpoint-4"))
+    again = resumed.summary()
+    assert again is not None and again.clipped == expected and again.skipped == 1

@@ -235,3 +235,16 @@ def test_on_nonfinite_replay_in_lightning_names_the_source(tmp_path: Path) -> No
     assert record is not None and record.step == 5
     assert record.source is not None and "lightning_gpt.py" in record.source and "factor" in record.source
     assert [e.step for e in events] == [5] and events[0].details.get("module") == record.module
+
+
+def test_precision_event_says_the_fp16_scaler_run_uses_loss_scaling(tmp_path: Path) -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    log = tmp_path / "run.jsonl"
+    callback = StabilityCallback(CFG, sinks=[sk.sinks.JsonlSink(log)])
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+    trainer = _trainer(tmp_path, [callback], max_steps=2, plugins=plugins, logger=False)
+    trainer.fit(GPTModule(), gpt_dataloader(4))
+    _, events = sk.sinks.read_jsonl(log)
+    (precision,) = [e for e in events if e["event"] == "precision"]
+    assert precision["grad_scaler"] is True and "bf16" not in precision["message"]
+    assert "lightning_precision" not in precision and "use_grad_scaler" not in precision

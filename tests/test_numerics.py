@@ -225,14 +225,46 @@ def test_repeated_fp16_overflows_recommend_bf16() -> None:
     assert math.isfinite(guard.engine.last_host_metrics["stability/scaler/scale"])
 
 
-def test_precision_config_reports_the_choice_once_through_the_guard() -> None:
+def test_precision_advice_is_given_only_when_asked() -> None:
     model = sk.testing.tiny_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     events: list[sk.Event] = []
     hooks = sk.HookManager()
     hooks.on("precision", events.append)
-    guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(), hooks=hooks)
+    asked = sk.StabilityConfig(precision=sk.PrecisionConfig(report_choice=True))
+    guard = sk.StabilityGuard(model, opt, asked, hooks=hooks)
     assert guard.precision_choice is not None and guard.precision_choice.lightning_precision == "bf16-mixed"
-    assert len(events) == 1 and events[0].details["amp_dtype"] == "bfloat16" and "cpu" in events[0].message
-    quiet = sk.StabilityConfig(precision=sk.PrecisionConfig(report_choice=False))
-    assert sk.StabilityGuard(model, opt, quiet).precision_choice is None
+    assert events == []  # emitted with the run's first step
+    ((x, y),) = batches(1)
+    guard.backward(model.loss(x, y))
+    guard.step()
+    assert len(events) == 1 and events[0].details["advice"]["amp_dtype"] == "bfloat16" and events[0].step == 0
+    assert "advice" in events[0].message and "cpu" in events[0].message
+    assert sk.StabilityGuard(model, opt, sk.StabilityConfig()).precision_choice is None  # the default: no advice
+
+
+def test_precision_event_says_what_a_gradscaler_run_uses(tmp_path, caplog) -> None:
+    # fp16 autocast with a GradScaler: the log must not claim bf16 or "no loss scaling needed"
+    import logging
+
+    caplog.set_level(logging.INFO, logger="stabilitykit")
+    model = sk.testing.tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    log = tmp_path / "run.jsonl"
+    guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(), scaler=scaler, sinks=[sk.sinks.JsonlSink(log)])
+    for x, y in batches(2):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model.loss(x, y)
+        guard.backward(loss)
+        guard.step()
+        guard.zero_grad()
+    guard.close()
+    _, events = sk.sinks.read_jsonl(log)
+    (precision,) = [e for e in events if e["event"] == "precision"]
+    assert precision["grad_scaler"] is True and precision["param_dtype"] == "float32"
+    assert "GradScaler" in precision["message"] and "bf16" not in precision["message"]
+    assert "use_grad_scaler" not in precision and "lightning_precision" not in precision and "advice" not in precision
+    lines = [r.getMessage() for r in caplog.records if r.name == "stabilitykit"]
+    assert not any("no loss scaling needed" in line or "bf16-mixed" in line for line in lines)
+    assert any(line.startswith("precision on cpu: float32 parameters, a GradScaler") for line in lines)

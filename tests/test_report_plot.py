@@ -192,3 +192,139 @@ def test_report_draws_rows_until_the_next_plain_log_ticks_and_the_runs_own_warni
     assert labels and not any("times" in t or "^" in t for t in labels), labels
     z_lines = [line for line in fig.axes[2].get_lines() if line.get_label().startswith("warning")]
     assert [line.get_label() for line in z_lines] == ["warning (z = 3)"]
+
+
+# ------------------------------------------------------------------------ the first hour's rough edges
+def _legend(ax) -> dict[str, object]:
+    legend = ax.get_legend()
+    return {text.get_text(): handle for text, handle in zip(legend.get_texts(), legend.legend_handles, strict=True)}
+
+
+def test_report_shades_what_a_rollback_undid_and_skipped_ahead(tmp_path: Path, capsys) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    recovery = sk.RecoveryConfig(enabled=True, snapshot_every=4, keep=2, skip_after=3)
+    cfg = sk.StabilityConfig(log_every_n_steps=5, skip=sk.SkipConfig(max_consecutive=3), recovery=recovery)
+    log = tmp_path / "run.jsonl"
+    guard = sk.StabilityGuard(model, opt, cfg, sinks=[sk.sinks.JsonlSink(log)])
+    gen = torch.Generator().manual_seed(0)
+    for i in range(30):
+        loss = model(torch.randn(16, 8, generator=gen)).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0)
+        guard.backward(loss)
+        guard.step()
+        guard.zero_grad()
+    guard.close()
+    (rollback,) = [e for e in sk.sinks.read_jsonl(log)[1] if e["event"] == "rollback"]
+    fig = report_figure(log)
+    top = fig.axes[0]
+    handles = _legend(top)
+    assert "undone by a rollback" in handles and "batches skipped after a rollback" in handles
+    spans = {p.get_label(): p.get_x() for p in top.patches if p.get_label().startswith(("undone", "batches"))}
+    assert spans["undone by a rollback"] == pytest.approx(rollback["skipped_from"] - 0.5)
+    assert spans["batches skipped after a rollback"] == pytest.approx(rollback["skipped_to"] + 0.5)
+    assert main(["report", str(log), "-o", str(tmp_path / "r.png")]) == 0
+
+
+def test_report_spike_alerts_and_loss_spikes_have_their_own_markers(tmp_path: Path) -> None:
+    log = tmp_path / "run.jsonl"
+    sink = sk.sinks.JsonlSink(log)
+    for step in range(0, 40, 2):
+        sink.log_metrics({"stability/loss": 2.0, "stability/grad_norm/total": 1.0 + step / 30}, step)
+    sink.log_event(sk.Event("loss_spike", 20, "loss z-score 9", {"z": 9.0}))
+    sink.log_event(sk.Event("spike_alert", 20, "alert", {"z": 9.0}))
+    sink.close()
+    fig = report_figure(log)
+    handles = _legend(fig.axes[0])
+    assert {"loss spike (1)", "spike alert (1)"} <= set(handles)
+    loss_marker = handles["loss spike (1)"].get_paths()[0]
+    alert_marker = handles["spike alert (1)"].get_paths()[0]
+    assert len(loss_marker.vertices) != len(alert_marker.vertices)  # different shapes
+
+
+def test_report_labels_a_narrow_log_axis_with_plain_numbers(tmp_path: Path) -> None:
+    # a grad norm between 1 and 2.2 on a log axis: plain labels, more than the one decade "1"
+    log = tmp_path / "run.jsonl"
+    sink = sk.sinks.JsonlSink(log)
+    for step in range(0, 40, 2):
+        sink.log_metrics({"stability/loss": 2.0, "stability/grad_norm/total": 1.0 + step / 30}, step)
+    sink.close()
+    fig = report_figure(log)
+    fig.canvas.draw()
+    grad_axis = fig.axes[1]
+    labels = [t.get_text() for t in grad_axis.get_yticklabels() if t.get_text()]
+    low, high = grad_axis.get_ylim()
+    visible = [lab for lab, t in zip(labels, grad_axis.get_yticks(), strict=False) if low <= t <= high]
+    assert len(visible) >= 3 and all("10^" not in lab and "times" not in lab for lab in labels), labels
+
+
+def _lightning_fit(root: Path, max_steps: int, ckpt: str | None) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from stabilitykit.lightning import StabilityCallback
+    from stabilitykit.testing.lightning_gpt import GPTModule, gpt_dataloader
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        log_every_n_steps=2,
+        logger=CSVLogger(root, name="csv"),
+        callbacks=[StabilityCallback(sk.StabilityConfig())],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(GPTModule(poison={3: float("nan")}), gpt_dataloader(8, repeat=True), ckpt_path=ckpt)
+    if ckpt is None:
+        trainer.save_checkpoint(root / "mid.ckpt")
+
+
+def test_report_of_a_resumed_lightning_folder_draws_every_version_without_a_phantom_skip(
+    tmp_path: Path, capsys
+) -> None:
+    _lightning_fit(tmp_path, 8, None)
+    _lightning_fit(tmp_path, 16, str(tmp_path / "mid.ckpt"))
+    versions = sorted(p.parent.name for p in tmp_path.rglob("metrics.csv"))
+    assert versions == ["version_0", "version_1"]
+    run = load_run_log(tmp_path)
+    assert [p.parent.name for p in run.sources] == ["version_0", "version_1"]
+    assert run.first_step is not None and run.first_step < 8 and run.last_step is not None and run.last_step > 8
+    assert [e["step"] for e in run.events if e["kind"] == "skipped"] == [3]  # none where version_1 starts
+    assert main(["report", str(tmp_path), "-o", str(tmp_path / "r.png")]) == 0
+    out = capsys.readouterr().out
+    assert "drawing version_0, version_1 as one run (resumed 1 time(s))" in out
+
+
+def test_report_reads_a_hf_trainers_trainer_state_and_output_folder(tmp_path: Path, capsys) -> None:
+    from hf_models import tiny_llama, token_batches
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from stabilitykit.integrations import stabilize
+
+    model = tiny_llama()
+
+    class Poison(TrainerCallback):
+        def __init__(self) -> None:
+            self.active = False
+            model.lm_head.register_forward_hook(lambda m, i, out: out * float("nan") if self.active else None)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.active = state.global_step == 3
+
+    data = [{k: v[0] for k, v in b.items()} for b in token_batches(32, batch_size=1, seed=3)]
+    out = tmp_path / "out"
+    args = TrainingArguments(
+        output_dir=str(out), use_cpu=True, report_to=[], per_device_train_batch_size=4, max_steps=8,
+        logging_steps=2, save_strategy="steps", save_steps=4, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Poison()])
+    stabilize(trainer, sk.StabilityConfig())
+    trainer.train()
+    state = out / "checkpoint-8" / "trainer_state.json"
+    run = load_run_log(state)
+    assert run.n_rows >= 4 and "grad_norm/total" in run.lines
+    assert [e["step"] for e in run.events if e["kind"] == "skipped"] == [4]  # 0-based step 3: global step 4
+    assert main(["report", str(state), "-o", str(tmp_path / "a.png")]) == 0
+    assert main(["report", str(out), "-o", str(tmp_path / "b.png")]) == 0
+    assert "checkpoint-8" in capsys.readouterr().out

@@ -22,7 +22,7 @@ CFG = sk.StabilityConfig(clip=sk.ClipConfig(mode="off"), log_every_n_steps=2)
 def _messages(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
     """This run's lines at ``level`` (the precision choice, also INFO, is left out)."""
     records = [r for r in caplog.records if r.name == "stabilitykit" and r.levelno == level]
-    return [r.getMessage() for r in records if not r.getMessage().startswith("precision for")]
+    return [r.getMessage() for r in records if not r.getMessage().startswith("precision ")]
 
 
 def test_plain_loop_logs_each_skip_and_a_summary(caplog: pytest.LogCaptureFixture) -> None:
@@ -100,3 +100,28 @@ def test_hf_trainer_logs_the_summary(tmp_path: Path, caplog: pytest.LogCaptureFi
     trainer.train()
     infos = _messages(caplog, logging.INFO)
     assert len(infos) == 1 and infos[0].startswith("run summary: 3 steps, 0 skipped")
+
+
+def test_the_summary_counts_a_rollback_its_undone_steps_and_skipped_ahead_batches_apart(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="stabilitykit")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    recovery = sk.RecoveryConfig(enabled=True, snapshot_every=4, keep=2, skip_after=3)
+    cfg = sk.StabilityConfig(log_every_n_steps=5, skip=sk.SkipConfig(max_consecutive=3), recovery=recovery)
+    guard = sk.StabilityGuard(model, opt, cfg)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(30):
+        loss = model(torch.randn(16, 8, generator=gen)).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0)
+        guard.backward(loss)
+        guard.step()
+        guard.zero_grad()
+    guard.close()
+    summary = guard.summary()
+    # rolled back at step 12 to the state before step 8 (steps 8..12 undone), batches 13..15 skipped after
+    assert (summary.rollbacks, summary.undone_steps, summary.skipped_ahead) == (1, 5, 3)
+    assert summary.skipped == 3 and summary.nonfinite_steps == 3  # the NaN steps only
+    line = [m for m in _messages(caplog, logging.INFO) if m.startswith("run summary")][-1]
+    assert "30 steps, 3 skipped" in line and "1 rollback(s): 5 step(s) undone, 3 batch(es) skipped after" in line

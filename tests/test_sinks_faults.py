@@ -219,3 +219,54 @@ def test_close_writes_a_final_row_for_the_steps_after_the_last_logging_step(tmp_
     assert any(e["event"] == "skipped" and e["step"] == 22 for e in events)
     guard.close()  # a second close writes nothing more
     assert len(sk.sinks.read_jsonl(path)[0]) == 4
+
+
+# ------------------------------------------------------------------------------- JSONL: one run per file
+def _run_twice(log: Path, **sink_kwargs: object) -> list[warnings.WarningMessage]:
+    guard, model = _guard([JsonlSink(log)])
+    _train(guard, model, range(0, 5))
+    guard.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        guard, model = _guard([JsonlSink(log, **sink_kwargs)])  # type: ignore[arg-type]
+        _train(guard, model, range(0, 5))
+        guard.close()
+    return [w for w in caught if "JsonlSink" in str(w.message)]
+
+
+def test_jsonl_a_second_run_on_the_same_path_gets_its_own_file(tmp_path: Path) -> None:
+    log = tmp_path / "run.jsonl"
+    caught = _run_twice(log)
+    assert len(caught) == 1 and "run.1.jsonl" in str(caught[0].message) and "mode='append'" in str(caught[0].message)
+    assert [r["step"] for r in read_jsonl(log)[0]] == [0, 2, 4]  # this run only, not 0, 2, 4, 0, 2, 4
+    assert [r["step"] for r in read_jsonl(tmp_path / "run.1.jsonl")[0]] == [0, 2, 4]  # the earlier run, kept
+    assert [e["event"] for e in read_jsonl(log)[1]] == ["precision"]  # its start event went with it
+
+
+def test_jsonl_append_and_overwrite_are_explicit_choices(tmp_path: Path) -> None:
+    appended = tmp_path / "a" / "run.jsonl"
+    assert _run_twice(appended, mode="append") == []
+    assert [r["step"] for r in read_jsonl(appended)[0]] == [0, 2, 4, 0, 2, 4]
+    replaced = tmp_path / "o" / "run.jsonl"
+    assert _run_twice(replaced, mode="overwrite") == []
+    assert [r["step"] for r in read_jsonl(replaced)[0]] == [0, 2, 4]
+    assert sorted(p.name for p in replaced.parent.iterdir()) == ["run.jsonl"]
+    with pytest.raises(ValueError, match=r"mode='rotate'.*'new', 'append', 'overwrite'"):
+        JsonlSink(tmp_path / "x.jsonl", mode="rotate")  # type: ignore[arg-type]
+
+
+def test_jsonl_a_resumed_run_continues_its_file(tmp_path: Path) -> None:
+    log = tmp_path / "run.jsonl"
+    guard, model = _guard([JsonlSink(log)])
+    _train(guard, model, range(0, 6))
+    state = guard.state_dict()
+    guard.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        guard, model = _guard([JsonlSink(log)])
+        guard.load_state_dict(state)
+        _train(guard, model, range(6, 10))
+        guard.close()
+    assert not [w for w in caught if "JsonlSink" in str(w.message)]
+    assert [r["step"] for r in read_jsonl(log)[0]] == [0, 2, 4, 5, 6, 8, 9]
+    assert not (tmp_path / "run.1.jsonl").exists()

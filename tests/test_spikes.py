@@ -71,7 +71,7 @@ def test_monitor_alerts_rarely_on_a_noisy_autocorrelated_stream_and_catches_spik
     monitor = SpikeMonitor(SpikeConfig(), [])
     alerts: set[int] = set()
     for step, x in enumerate(stream.values):
-        if any(e.kind == "spike_alert" for e in monitor.update(step, x, None, None, False)):
+        if any(e.kind == "spike_alert" for e in monitor.update(step, x, None, None)):
             alerts.add(step)
     big = [t for t, f in stream.spikes.items() if f >= 3]
     recall = sum(t in alerts for t in big) / len(big)
@@ -96,7 +96,7 @@ def test_monitor_with_a_loss_alerts_only_when_grad_norm_and_loss_jump_together()
             x *= 20  # a one-batch grad-norm outlier: the loss does not move
         if t == 250:
             x, loss = x * 5, loss * 1.5  # both jump: a real spike
-        kinds[t] = [e.kind for e in monitor.update(t, x, loss, None, False)]
+        kinds[t] = [e.kind for e in monitor.update(t, x, loss, None)]
     assert "spike_warning" in kinds[150] and "spike_alert" not in kinds[150]
     assert "spike_alert" in kinds[250]
 
@@ -108,7 +108,7 @@ def test_monitor_warning_is_separate_from_alert_and_names_the_signal() -> None:
     for step in range(300):
         grad = math.exp(rng.gauss(0, 0.05))
         logit = 10.0 * (1.02 ** max(0, step - 150))  # attention logit growth after step 150
-        events += monitor.update(step, grad, 2.0, [grad, grad], False, signals={"attention/max_logit": logit})
+        events += monitor.update(step, grad, 2.0, [grad, grad], signals={"attention/max_logit": logit})
     kinds = [e.kind for e in events]
     assert "spike_warning" in kinds and "spike_alert" not in kinds
     assert any(e.details.get("signal") == "attention/max_logit" for e in events)
@@ -137,14 +137,14 @@ def test_monitor_alert_cooldown_and_state_round_trip() -> None:
     a, b = SpikeMonitor(cfg, []), SpikeMonitor(cfg, [])
     values = _ar1(300, 0.1, 0.5, seed=4)
     for step, x in enumerate(values[:200]):
-        a.update(step, x, None, None, False)
+        a.update(step, x, None, None)
     b.load_state_dict(a.state_dict())
     earlier = a.metrics()["spikes/alerts"]
     out_a, out_b = [], []
     for step in range(200, 215):
         x = 50.0 if step in (201, 205, 213) else values[step]
-        out_a += [e.kind for e in a.update(step, x, None, None, False) if e.kind == "spike_alert"]
-        out_b += [e.kind for e in b.update(step, x, None, None, False) if e.kind == "spike_alert"]
+        out_a += [e.kind for e in a.update(step, x, None, None) if e.kind == "spike_alert"]
+        out_b += [e.kind for e in b.update(step, x, None, None) if e.kind == "spike_alert"]
     assert out_a == out_b == ["spike_alert", "spike_alert"]  # 201 and 213; 205 falls in the cooldown
     assert a.metrics()["spikes/alerts"] == earlier + 2
 
@@ -161,7 +161,7 @@ def test_loss_drift_alert_catches_a_loss_that_climbs_over_several_steps_and_is_o
         monitor = SpikeMonitor(SpikeConfig(loss_drift_alert=drift), [])
         alerts, top = [], 0.0
         for t in range(400):
-            alerts += [e for e in monitor.update(t, grads[t], losses[t], None, False) if e.kind == "spike_alert"]
+            alerts += [e for e in monitor.update(t, grads[t], losses[t], None) if e.kind == "spike_alert"]
             top = max(top, monitor.last_z[1]) if 300 <= t < 315 else top
         runs[drift] = alerts
     assert top < SpikeConfig().z_joint
@@ -196,12 +196,12 @@ def test_loss_drift_state_round_trips_and_resets_after_an_alert() -> None:
     a, b = SpikeMonitor(cfg, []), SpikeMonitor(cfg, [])
     rng = random.Random(3)
     for t in range(100):
-        a.update(t, math.exp(0.05 * rng.gauss(0, 1)), 2.0 * math.exp(0.04 * rng.gauss(0, 1)), None, False)
-    a.update(100, 1.0, 2.0 * math.exp(0.1), None, False)  # one ~2.5-scale rise: some excess, no alert
+        a.update(t, math.exp(0.05 * rng.gauss(0, 1)), 2.0 * math.exp(0.04 * rng.gauss(0, 1)), None)
+    a.update(100, 1.0, 2.0 * math.exp(0.1), None)  # one ~2.5-scale rise: some excess, no alert
     assert 0 < a.loss_drift < 5.0 and a.metrics()["spikes/loss_drift"] == a.loss_drift
     b.load_state_dict(a.state_dict())
     assert b.loss_drift == a.loss_drift
-    events = [e for t in range(101, 104) for e in a.update(t, 1.0, 2.0 * math.exp(0.1 * (t - 99)), None, False)]
+    events = [e for t in range(101, 104) for e in a.update(t, 1.0, 2.0 * math.exp(0.1 * (t - 99)), None)]
     assert [e.kind for e in events].count("spike_alert") == 1 and a.loss_drift < 5.0
 
 

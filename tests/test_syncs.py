@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from tests.conftest import batches
 
 
 def _ours(counter) -> int:
-    return sum(1 for site in counter.sites if "/stabilitykit/" in site and "/testing/" not in site)
+    return len(counter.library_sites())
 
 
 @pytest.mark.parametrize("update_ratio", [False, True])  # True: steps 4, 9, 14 copy the weights and measure
@@ -92,4 +93,33 @@ def test_fused_sgd_settles_after_one_applied_step_with_or_without_optimizer_stat
     assert [counts[i] for i in (0, 5, 10)] == [1, 1, 1], counts
     assert all(counts[i] == 0 for i in range(15) if i not in (0, 5, 10)), counts  # the NaN steps included
     assert guard.skipped_total == 2
+    guard.close()
+
+
+def test_library_sites_are_matched_by_the_package_location_not_a_folder_named_stabilitykit(tmp_path) -> None:
+    # a fresh clone in a folder named "stabilitykit": its tests live under .../stabilitykit/tests/
+    import importlib.util
+
+    from stabilitykit.testing.syncs import PACKAGE_DIR
+
+    clone_tests = tmp_path / "stabilitykit" / "tests"
+    clone_tests.mkdir(parents=True)
+    (clone_tests / "reference_sync.py").write_text("def read(t):\n    return float(t.sum())\n")
+    spec = importlib.util.spec_from_file_location("reference_sync", clone_tests / "reference_sync.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    model = sk.testing.tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(log_every_n_steps=1), sinks=[])
+    ((x, y),) = batches(1)
+    with count_host_syncs() as counter:
+        module.read(torch.ones(3))  # the test's own sync, in a folder named stabilitykit
+        guard.backward(model.loss(x, y))
+        guard.step()
+    assert Path(sk.__file__).resolve().parent == PACKAGE_DIR
+    assert any(str(clone_tests) in site for site in counter.sites)
+    assert not any(str(clone_tests) in site for site in counter.library_sites())
+    assert len(counter.library_sites()) == 1  # the logging step's one read
     guard.close()

@@ -173,10 +173,11 @@ class Driver:
             first = dataclasses.replace(first, optimizers=tuple(rows))
         return first
 
-    def end_run(self) -> None:
+    def end_run(self, summary: RunSummary | None = None) -> None:
         """The run is over (finished or raised): finish the step in flight, give the steps since the last
         logging step their row, write the summary line (once), undo every wrapper and hook, close the
-        user's sinks. Idempotent."""
+        user's sinks. Idempotent. ``summary``: the line to write, when the driver counts more than its
+        cores do (the HF Trainer's own clipping)."""
         if self._ended:
             return
         self._ended = True
@@ -187,7 +188,7 @@ class Driver:
                 finally:
                     for core in self.cores[1:]:
                         core.close(self.final_row)
-                self.summary().log()
+                (summary or self.summary()).log()
         finally:
             _ACTIVE[:] = [ref for ref in _ACTIVE if ref() is not None and ref() is not self]
             self.hooks.close()

@@ -198,7 +198,7 @@ class Ledger:
             skipped += where
         if late:
             details["learned_late"] = True
-            skipped += " (skipped on the device by the fused optimizer"
+            skipped += " (skipped on the device by the fused optimizer, learned at this logging step"
             skipped += (
                 "; its LR scheduler stepped once and is held one step to catch up)" if self.has_scheduler else ")"
             )

@@ -22,11 +22,12 @@ Requires the ``transformers`` extra: ``pip install 'stabilitykit[transformers]'`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -60,6 +61,23 @@ _NOT_LOGGED = ("precision",)
 
 
 # ---------------------------------------------------------------------- state as JSON
+#: The key, in the saved state, of the steps the Trainer's max_grad_norm clipped.
+_TRAINER_CLIPPED = "trainer_clipped"
+#: What the Trainer's console shows of our keys with ``console="short"`` (besides the events).
+CONSOLE_KEYS = ("grad_norm/total", "skipped/total", "nonfinite/total")
+#: ``console=``: "short" prints the keys a person reads, "all" every key.
+ConsoleMode = Literal["short", "all"]
+
+
+def _event_value(event: Event) -> float:
+    """An event's value in the Trainer's logs: 1, or the grad norm's z-score when that z-score itself
+    raised a spike warning (then at least ``z_warning``). A warning raised by a layer or a
+    precursor logs 1: the total's z-score may then be low or negative, which reads as no spike."""
+    if event.kind == "spike_warning" and event.details.get("signal") == "grad_norm":
+        return float(event.details.get("z", 1.0))
+    return 1.0
+
+
 def _json_float(x: float) -> float | str:
     """A float strict JSON can hold: non-finite values as "nan", "inf", "-inf" (``json`` would write NaN)."""
     return x if math.isfinite(x) else str(x)
@@ -147,6 +165,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         log_events: bool = True,
         *,
         rules: Sequence[SkipRule] = (),
+        console: ConsoleMode = "short",
         restore_into_attached: bool = False,
     ) -> None:
         if restore_into_attached and getattr(self, "_trainer", None) is not None:
@@ -159,11 +178,16 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         self.hooks.add_sink(self.logs)
         self.alert_on: set[str] = set(ALERT_KINDS if alerts is True else [] if alerts is False else alerts)
         self.log_events = log_events
+        if console not in ("short", "all"):
+            raise ValueError(f"console={console!r}: expected 'short' or 'all'")
+        self.console: ConsoleMode = console
         self.saved_state: dict[str, Any] | None = None  # set by the Trainer's callback-state restore
         self._trainer: weakref.ReferenceType[Trainer] | None = None
         self._undo: list[Callable[[], None]] = []
         self._global_step = 0
         self._warned_fallback = False
+        #: steps the Trainer's own max_grad_norm clipped (a device count; None before the first)
+        self._trainer_clipped: Tensor | None = None
 
     # ------------------------------------------------------------------ attaching
     def attach(self, trainer: Trainer) -> StabilityTrainerCallback:
@@ -216,10 +240,6 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         does the same from a model's forward or ``compute_loss`` without a handle on the callback."""
         self.driver.record(name, value, reduce)
 
-    def summary(self) -> RunSummary:
-        """The run's totals."""
-        return self.driver.summary()
-
     def _train_route(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def route(original: Callable[..., Any]) -> Callable[..., Any]:
             def train(*args: Any, **kwargs: Any) -> Any:
@@ -262,8 +282,12 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         )
         saved = self.saved_state or self._saved_in(state)
         self.saved_state = None
+        self._trainer_clipped = None
         if saved and state.global_step > 0:
+            saved = dict(saved)
+            clipped = int(saved.pop(_TRAINER_CLIPPED, 0))
             self.driver.load_state_dict(from_json(saved, core.engine.device))
+            self._trainer_clipped = torch.tensor(clipped, device=core.engine.device)
         self._global_step = state.global_step
         self._undo.append(route_accelerated_step(core, trainer.optimizer))
         self._undo.append(core.release)  # its wrappers, hold and recovery (idempotent)
@@ -296,7 +320,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             self.core.finish()
             self.core.flush()
             self._write_events(at_end=state)
-        self.driver.end_run()
+        self.driver.end_run(self.summary())
         self._release()
 
     def _release(self) -> None:
@@ -304,16 +328,27 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             self._undo.pop()()
 
     def _console_route(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """The Trainer's console printers get each log entry without the per-layer keys (every
-        ``report_to`` integration still gets them)."""
+        """The Trainer's console printers get each log entry cut to what a person reads (every
+        ``report_to`` integration, and ``trainer.state.log_history``, still get every key).
+
+        ``console="short"`` (default): the Trainer's own keys (loss, grad_norm, learning_rate, ...),
+        and of ours the total grad norm, the skip and non-finite counts and the events; ``"all"``:
+        every key, as the Trainer prints them without stabilitykit.
+        """
         prefix = f"{self.config.metric_prefix}/".lstrip("/")
-        per_layer = tuple(f"{prefix}{family}/" for family in ("grad_norm", "update_ratio", "weight_norm"))
-        kept = {f"{prefix}grad_norm/total", f"{prefix}grad_norm/max"}
+        shown = {f"{prefix}{name}" for name in CONSOLE_KEYS}
+        events = f"{prefix}events/"
+
+        def ours(key: str) -> bool:
+            return key.startswith(prefix) if prefix else "/" in key
+
+        def keep(key: str) -> bool:
+            return not ours(key) or key in shown or key.startswith(events)
 
         def route(original: Callable[..., Any]) -> Callable[..., Any]:
             def on_log(*args: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-                if logs is not None:
-                    logs = {k: v for k, v in logs.items() if k in kept or not k.startswith(per_layer)}
+                if logs is not None and self.console == "short":
+                    logs = {k: v for k, v in logs.items() if keep(k)}
                 return original(*args, logs=logs, **kwargs)
 
             return on_log
@@ -342,11 +377,27 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
                 norm = decision.report.grad_norm
                 if max_norm is not None and math.isfinite(max_norm) and max_norm > 0:
                     self._trainer_clip(core, norm, float(max_norm))
+                    self._count_trainer_clip(norm, float(max_norm), decision.report.skipped)
                 return norm
 
             return clip_grad_norm_
 
         return route
+
+    def _count_trainer_clip(self, norm: Tensor, max_norm: float, skipped: Tensor) -> None:
+        """Count a step ``max_grad_norm`` clipped (finite norm above it, step not skipped), on the
+        device: read once, by ``summary()``."""
+        hit = (torch.isfinite(norm) & (max_norm / (norm + CLIP_EPS) < 1) & ~skipped).to(torch.int64)
+        self._trainer_clipped = hit if self._trainer_clipped is None else self._trainer_clipped + hit
+
+    def summary(self) -> RunSummary | None:
+        """The run's totals (None before training starts): the steps the Trainer's ``max_grad_norm``
+        clipped are counted in ``clipped``, rollbacks apart (see ``RunSummary``)."""
+        if self.core is None:
+            return None
+        summary = self.core.summary()
+        clipped = int(self._trainer_clipped) if self._trainer_clipped is not None else 0
+        return dataclasses.replace(summary, clipped=summary.clipped + clipped)
 
     @staticmethod
     def _trainer_clip(core: DriverCore, norm: Tensor, max_norm: float) -> None:
@@ -418,7 +469,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         entry: dict[str, float] = {}
         for event in events:
             key = f"{prefix}/events/{event.kind}".lstrip("/")
-            entry[key] = float(event.details.get("z", 1.0)) if event.kind == "spike_warning" else 1.0
+            entry[key] = _event_value(event)
             entry[f"{key}_step"] = float(event.step)
         if merge:
             self.logs.metrics.update(entry)
@@ -431,6 +482,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
     def state(self) -> dict[str, Any]:
         """What the Trainer writes into ``trainer_state.json`` at each checkpoint (JSON values only)."""
         saved = to_json(self.driver.state_dict()) if self.core is not None else None
+        if saved is not None and self._trainer_clipped is not None:
+            saved[_TRAINER_CLIPPED] = int(self._trainer_clipped)  # a checkpoint: syncs anyway
         return {"args": {"restore_into_attached": True}, "attributes": {"saved_state": saved}}
 
 

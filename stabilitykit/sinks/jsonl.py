@@ -4,6 +4,13 @@ The sink survives what happens to log files on real machines: a file moved or de
 (logrotate) is reopened at the next write, as ``logging.handlers.WatchedFileHandler`` does; a
 partial last line left by a process killed mid-write is cut off before appending, so the file
 stays valid JSONL; a failing write (disk full) warns once, says what it dropped, and retries.
+
+Two runs never share one file silently. With the default ``mode="new"`` a run that starts over
+(its first record is not past the first step already in the file) gets a fresh file at
+``path``, and the earlier run's file is kept beside it as ``run.1.jsonl`` (then ``run.2.jsonl``,
+...), with a warning saying so; a resumed run (its first record is past the file's first step)
+continues the file, as it should. ``mode="append"`` always continues the file, ``mode="overwrite"``
+always replaces it.
 """
 
 from __future__ import annotations
@@ -15,11 +22,15 @@ import os
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from stabilitykit.events import Event
 
-__all__ = ["JsonlError", "JsonlSink", "iter_jsonl", "iter_jsonl_numbered", "read_jsonl"]
+__all__ = ["JsonlError", "JsonlMode", "JsonlSink", "iter_jsonl", "iter_jsonl_numbered", "read_jsonl"]
+
+#: What a JsonlSink does with a file that already holds records: see the module docstring.
+JsonlMode = Literal["new", "append", "overwrite"]
+_MODES = ("new", "append", "overwrite")
 
 _SPECIALS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
@@ -71,17 +82,58 @@ def _cut_partial_line(path: Path) -> int:
     return size - keep
 
 
+def _first_step(path: Path) -> int | None:
+    """The step of the first record in ``path`` (None: empty, missing, or no readable first record)."""
+    try:
+        with path.open("rb") as handle:
+            for raw in handle:
+                if not raw.strip():
+                    continue
+                try:
+                    record = json.loads(raw.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError):
+                    return None
+                step = record.get("step") if isinstance(record, dict) else None
+                return step if isinstance(step, int) else None
+    except FileNotFoundError:
+        return None
+    return None
+
+
+def _numbered(path: Path) -> Path:
+    """The first free ``run.N.jsonl`` beside ``path`` (N = 1, 2, ...): older runs get lower numbers."""
+    number = 1
+    while True:
+        candidate = path.with_name(f"{path.stem}.{number}{path.suffix}")
+        if not candidate.exists():
+            return candidate
+        number += 1
+
+
 class JsonlSink:
     """Appends ``{"step": s, "metric": v, ...}`` per logging step and ``{"event": kind, ...}`` per event.
 
     Each line is flushed (and fsynced when ``fsync=True``) as it is written. The file is checked
     (one ``stat``) before each write and reopened when it was moved or deleted.
+
+    ``mode`` says what happens to a file that already holds records when this sink first writes:
+    ``"new"`` (default) keeps a new run apart from an old one (the old file is moved to
+    ``run.1.jsonl``, ``run.2.jsonl``, ... and ``previous`` names it) while a resumed run, whose
+    first record is past the file's first step, continues the file; ``"append"`` always
+    continues it; ``"overwrite"`` replaces it. The choice is made at this sink's first record (the
+    drivers write nothing before their first step, so a resume's first record carries its step).
     """
 
-    def __init__(self, path: str | os.PathLike[str], fsync: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], fsync: bool = False, mode: JsonlMode = "new") -> None:
+        if mode not in _MODES:
+            raise ValueError(f"JsonlSink(mode={mode!r}): expected one of {', '.join(map(repr, _MODES))}")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
+        self.mode: JsonlMode = mode
+        #: Where an earlier run's file was moved to (``mode="new"``), else None.
+        self.previous: Path | None = None
+        self._chosen = mode == "append"  # whether the file for this run is settled
         self._file: IO[str] | None = None
         self._identity: tuple[int, int] | None = None
         self.written = 0
@@ -164,13 +216,41 @@ class JsonlSink:
         where = f" (steps {steps[0]}..{steps[-1]})" if steps else ""
         return f"dropped {self.dropped} record(s) so far{where}"
 
+    def _choose_file(self, step: int | None) -> None:
+        """Once, before this run's first line: continue, replace or set aside what ``path`` holds."""
+        self._chosen = True
+        try:
+            if self.path.stat().st_size == 0:
+                return
+        except FileNotFoundError:
+            return
+        if self.mode == "overwrite":
+            self.path.unlink()
+            return
+        first = _first_step(self.path)
+        if step is not None and first is not None and step > first:
+            return  # a resume: this run continues the file
+        self.previous = _numbered(self.path)
+        self.path.rename(self.previous)
+        warnings.warn(
+            f"stabilitykit JsonlSink: {self.path} held an earlier run (from step {first}); it is kept as "
+            f"{self.previous} and this run starts a fresh {self.path.name} "
+            "(JsonlSink(path, mode='append') continues a file, mode='overwrite' replaces it)",
+            UserWarning,
+            stacklevel=4,
+        )
+
     # ------------------------------------------------------------------ the sink protocol
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Write one line holding the step and every metric."""
+        if not self._chosen:
+            self._choose_file(step)
         self._write({"step": step, **metrics})
 
     def log_event(self, event: Event) -> None:
         """Write one line for an event: ``{"event": kind, "step": s, "message": ..., details}``."""
+        if not self._chosen:
+            self._choose_file(event.step)
         self._write({"event": event.kind, "step": event.step, "message": event.message, **event.details})
 
     def close(self) -> None:

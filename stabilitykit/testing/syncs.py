@@ -12,14 +12,28 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SyncCounter", "count_host_syncs"]
+__all__ = ["PACKAGE_DIR", "SyncCounter", "count_host_syncs"]
 
 _PATCHED = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy")
+
+#: The installed package's own folder. Sites are matched against it, never against a folder name:
+#: a checkout named ``stabilitykit`` holds its tests under ``.../stabilitykit/tests/`` too.
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+_TESTING_DIR = Path(__file__).resolve().parent
+
+
+def _site_file(site: str) -> Path | None:
+    """The file a site names (``"what at /path/file.py:123"``), or None for a site with no frame."""
+    if " at " not in site:
+        return None
+    where = site.split(" at ", 1)[1]
+    return Path(where.rsplit(":", 1)[0])
 
 
 @dataclass
@@ -35,6 +49,22 @@ class SyncCounter:
         frames = [f for f in traceback.extract_stack(limit=12) if "syncs.py" not in f.filename]
         where = frames[-1] if frames else None
         self.sites.append(f"{what} at {where.filename}:{where.lineno}" if where else what)
+
+    def library_sites(self) -> list[str]:
+        """The sites inside the stabilitykit package itself (its ``testing`` helpers excluded).
+
+        Matched by the package's real location, so a test file or a reference model that lives in
+        a folder which happens to be called ``stabilitykit`` is never counted as the library.
+        """
+        ours = []
+        for site in self.sites:
+            path = _site_file(site)
+            if path is None:
+                continue
+            resolved = path.resolve()
+            if resolved.is_relative_to(PACKAGE_DIR) and not resolved.is_relative_to(_TESTING_DIR):
+                ours.append(site)
+        return ours
 
 
 class _Mode(TorchDispatchMode):
