@@ -64,6 +64,51 @@ def recovery_run(fabric: Fabric, rank: int) -> dict:
     return {"rollbacks": rollbacks, "alerts": alerts, "checksum": checksum}
 
 
+class QualityGate(sk.SkipRule):
+    name = "quality_gate"
+
+    def flag(self, values: sk.StepValues) -> torch.Tensor:
+        return values["quality"] < 0.5
+
+
+def rule_run(fabric: Fabric, rank: int) -> dict:
+    """A user's skip rule raised on rank 1 only at step 3 (from a recorded metric), and a metric summed
+    across ranks: both ranks skip step 3, bitwise, and log the same agreed sum."""
+    model = tiny_gpt(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, optimizer = fabric.setup(model, optimizer)
+    model.mark_forward_method("loss")
+    logged: dict[int, float] = {}
+    skipped: list[list] = []
+
+    class Rows:
+        def log_metrics(self, metrics: dict, step: int) -> None:
+            logged[step] = float(metrics["stability/metrics/rank_id"])
+
+        def log_event(self, event: sk.Event) -> None:
+            if event.kind == "skipped":
+                skipped.append([event.step, event.details["reason"]])
+
+    guard = FabricGuard(
+        fabric, model, optimizer, sk.StabilityConfig(log_every_n_steps=2), sinks=[Rows()], rules=[QualityGate()]
+    )
+    data = char_batches(seed=20 + rank)
+    unchanged = None
+    for step in range(6):
+        x, y = next(data)
+        guard.record("quality", torch.tensor(0.0 if (rank == 1 and step == 3) else 1.0))
+        guard.record("rank_id", torch.tensor(float(rank + 1)), reduce="sum")
+        before = snapshot(model, optimizer) if step == 3 else None
+        guard.backward(model.loss(x, y))
+        guard.step()
+        guard.zero_grad()
+        if before is not None:
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, snapshot(model, optimizer), strict=True))
+    guard.close()
+    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+    return {"skipped": skipped, "sums": sorted(set(logged.values())), "unchanged": unchanged, "checksum": checksum}
+
+
 def main() -> None:
     out = Path(os.environ["SK_OUT"])
     torch.set_num_threads(1)
@@ -114,6 +159,7 @@ def main() -> None:
     result["skipped_after_resume"] = guard.skipped_total
     guard.close()
     result["recovery"] = recovery_run(fabric, rank)
+    result["rule"] = rule_run(fabric, rank)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     # An orderly teardown: a gloo process group left to the interpreter's exit can abort it
     # ("terminate called without an active exception") while its threads are still running.

@@ -40,6 +40,12 @@ def test_two_gloo_processes_nan_on_one_rank_skips_everywhere_and_resumes(tmp_pat
     assert len(first["rollbacks"]) == 1 and first["rollbacks"] == second["rollbacks"]
     assert first["rollbacks"][0]["restored_step"] == 8
     assert first["checksum"] == second["checksum"]
+    # a user's skip rule raised on rank 1 only skips both ranks; a recorded metric is summed across ranks
+    first, second = ranks[0]["rule"], ranks[1]["rule"]
+    for rule in (first, second):
+        assert rule["skipped"] == [[3, "quality_gate"]] and rule["unchanged"]
+        assert rule["sums"] == [3.0]
+    assert first["checksum"] == second["checksum"]
 
 
 def test_fabric_mixed_precision_grad_scaler_true_norm_and_skip() -> None:
