@@ -96,11 +96,6 @@ class StabilityGuard:
     ) -> None:
         """``extra_group``: a process group the norms also sum over (pipeline stages; see the distributed guide).
         ``rules``: your own skip rules (``stabilitykit.SkipRule`` instances), run after the built-in ones."""
-        if isinstance(optimizer, StabilityConfig | Mapping | str) or optimizer is None:
-            raise TypeError(
-                f"StabilityGuard(model, optimizer, config=...): the second argument must be the optimizer, got "
-                f"{type(optimizer).__name__} (did you forget the optimizer? StabilityGuard(model, optimizer, cfg))"
-            )
         optimizers = _as_list(optimizer)
         if not optimizers:
             raise ValueError("StabilityGuard needs an optimizer; got an empty list")

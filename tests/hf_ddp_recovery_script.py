@@ -5,7 +5,9 @@ A tiny random-init ``LlamaForCausalLM`` trains 24 steps. On rank 1 only, the los
 reports jumps 1000x at global step 12 (a constant times the detached loss is added, so the grads
 are unchanged): only rank 1's detector raises a ``spike_alert``. Both ranks must roll back once,
 at the same step, to the same snapshot, and keep identical replicas. Each rank writes
-``rank<r>.json`` to ``SK_OUT``.
+``rank<r>.json`` to ``SK_OUT``. The same run carries a user's skip rule and recorded metrics
+(``sk.record`` in ``compute_loss``): rank 1 alone records a bad ``quality`` at step 5, so both ranks
+skip step 5; ``rank_id`` is recorded with reduce "sum" and logged agreed (3) on both.
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ from stabilitykit.integrations import stabilize
 from tests.hf_models import tiny_llama, token_batches
 
 JUMP_STEP = 12
+RULE_STEP = 5
+
+
+class QualityGate(sk.SkipRule):
+    name = "quality_gate"
+
+    def flag(self, values: sk.StepValues) -> torch.Tensor:
+        return values["quality"] < 0.5
 
 
 def main() -> None:
@@ -37,6 +47,9 @@ def main() -> None:
 
         def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             loss = super().compute_loss(model, inputs, *args, **kwargs)
+            bad = self.args.process_index == 1 and self.state.global_step == RULE_STEP
+            sk.record("quality", torch.tensor(0.0 if bad else 1.0))
+            sk.record("rank_id", torch.tensor(float(self.args.process_index + 1)), reduce="sum")
             if self.args.process_index == 1 and self.state.global_step == JUMP_STEP:
                 loss = loss + 1000.0 * loss.detach()
             return loss
@@ -60,7 +73,18 @@ def main() -> None:
         spikes=sk.SpikeConfig(warmup_steps=5),
         recovery=sk.RecoveryConfig(enabled=True, snapshot_every=2, keep=3, trigger=["spike_alert"]),
     )
-    callback = stabilize(trainer, cfg)
+    sums: set[float] = set()
+    skipped: list[list] = []
+
+    class Rows:
+        def log_metrics(self, metrics: dict, step: int) -> None:
+            sums.add(float(metrics["stability/metrics/rank_id"]))
+
+        def log_event(self, event: sk.Event) -> None:
+            if event.kind == "skipped":
+                skipped.append([event.step, event.details["reason"]])
+
+    callback = stabilize(trainer, cfg, sinks=[Rows()], rules=[QualityGate()])
     rollbacks: list[dict[str, int]] = []
     alerts: list[int] = []
     callback.hooks.on(
@@ -77,6 +101,8 @@ def main() -> None:
         "steps": trainer.state.global_step,
         "checksum": sum(float(p.double().sum()) for p in params),
         "finite": all(bool(torch.isfinite(p).all()) for p in params),
+        "rule_skips": [s for s in skipped if s[1] == "quality_gate"],
+        "sums": sorted(sums),
     }
     (out / f"rank{args.process_index}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
