@@ -23,18 +23,41 @@ import stabilitykit as sk
 PACKAGE = str(Path(sk.__file__).parent)
 
 
-def trace(fn: Callable[[], None]) -> list[str]:
-    """The stabilitykit functions ``fn`` calls, in call order (``module:qualname``)."""
+def _name(frame) -> str | None:  # type: ignore[no-untyped-def]
+    path = frame.f_code.co_filename
+    name = frame.f_code.co_qualname
+    if path.startswith(PACKAGE) and not name.split(".")[-1].startswith("__") and "<" not in name:
+        module = Path(path).relative_to(Path(PACKAGE).parent).with_suffix("").as_posix().replace("/", ".")
+        return f"{module}:{name}"
+    return None
+
+
+#: The chain of stabilitykit frames (outermost first) when the path's event (the skip, the rollback)
+#: had its JSONL line written.
+CHAINS: dict[str, list[str]] = {}
+
+
+def trace(fn: Callable[[], None], label: str = "", kind: str = "skipped") -> list[str]:
+    """The stabilitykit functions ``fn`` calls, in call order (``module:qualname``); the frame chain that
+    writes the JSONL line of the first event of ``kind`` goes to ``CHAINS[label]``."""
     calls: list[str] = []
 
     def profile(frame, event, arg):  # type: ignore[no-untyped-def]
         if event != "call":
             return
-        path = frame.f_code.co_filename
-        name = frame.f_code.co_qualname
-        if path.startswith(PACKAGE) and not name.split(".")[-1].startswith("__") and "<" not in name:
-            module = Path(path).relative_to(Path(PACKAGE).parent).with_suffix("").as_posix().replace("/", ".")
-            calls.append(f"{module}:{name}")
+        name = _name(frame)
+        if name is None:
+            return
+        calls.append(name)
+        if name.endswith("JsonlSink.log_event") and label not in CHAINS and frame.f_locals.get("event") is not None:
+            if frame.f_locals["event"].kind == kind:
+                chain, f = [], frame
+                while f is not None:
+                    outer = _name(f)
+                    if outer is not None:
+                        chain.append(outer)
+                    f = f.f_back
+                CHAINS[label] = chain[::-1]
 
     sys.setprofile(profile)
     try:
@@ -60,7 +83,7 @@ def skipped_step(out: Path) -> list[str]:
         guard.backward(model(torch.randn(4, 8)).pow(2).mean() * float("nan"))
         guard.step()
 
-    calls = trace(bad_step)
+    calls = trace(bad_step, "skipped step")
     guard.close()
     return calls
 
@@ -86,7 +109,7 @@ def rollback(out: Path) -> list[str]:
         guard.backward(model(torch.randn(4, 8)).pow(2).mean() * float("nan"))
         guard.step()
 
-    calls = trace(last_bad_step)
+    calls = trace(last_bad_step, "rollback", kind="rollback")
     guard.close()
     return calls
 
@@ -97,14 +120,19 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         paths = {"skipped step": skipped_step(Path(tmp)), "rollback": rollback(Path(tmp))}
-    print("| path | hops (calls) | distinct functions | modules |")
-    print("| --- | --- | --- | --- |")
+    print("| path | hops (calls) | distinct functions | modules | chain to its JSONL line: frames / modules |")
+    print("| --- | --- | --- | --- | --- |")
     for name, calls in paths.items():
         modules = sorted({c.split(":")[0] for c in calls})
-        print(f"| {name} | {len(calls)} | {len(set(calls))} | {len(modules)} |")
+        chain = CHAINS.get(name, [])
+        chain_modules = len({c.split(":")[0] for c in chain})
+        print(f"| {name} | {len(calls)} | {len(set(calls))} | {len(modules)} | {len(chain)} / {chain_modules} |")
     for name, calls in paths.items():
         modules = sorted({c.split(":")[0] for c in calls})
         print(f"\n{name}: modules: {', '.join(m.removeprefix('stabilitykit.') for m in modules)}")
+        print(f"{name}: chain to its event's JSONL line:")
+        for frame in CHAINS.get(name, []):
+            print("   ", frame.removeprefix("stabilitykit."))
         if args.list:
             for call in calls:
                 print("  ", call.removeprefix("stabilitykit."))
