@@ -419,3 +419,29 @@ def test_ddp_a_rule_raised_on_one_rank_skips_every_rank_and_metrics_are_agreed(
         assert metrics["stability/metrics/rank_id_mean"] == 1.5
         assert metrics["stability/metrics/rank_id_sum"] == 3.0
         assert metrics["stability/metrics/quality"] == 1.0
+
+
+def test_sk_record_feeds_the_run_started_last_and_a_closed_one_no_more() -> None:
+    """A guard left open (still referenced) never receives another run's metrics through sk.record."""
+    a_model, b_model = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    a = sk.StabilityGuard(
+        a_model, torch.optim.SGD(a_model.parameters(), lr=0.1), sk.StabilityConfig(log_every_n_steps=1)
+    )
+    a.backward(a_model(torch.randn(3, 4)).sum())
+    a.step()  # a's layout is fixed, with no metrics
+    rows: list[dict[str, float]] = []
+
+    class Rows:
+        def log_metrics(self, metrics: Any, step: int) -> None:
+            rows.append(dict(metrics))
+
+    cfg = sk.StabilityConfig(log_every_n_steps=1)
+    with sk.StabilityGuard(b_model, torch.optim.SGD(b_model.parameters(), lr=0.1), cfg, sinks=[Rows()]) as b:
+        sk.record("only_b", torch.tensor(2.0))
+        b.backward(b_model(torch.randn(3, 4)).sum())
+        b.step()
+    assert rows[0]["stability/metrics/only_b"] == 2.0
+    a.backward(a_model(torch.randn(3, 4)).sum())
+    a.step()  # a never saw "only_b": no error about a metric first recorded late
+    a.close()
+    sk.record("after_every_run", torch.tensor(1.0))  # no running driver: nothing happens

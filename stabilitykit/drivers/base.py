@@ -41,17 +41,19 @@ def active_drivers() -> list[Driver]:
 
 
 def record(name: str, value: Tensor | float, reduce: str = "mean") -> None:
-    """Record a metric for the step in flight in every running driver (no host sync).
+    """Record a metric for the step in flight in the running driver (no host sync).
 
     For code that has no handle on its driver: a loss function, a model's forward (an MoE router's
     load-balance loss or entropy), a Lightning ``training_step``, a Trainer's ``compute_loss``.
     ``reduce``: how ranks agree on it ("mean", "sum", "max", "min"; "any"/"all" for flags). The value
     is logged as ``<prefix>/metrics/<name>`` at logging steps, seen by skip rules as
     ``values[name]`` (this rank's) and watched by the spike detector. Without a running driver it
-    does nothing.
+    does nothing. With several drivers open at once (two guards in one process), it goes to the one
+    started last; record into another with its own ``record``.
     """
-    for driver in active_drivers():
-        driver.record(name, value, reduce=reduce)
+    drivers = active_drivers()
+    if drivers:
+        drivers[-1].record(name, value, reduce=reduce)
 
 
 class Driver:
@@ -114,8 +116,8 @@ class Driver:
                 )
             )
         self._ended = False
-        if not any(d is self for d in active_drivers()):
-            _ACTIVE.append(weakref.ref(self))
+        _ACTIVE[:] = [ref for ref in _ACTIVE if ref() is not None and ref() is not self]
+        _ACTIVE.append(weakref.ref(self))  # the newest started run is the one ``record`` feeds
         return self.cores
 
     def find_core(self, optimizer: Any) -> DriverCore | None:
