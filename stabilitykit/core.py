@@ -252,10 +252,13 @@ class DriverCore:
                 "(check what configure_optimizers / your optimizer was given)"
             )
         if not any(p.requires_grad for p in params):
-            raise ValueError(
-                f"stabilitykit has nothing to guard: none of the {len(params)} parameters "
-                f"{type(self.optimizer).__name__} holds requires grad (the model is frozen), so no step "
-                "would ever change them; unfreeze what should train (p.requires_grad_(True)) first"
+            # not an error: a fine-tuning schedule (Lightning's BaseFinetuning) unfreezes them later
+            warnings.warn(
+                f"stabilitykit: none of the {len(params)} parameters {type(self.optimizer).__name__} holds "
+                "requires grad (the model is frozen): no step changes them until something unfreezes them "
+                "(p.requires_grad_(True))",
+                UserWarning,
+                stacklevel=3,
             )
         check_supported(model, self.optimizer, params)
         self._param_count = self._count_params()

@@ -283,7 +283,10 @@ def test_everything_frozen_at_the_start_is_not_an_error(tmp_path: Path) -> None:
     module = BackboneOnly(nan_step=4)
     callback = StabilityCallback(NO_CLIP)
     trainer = _trainer(tmp_path, [FreezeThenTrain(), callback], max_epochs=2, max_steps=-1, limit_train_batches=3)
-    with pytest.warns(RuntimeWarning, match="no parameter has a gradient"):
+    with (
+        pytest.warns(RuntimeWarning, match="no parameter has a gradient"),
+        pytest.warns(UserWarning, match="the model is frozen"),
+    ):
         trainer.fit(module)
     callback.cores[0].flush()
     engine = callback.engine

@@ -51,6 +51,7 @@ def test_non_fused_pays_one_sync_per_step_and_none_when_skipping_is_off() -> Non
             guard.zero_grad()
         per_step.append(_ours(counter))
     assert per_step == [1, 1, 1, 1, 1, 1]  # logging steps fold the decision into the metrics read
+    guard.close()
 
     cfg = sk.StabilityConfig(log_every_n_steps=5, skip=sk.SkipConfig(nonfinite=False))
     guard = sk.StabilityGuard(model, opt, cfg)
