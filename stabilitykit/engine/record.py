@@ -84,7 +84,7 @@ class StepRecord:
 
     def put(self, name: str, value: Tensor, reduce: str) -> None:
         """Hold ``value`` (a 0-d device tensor) under ``name``, agreed with ``reduce``."""
-        self.values[name] = value.detach().reshape(())
+        self.values[name] = value if value.dim() == 0 else value.reshape(())  # no op for a 0-d value
         self.reductions[name] = reduce
 
     def __getitem__(self, name: str) -> Tensor:
@@ -94,7 +94,7 @@ class StepRecord:
         """Every value made identical on every rank (one collective; none with one process or
         ``enabled=False``). Booleans come back as bools, the rest as float32 (float64 if any value is)."""
         if not enabled or not is_distributed():
-            return dict(self.values)
+            return self.values  # nothing to agree: the values themselves (callers do not change them)
         names = list(self.values)
         if all(self.reductions[n] in _MAX_FRIENDLY for n in names):
             return self._agree_by_max(names, group)

@@ -342,9 +342,12 @@ class StabilityEngine:
         record = self._record(norms, loss, force_skip, skip_ahead, request, scaler_active, metrics)
         agreed = record.agree(self.config.skip.sync_ranks)
         n_rules = len(self.rules)
-        here_flags = torch.stack([record[f"rule/{r.name}"] for r in self.rules]) if n_rules else self._false
-        agreed_flags = torch.stack([agreed[f"rule/{r.name}"] for r in self.rules]) if n_rules else self._false
-        code = self.rules.code(here_flags.reshape(-1), agreed_flags.reshape(-1))
+        here_flags = torch.stack([record[f"rule/{r.name}"] for r in self.rules]) if n_rules else self._false[None]
+        if agreed is record.values:  # one process (or sync_ranks off): nothing was agreed
+            agreed_flags = here_flags
+        else:
+            agreed_flags = torch.stack([agreed[f"rule/{r.name}"] for r in self.rules]) if n_rules else here_flags
+        code = self.rules.code(here_flags, agreed_flags)
         skip = code > 0
         total = agreed["grad_norm"]
         coef, threshold = self._clip(norms, grouped, total, agreed["grads_finite"], agreed["loss_finite"], skip)
@@ -416,6 +419,7 @@ class StabilityEngine:
             "loss": self._or_nan(loss),
             "bad_batch": force_skip if force_skip is not None else self._false,
             "after_rollback": self._true if skip_ahead else self._false,
+            "never": self._false,  # a constant False for a rule that does not apply this step
             **metrics,
         }
         view = StepValues(values, scaler_active=scaler_active, step=self.step, has_loss=loss is not None)
@@ -440,7 +444,9 @@ class StabilityEngine:
                 f"skip rule {rule.name!r} ({type(rule).__name__}.flag) must return a 0-d bool tensor on the device, "
                 f"got {type(flag).__name__}"
             )
-        return flag.reshape(()).bool()
+        if flag.dim() != 0:
+            flag = flag.reshape(())
+        return flag if flag.dtype == torch.bool else flag.bool()
 
     def _clip(
         self,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from stabilitykit.rules.base import SkipContext, SkipRule, StepValues
@@ -20,8 +19,7 @@ class Fp16Overflow(SkipRule):
     counts_toward_divergence = False
 
     def flag(self, values: StepValues) -> Tensor:
-        grads_bad = ~values["grads_finite"]
-        return grads_bad if values.scaler_active else torch.zeros_like(grads_bad)
+        return ~values["grads_finite"] if values.scaler_active else values["never"]
 
     def message(self, ctx: SkipContext) -> str:
         return f"fp16 overflow, GradScaler skipped the step{ctx.where}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
 from stabilitykit.rules.base import SkipContext, SkipRule, StepValues
@@ -20,8 +19,7 @@ class NonFiniteGrad(SkipRule):
     event_kind = "nonfinite"
 
     def flag(self, values: StepValues) -> Tensor:
-        grads_bad = ~values["grads_finite"]
-        return torch.zeros_like(grads_bad) if values.scaler_active else grads_bad
+        return values["never"] if values.scaler_active else ~values["grads_finite"]
 
     def message(self, ctx: SkipContext) -> str:
         if ctx.total == math.inf and "module" not in ctx.details:

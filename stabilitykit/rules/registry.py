@@ -57,6 +57,7 @@ class RuleSet:
         self.rules = list(rules)
         self._here_bits: Tensor | None = None
         self._agreed_bits: Tensor | None = None
+        self._both_bits: Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.rules)
@@ -81,8 +82,12 @@ class RuleSet:
         if self._here_bits is None or self._here_bits.device != here.device:
             self._here_bits = torch.tensor([2 << i for i in range(n)], dtype=torch.int32, device=here.device)
             self._agreed_bits = torch.tensor([2 << (n + i) for i in range(n)], dtype=torch.int32, device=here.device)
-        assert self._agreed_bits is not None
+            self._both_bits = self._here_bits + self._agreed_bits
+        assert self._agreed_bits is not None and self._both_bits is not None
         skip = agreed.any()
+        if agreed is here:  # one process: this rank's flags are the agreed ones (half the ops)
+            bits = (here.int() * self._both_bits).sum() + SKIP
+            return torch.where(skip, bits, torch.zeros_like(bits)).to(torch.int32)
         bits = (here.int() * self._here_bits).sum() + (agreed.int() * self._agreed_bits).sum() + SKIP
         return torch.where(skip, bits, torch.zeros_like(bits)).to(torch.int32)
 
