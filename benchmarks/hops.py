@@ -49,15 +49,15 @@ def trace(fn: Callable[[], None], label: str = "", kind: str = "skipped") -> lis
         if name is None:
             return
         calls.append(name)
-        if name.endswith("JsonlSink.log_event") and label not in CHAINS and frame.f_locals.get("event") is not None:
-            if frame.f_locals["event"].kind == kind:
-                chain, f = [], frame
-                while f is not None:
-                    outer = _name(f)
-                    if outer is not None:
-                        chain.append(outer)
-                    f = f.f_back
-                CHAINS[label] = chain[::-1]
+        event = frame.f_locals.get("event") if name.endswith("JsonlSink.log_event") else None
+        if event is not None and label not in CHAINS and event.kind == kind:
+            chain, f = [], frame
+            while f is not None:
+                outer = _name(f)
+                if outer is not None:
+                    chain.append(outer)
+                f = f.f_back
+            CHAINS[label] = chain[::-1]
 
     sys.setprofile(profile)
     try:
