@@ -308,6 +308,7 @@ class DriverCore:
         self._in_closure_step = False
         #: ``optimizer.step()`` calls made directly, outside a step of this driver (a warning names the first).
         self.unguarded_steps = 0
+        self._released = False  # release() ran: a wrapper of ours still reached is inert
         #: Rollback past a divergence (``config.recovery``), or None when it is off.
         self.recovery: Recovery | None = None
         if self.config.recovery.enabled:
@@ -436,7 +437,8 @@ class DriverCore:
     def run_optimizer_step(self, step_fn: Callable[[], Any]) -> Any:
         """Run the optimizer step for the step in flight, or skip it (no step in flight: just run it, and say so)."""
         if self.decision is None:
-            self._unguarded_step()
+            if not self._released:  # a wrapper of ours left under someone else's after release just runs
+                self._unguarded_step()
             return step_fn()
         with self._recovery_lr():
             return self.engine.apply(self.decision, step_fn, self.optimizer)
@@ -551,6 +553,7 @@ class DriverCore:
         patch, or none); the undo runs at ``release()``.
         """
         target = unwrap_optimizer(optimizer)
+        self._released = False
         installed = self._routes.get(id(target))
         if installed is not None:
             return installed
@@ -601,6 +604,7 @@ class DriverCore:
 
     def release(self) -> None:
         """Undo every wrapper and hold this core installed (idempotent; safe after an exception)."""
+        self._released = True
         while self._undo:
             self._undo.pop()()
 

@@ -144,6 +144,7 @@ def test_accelerated_optimizer_with_a_grad_scaler_routes_its_step_through_the_gu
     assert guard.step_count == 4 and guard.skipped_total == 1
     assert float(scaler.get_scale()) == 2.0**8, "no overflow: GradScaler's scale never backed off"
     # after the guard: the AcceleratedOptimizer steps the real optimizer again, unwrapped
+    guard.close()
     loss = model(**batches[0]).loss
     scaler.scale(loss).backward()
     before = snapshot(model, inner)
