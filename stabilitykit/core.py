@@ -24,6 +24,10 @@ import torch
 from torch import Tensor, nn
 
 from stabilitykit.buffers import BufferGuard, running_stat_buffers
+from stabilitykit.compat.attributes import replace_attribute
+from stabilitykit.compat.grad_scaler import ScalerAdapter
+from stabilitykit.compat.private import wrapped_optimizer
+from stabilitykit.compat.schedulers import hold_scheduler, release_scheduler
 from stabilitykit.config import StabilityConfig
 from stabilitykit.engine import StabilityEngine, StepDecision, StepGate, is_fused
 from stabilitykit.events import Event
@@ -37,14 +41,11 @@ from stabilitykit.nan import (
     is_compiled,
     replay_nonfinite,
 )
-from stabilitykit.patching import replace_attribute
 from stabilitykit.precision import PrecisionChoice, apply_precision_config
 from stabilitykit.recovery import Recovery
 from stabilitykit.report import StepReport
 from stabilitykit.rules import SkipRule
 from stabilitykit.run_log import RunSummary
-from stabilitykit.scaler import ScalerAdapter
-from stabilitykit.schedule import hold_scheduler, release_scheduler
 from stabilitykit.state import STATE_VERSION, validate_state
 
 __all__ = ["STATE_VERSION", "DriverCore", "check_supported", "coerce_config", "optimizer_params", "unwrap_optimizer"]
@@ -182,7 +183,7 @@ def unwrap_optimizer(optimizer: Any) -> Any:
         seen.add(id(optimizer))
         inner = getattr(optimizer, "optimizer", None)
         if inner is None or not hasattr(inner, "param_groups"):
-            inner = getattr(optimizer, "_optimizer", None)
+            inner = wrapped_optimizer(optimizer)
         if inner is None or not hasattr(inner, "param_groups") or inner is optimizer:
             return optimizer
         optimizer = inner
@@ -599,7 +600,7 @@ class DriverCore:
     def hold_scheduler(self, scheduler: Any) -> None:
         """Hold ``scheduler`` on skipped steps (its saved state is never touched) until ``release``."""
         hold_scheduler(scheduler, self.should_hold_scheduler)
-        self.engine.has_scheduler = self.engine.ledger.has_scheduler = True
+        self.engine.note_scheduler_held()
         self._undo.append(lambda: release_scheduler(scheduler))
 
     def release(self) -> None:

@@ -35,11 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from stabilitykit.compat.private import fsdp1_flat_handle, fsdp1_original_params, is_fsdp1_flattened
+
 __all__ = [
     "RECORD_COLLECTIVES_ENV",
     "LayoutReducer",
     "all_gather",
-    "all_ranks_agree",
     "all_reduce",
     "clear_recorded_collectives",
     "is_distributed",
@@ -168,13 +169,13 @@ def _fsdp1_groups(model: Any | None) -> dict[int, tuple[Any, ...]]:
     for module in model.modules():
         if not isinstance(module, FullyShardedDataParallel):
             continue
-        handle = getattr(module, "_handle", None)  # torch exposes no public handle accessor
+        handle = fsdp1_flat_handle(module)
         if handle is None:
             continue
         groups = (handle.process_group,) if handle.uses_sharded_strategy else ()
         flat = handle.flat_param
         out[id(flat)] = groups
-        for p in list(getattr(flat, "_params", None) or []) + list(getattr(flat, "_shared_params", None) or []):
+        for p in fsdp1_original_params(flat):
             out[id(p)] = groups
     return out
 
@@ -191,7 +192,7 @@ def _dtensor_groups(p: Tensor) -> tuple[Any, ...]:
 
 
 def _is_fsdp1_flattened(p: Tensor) -> bool:
-    return bool(getattr(p, "_fsdp_flattened", False))
+    return is_fsdp1_flattened(p)
 
 
 def reduce_groups_for(params: Sequence[Tensor], model: Any | None = None) -> list[tuple[Any, ...]]:
@@ -297,8 +298,8 @@ def reducer_for(
 ) -> LayoutReducer | None:
     """The reductions a plan over ``params`` needs, or None when every grad is whole everywhere.
 
-    None on one process and under plain DDP (grads identical on every rank; the engine's
-    ``all_ranks_agree`` makes the skip decision global there). ``extra_group``: a group to sum
+    None on one process and under plain DDP (grads identical on every rank; the step record's one
+    all-reduce makes the skip decision global there). ``extra_group``: a group to sum
     the totals over as well (pipeline stages: each stage holds different layers).
     """
     if not is_distributed():
@@ -349,14 +350,3 @@ def reducer_for(
     if folded:
         rows_of_group[groups.index(world_group)].append(n_rows)
     return LayoutReducer(row_of, n_rows, groups, rows_of_group, extra, world_row_folded=folded)
-
-
-def all_ranks_agree(flag: Tensor, group: Any | None = None) -> Tensor:
-    """MAX-all-reduce a 0-d bool flag (as an int) so every rank sees True if any rank does (no host sync)."""
-    if not is_distributed():
-        return flag
-    as_int = flag.to(torch.int32).reshape(1)
-    if dist.get_backend(group) == "nccl" and as_int.device.type != "cuda":  # pragma: no cover - GPU only
-        as_int = as_int.cuda()
-    all_reduce(as_int, dist.ReduceOp.MAX, group)
-    return as_int.to(flag.device).reshape(()).bool()

@@ -118,7 +118,7 @@ class StabilityGuard:
         for core in self.cores:
             for sched in self._schedulers_of(core):
                 core.track_scheduler(sched)  # recovery saves and restores it with each snapshot
-                core.engine.has_scheduler = core.engine.ledger.has_scheduler = True  # step() holds it on skips
+                core.engine.note_scheduler_held()  # step() holds it on skips
         # each optimizer's step is routed through its core once, for the guard's life (undone by close())
         self._unroute = [self._route_step(core) for core in self.cores]
         self._closed = False

@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from stabilitykit.batch_walk import walk_batch
+from stabilitykit.compat.private import dynamo_disable, is_compiled_module
 from stabilitykit.engine.layers import clean_name, unwrap_model
 from stabilitykit.events import BadBatchError
 
@@ -64,10 +65,7 @@ def _tensors(value: Any) -> Iterator[Tensor]:
 
 def is_compiled(model: nn.Module) -> bool:
     """True when ``model`` or a submodule runs under ``torch.compile``."""
-    return any(
-        isinstance(getattr(m, "_orig_mod", None), nn.Module) or getattr(m, "_compiled_call_impl", None) is not None
-        for m in model.modules()
-    )
+    return any(is_compiled_module(m) for m in model.modules())
 
 
 def eager_if(compiled: bool) -> contextlib.AbstractContextManager[Any]:
@@ -139,7 +137,7 @@ class NaNTracer:
         key = (name, phase)
         if key not in self._hook_fns:
             fn = self._forward_hook(name) if phase == "forward" else self._backward_hook(name)
-            self._hook_fns[key] = torch._dynamo.disable(fn) if self.compiled else fn
+            self._hook_fns[key] = dynamo_disable(fn) if self.compiled else fn
         return self._hook_fns[key]
 
     @property

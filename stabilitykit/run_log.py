@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from stabilitykit.compat.private import live_tqdm_bars
 from stabilitykit.events import Event
 
 __all__ = ["LOGGER", "EventLog", "RunSummary", "TqdmSafeHandler"]
@@ -36,13 +37,12 @@ class TqdmSafeHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """
 
     def emit(self, record: logging.LogRecord) -> None:
-        tqdm_module = sys.modules.get("tqdm")
-        bars = getattr(getattr(tqdm_module, "tqdm", None), "_instances", None)
+        bars = live_tqdm_bars()
         if not bars:
             super().emit(record)
             return
         try:
-            tqdm_module.tqdm.write(self.format(record), file=self.stream)  # type: ignore[union-attr]
+            sys.modules["tqdm"].tqdm.write(self.format(record), file=self.stream)
         except Exception:  # a handler never raises into the training loop
             self.handleError(record)
 

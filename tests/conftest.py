@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -53,3 +53,15 @@ LossFn = Callable[[torch.nn.Module, tuple[torch.Tensor, torch.Tensor], int], tor
 
 def default_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], step: int) -> torch.Tensor:
     return model.loss(*batch)  # type: ignore[operator]
+
+
+@pytest.fixture
+def fresh_accelerate() -> Iterator[None]:
+    """Accelerate keeps process-wide singletons: every test starts (and leaves) them unset."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

@@ -5,7 +5,9 @@ records a bad ``quality`` at step 3, so only rank 1's flag is raised: both ranks
 (parameters and optimizer state bitwise unchanged, replicas identical). Each rank also records
 ``rank_id`` (rank + 1) with reduce "mean", "sum" and "max": the logged values must be the agreed
 ones (1.5, 3, 2) on both ranks. ``SK_REDUCE_MAX_ONLY=1``: only "max" metrics, so the agreement rides
-the MAX all-reduce instead of the all-gather. Each rank writes ``rank<r>.json``.
+the MAX all-reduce instead of the all-gather. ``SK_DRIVER=accelerate``:
+the same through Accelerate (``AccelerateGuard``; Accelerate wraps the model in DDP over the group).
+Each rank writes ``rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -23,16 +26,11 @@ from distributed_script_runner import launch
 from hf_models import tiny_llama, token_batches
 
 import stabilitykit as sk
+from stabilitykit.integrations import AccelerateGuard
+from tests.custom_rules import QualityGate
 
 BAD_STEP = 3
 STEPS = 6
-
-
-class QualityGate(sk.SkipRule):
-    name = "quality_gate"
-
-    def flag(self, values: sk.StepValues) -> torch.Tensor:
-        return values["quality"] < 0.5
 
 
 class Rows:
@@ -47,16 +45,32 @@ class Rows:
         self.events.append((event.step, event.kind, str(event.details.get("reason"))))
 
 
+def _accelerate(rank: int, world: int, model: Any, opt: Any, cfg: sk.StabilityConfig, rows: Rows) -> tuple:
+    """Accelerate over the process group already made (MULTI_CPU): it wraps the model in DDP itself."""
+    from accelerate import Accelerator
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.num_processes == world, accelerator.state
+    wrapped, opt = accelerator.prepare(model, opt)
+    guard = AccelerateGuard(accelerator, wrapped, opt, cfg, sinks=[rows], rules=[QualityGate()])
+    return wrapped, opt, guard
+
+
 def worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     max_only = os.environ.get("SK_REDUCE_MAX_ONLY") == "1"
     model = tiny_llama()
-    ddp = DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     rows = Rows()
     cfg = sk.StabilityConfig(log_every_n_steps=1)
-    guard = sk.StabilityGuard(model, opt, cfg, sinks=[rows], rules=[QualityGate()])
+    guard: sk.StabilityGuard | AccelerateGuard
+    if os.environ.get("SK_DRIVER") == "accelerate":
+        ddp, opt, guard = _accelerate(rank, world, model, opt, cfg, rows)
+    else:
+        ddp = DistributedDataParallel(model)
+        guard = sk.StabilityGuard(model, opt, cfg, sinks=[rows], rules=[QualityGate()])
     unchanged = None
     for step, batch in enumerate(token_batches(STEPS, seed=rank)):
         bad = rank == 1 and step == BAD_STEP

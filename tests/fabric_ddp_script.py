@@ -21,6 +21,7 @@ from lightning.fabric import Fabric
 import stabilitykit as sk
 from stabilitykit.integrations import FabricGuard
 from stabilitykit.testing import char_batches, tiny_gpt
+from tests.custom_rules import QualityGate
 
 POISON_STEP = 4
 STEPS = 10
@@ -62,13 +63,6 @@ def recovery_run(fabric: Fabric, rank: int) -> dict:
     guard.close()
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     return {"rollbacks": rollbacks, "alerts": alerts, "checksum": checksum}
-
-
-class QualityGate(sk.SkipRule):
-    name = "quality_gate"
-
-    def flag(self, values: sk.StepValues) -> torch.Tensor:
-        return values["quality"] < 0.5
 
 
 def rule_run(fabric: Fabric, rank: int) -> dict:

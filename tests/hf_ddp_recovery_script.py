@@ -22,17 +22,11 @@ import torch
 
 import stabilitykit as sk
 from stabilitykit.integrations import stabilize
+from tests.custom_rules import QualityGate
 from tests.hf_models import tiny_llama, token_batches
 
 JUMP_STEP = 12
 RULE_STEP = 5
-
-
-class QualityGate(sk.SkipRule):
-    name = "quality_gate"
-
-    def flag(self, values: sk.StepValues) -> torch.Tensor:
-        return values["quality"] < 0.5
 
 
 def main() -> None:

@@ -21,13 +21,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 import stabilitykit as sk
 from stabilitykit.lightning import StabilityCallback
 from stabilitykit.testing.lightning_gpt import GPTModule, gpt_dataloader
-
-
-class QualityGate(sk.SkipRule):
-    name = "quality_gate"
-
-    def flag(self, values: sk.StepValues) -> torch.Tensor:
-        return values["quality"] < 0.5
+from tests.custom_rules import QualityGate
 
 
 class RecordingGPT(GPTModule):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +27,9 @@ import stabilitykit as sk
 from stabilitykit.lightning import StabilityCallback
 from stabilitykit.testing.syncs import count_host_syncs
 from tests.conftest import assert_bitwise_equal, snapshot
+from tests.custom_rules import QualityGate
 
 BAD_STEP = 3
-
-
-class QualityGate(sk.SkipRule):
-    """Skip a step whose recorded ``quality`` is below one half (on any rank)."""
-
-    name = "quality_gate"
-
-    def flag(self, values: sk.StepValues) -> Tensor:
-        return values["quality"] < 0.5
 
 
 class Quality:
@@ -314,15 +305,6 @@ def test_hf_trainer_closes_the_sinks_when_training_raises(tmp_path: Path) -> Non
 
 
 # ---------------------------------------------------------------------------------- Accelerate, Fabric
-@pytest.fixture
-def fresh_accelerate() -> Iterator[None]:
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def test_accelerate_guard_runs_a_custom_rule_and_logs_a_recorded_metric(tmp_path: Path, fresh_accelerate: None) -> None:
@@ -399,13 +381,18 @@ def test_a_guard_closed_by_an_exception_in_its_block_closes_its_sinks_and_unrout
 
 
 # ---------------------------------------------------------------------------------- DDP, 2 processes
-@pytest.mark.parametrize("max_only", [False, True], ids=["gathered", "max-all-reduce"])
+@pytest.mark.parametrize(
+    ("driver", "max_only"),
+    [("guard", False), ("guard", True), ("accelerate", False)],
+    ids=["guard-gathered", "guard-max-all-reduce", "accelerate-gathered"],
+)
 def test_ddp_a_rule_raised_on_one_rank_skips_every_rank_and_metrics_are_agreed(
-    tmp_path: Path, max_only: bool, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, driver: str, max_only: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from distributed_script_runner import run_world
 
     monkeypatch.setenv("SK_REDUCE_MAX_ONLY", "1" if max_only else "0")
+    monkeypatch.setenv("SK_DRIVER", driver)
     script = Path(__file__).parent / "distributed_extension_script.py"
     ranks = run_world(script, 2, tmp_path)
     for result in ranks:

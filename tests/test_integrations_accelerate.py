@@ -4,7 +4,6 @@ AcceleratedOptimizer, Accelerate's GradScaler path, save_state / load_state."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,6 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.state import AcceleratorState, GradientState
 from hf_models import tiny_llama, token_batches
 
 import stabilitykit as sk
@@ -21,16 +19,6 @@ from tests.conftest import assert_bitwise_equal, snapshot
 
 NAN = float("nan")
 ACCUM = 2
-
-
-@pytest.fixture
-def fresh_accelerate() -> Iterator[None]:
-    """Accelerate keeps process-wide singletons: every test starts (and leaves) them unset."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def _setup(fused: bool, mixed_precision: str = "bf16") -> tuple[Accelerator, Any, Any, Any]:

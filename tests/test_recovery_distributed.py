@@ -20,12 +20,12 @@ import pytest
 import torch
 
 import stabilitykit as sk
+from stabilitykit.compat.grad_scaler import ScalerAdapter
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.engine.journal import Row
 from stabilitykit.hooks import HookManager
 from stabilitykit.recovery import Recovery
 from stabilitykit.recovery.agreement import Agreement, decode_request, encode_request
-from stabilitykit.scaler import ScalerAdapter
 from tests.distributed_script_runner import free_port, run_world
 
 SCRIPT = Path(__file__).parent / "distributed_recovery_script.py"

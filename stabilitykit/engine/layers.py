@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from stabilitykit.compat.private import WRAPPER_NAME_PARTS, compiled_inner_module, fsdp1_inner_module
+
 __all__ = [
     "LayerMap",
     "build_layer_map",
@@ -27,7 +29,6 @@ __all__ = [
 ]
 
 #: Path parts that wrappers insert between a model and its own modules.
-_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -36,12 +37,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
             continue
-        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-        if isinstance(inner, nn.Module):
-            model = inner
-            continue
-        inner = getattr(model, "_fsdp_wrapped_module", None)  # FSDP1 root
-        if isinstance(inner, nn.Module):
+        inner = compiled_inner_module(model) or fsdp1_inner_module(model)
+        if inner is not None:
             model = inner
             continue
         return model
@@ -49,7 +46,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 def clean_name(name: str) -> str:
     """A parameter or module path without wrapper parts: ``blocks.0.attn``, never ``_orig_mod.blocks.0.attn``."""
-    parts = [p for p in name.split(".") if p and p not in _WRAPPER_PARTS and p != "_flat_param"]
+    parts = [p for p in name.split(".") if p and p not in WRAPPER_NAME_PARTS and p != "_flat_param"]
     return ".".join(parts)
 
 

@@ -69,4 +69,5 @@ class MetricNames:
         if self.per_layer and last.layers:
             for i in self.logged_layers:
                 metrics[f"grad_norm/{self.layer_names[i]}"] = last.layers[i]
-        return {self.key(k): float(v) for k, v in metrics.items()}
+        head = f"{self.prefix}/" if self.prefix else ""
+        return {head + k: float(v) for k, v in metrics.items()}

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from stabilitykit.compat.private import supports_amp_scaling
 from stabilitykit.config import StabilityConfig
 from stabilitykit.distributed import is_distributed, mark_collective_step, reducer_for
 from stabilitykit.engine.clipping import ClipStrategy, PerTensorClip, make_clip_strategy
@@ -79,7 +80,7 @@ def is_fused(optimizer: Any | None) -> bool:
     work on a step skipped through ``found_inf``, so it counts as non-fused: the host reads the
     decision and does not call ``step`` at all.
     """
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+    if not supports_amp_scaling(optimizer):
         return False
     step = getattr(type(optimizer), "step", None)
     return str(getattr(step, "__module__", "")).startswith("torch.optim")
@@ -196,6 +197,11 @@ class StabilityEngine:
         parts.rules = old.rules
         self._install(parts)
         self.sources.follow_params(self.params)
+
+    def note_scheduler_held(self) -> None:
+        """A driver holds an LR scheduler on skipped steps: a late skip's event says so (kept across
+        the ledgers a state load or a change of parameters builds)."""
+        self.has_scheduler = self.ledger.has_scheduler = True
 
     def _install(self, parts: _Parts) -> None:
         """Swap ``parts`` in (all at once, after they were built and loaded)."""

@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from stabilitykit.compat.attributes import route_attribute
 from stabilitykit.config import StabilityConfig
 from stabilitykit.core import DriverCore
 from stabilitykit.drivers.base import Driver
@@ -39,7 +40,6 @@ from stabilitykit.engine import StabilityEngine, TrainerAlignedEngine
 from stabilitykit.events import Event
 from stabilitykit.grads import CLIP_EPS, apply_clip_coefficient, clip_coefficient, device_groups
 from stabilitykit.integrations._extras import missing
-from stabilitykit.patching import route_attribute
 from stabilitykit.report import StepReport
 from stabilitykit.rules import SkipRule
 from stabilitykit.run_log import RunSummary
@@ -217,11 +217,11 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             trainer.add_callback(self)
         return self
 
-    def _bound_or_none(self) -> Trainer | None:
+    def bound_trainer(self) -> Trainer | None:
         return self._trainer() if self._trainer is not None else None
 
     def _bound(self) -> Trainer:
-        trainer = self._bound_or_none()
+        trainer = self.bound_trainer()
         if trainer is None:
             raise RuntimeError(
                 "StabilityTrainerCallback is not attached to a Trainer: use "
@@ -495,7 +495,7 @@ def _restoring_callback(cls: type) -> StabilityTrainerCallback | None:
     _ATTACHED[:] = [ref for ref in _ATTACHED if ref() is not None]
     for ref in reversed(_ATTACHED):
         callback = ref()
-        trainer = callback._bound_or_none() if callback is not None else None
+        trainer = callback.bound_trainer() if callback is not None else None
         if type(callback) is cls and trainer is not None and trainer.args.restore_callback_states_from_checkpoint:
             return callback
     return None

@@ -36,8 +36,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from stabilitykit.compat.functional import FunctionalWrappers
 
 __all__ = ["AttentionCapture", "attention_modules", "sdpa_max_logit"]
 
@@ -103,44 +104,30 @@ class _Current:
 
 
 _CURRENT = _Current()
-_ORIGINAL: dict[str, Any] = {}
-_USERS = [0]
 
 
-def _sdpa(*args: Any, **kwargs: Any) -> Any:
-    capture = _CURRENT.capture
-    if capture is not None:
-        capture.measure_sdpa(_CURRENT.name, args, kwargs)
-    return _ORIGINAL["scaled_dot_product_attention"](*args, **kwargs)
+def _sdpa_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    def sdpa(*args: Any, **kwargs: Any) -> Any:
+        capture = _CURRENT.capture
+        if capture is not None:
+            capture.measure_sdpa(_CURRENT.name, args, kwargs)
+        return original(*args, **kwargs)
+
+    return sdpa
 
 
-def _softmax(*args: Any, **kwargs: Any) -> Any:
-    capture = _CURRENT.capture
-    if capture is not None:
-        capture.measure_softmax(_CURRENT.name, args, kwargs)
-    return _ORIGINAL["softmax"](*args, **kwargs)
+def _softmax_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    def softmax(*args: Any, **kwargs: Any) -> Any:
+        capture = _CURRENT.capture
+        if capture is not None:
+            capture.measure_softmax(_CURRENT.name, args, kwargs)
+        return original(*args, **kwargs)
+
+    return softmax
 
 
-_WRAPPERS = {"scaled_dot_product_attention": _sdpa, "softmax": _softmax}
-
-
-def _patch() -> None:
-    """Install the wrappers in ``torch.nn.functional`` (once, however many monitors exist)."""
-    if _USERS[0] == 0:
-        for name, wrapper in _WRAPPERS.items():
-            _ORIGINAL[name] = getattr(F, name)
-            setattr(F, name, wrapper)
-    _USERS[0] += 1
-
-
-def _unpatch() -> None:
-    """Restore ``torch.nn.functional`` when the last monitor closes."""
-    _USERS[0] -= 1
-    if _USERS[0] == 0:
-        for name, original in _ORIGINAL.items():
-            if getattr(F, name) is _WRAPPERS[name]:
-                setattr(F, name, original)
-        _ORIGINAL.clear()
+#: Installed in ``torch.nn.functional`` while any capture is open.
+_ATTENTION_CALLS = FunctionalWrappers({"scaled_dot_product_attention": _sdpa_wrapper, "softmax": _softmax_wrapper})
 
 
 class AttentionCapture:
@@ -166,7 +153,7 @@ class AttentionCapture:
         self.disabled: set[str] = set()
         self.handles: list[Any] = []
         self._outer: list[tuple[AttentionCapture | None, str]] = []
-        _patch()
+        _ATTENTION_CALLS.acquire()
         self._patched = True
         for name, module in modules:
             if callable(getattr(module, "stability_metrics", None)):
@@ -236,4 +223,4 @@ class AttentionCapture:
             _CURRENT.capture, _CURRENT.name = None, ""
         if self._patched:
             self._patched = False
-            _unpatch()
+            _ATTENTION_CALLS.release()

@@ -34,6 +34,7 @@ from typing import Any
 
 from torch import nn
 
+from stabilitykit.compat.grad_scaler import ScalerAdapter
 from stabilitykit.config import RecoveryConfig
 from stabilitykit.distributed import is_distributed
 from stabilitykit.engine import StabilityEngine
@@ -48,7 +49,6 @@ from stabilitykit.recovery.host_copy import HostCopier
 from stabilitykit.recovery.record import RollbackLog, RollbackRecord
 from stabilitykit.recovery.snapshot import Snapshot, TrainingObjects, restore_snapshot, take_snapshot
 from stabilitykit.recovery.store import SnapshotStore
-from stabilitykit.scaler import ScalerAdapter
 from stabilitykit.spikes import DRIFT_RULE
 
 __all__ = ["Recovery", "refuse_several_optimizers"]

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from stabilitykit.compat.grad_scaler import ScalerAdapter
 from stabilitykit.distributed import to_local
 from stabilitykit.recovery.host_copy import HostCopier, HostTree, Saved, map_saved
 from stabilitykit.recovery.rng import capture_rng, restore_rng
-from stabilitykit.scaler import ScalerAdapter
 
 __all__ = ["Snapshot", "TrainingObjects", "restore_snapshot", "take_snapshot"]
 

@@ -46,6 +46,15 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _clean_record(record: Mapping[str, Any]) -> dict[str, Any]:
+    """``record`` with every non-finite float written as text (one pass, for a row of many metrics)."""
+    out = dict(record)
+    for key, value in record.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            out[key] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return out
+
+
 def _default(value: Any) -> Any:
     """Values json cannot write (tensors, numpy scalars, paths): numbers when they are numbers, else text."""
     tolist = getattr(value, "tolist", None)
@@ -173,7 +182,7 @@ class JsonlSink:
         return self._file
 
     def _write(self, record: Mapping[str, Any]) -> None:
-        line = json.dumps({k: _clean(v) for k, v in record.items()}, default=_default) + "\n"
+        line = json.dumps(_clean_record(record), default=_default) + "\n"
         try:
             handle = self._handle()
             handle.write(line)

@@ -26,11 +26,8 @@ class ScalerAdapter:
 
     def __init__(self, scaler: Any | None) -> None:
         self.scaler = scaler
-
-    @property
-    def enabled(self) -> bool:
-        """A GradScaler is present and scaling."""
-        return scaler_enabled(self.scaler)
+        #: A GradScaler is present and scaling (fixed at construction, as GradScaler's own flag is).
+        self.enabled = scaler_enabled(scaler)
 
     def stage(self, optimizer: Any) -> str:
         """ "ready" (grads scaled), "unscaled" (``unscale_`` ran) or "stepped" for ``optimizer`` this iteration."""

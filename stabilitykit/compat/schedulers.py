@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["hold_scheduler", "is_held", "release_scheduler"]
+__all__ = ["hold_scheduler", "release_scheduler"]
 
 _PREDICATES: weakref.WeakKeyDictionary[Any, Callable[[], bool]] = weakref.WeakKeyDictionary()
 _HELD_CLASSES: dict[type, type] = {}
@@ -47,11 +47,6 @@ def hold_scheduler(scheduler: Any, should_hold: Callable[[], bool]) -> None:
     _PREDICATES[scheduler] = should_hold
     if type(scheduler) not in _HELD_CLASSES.values():
         scheduler.__class__ = _held_class(type(scheduler))
-
-
-def is_held(scheduler: Any) -> bool:
-    """The scheduler is under a hold."""
-    return scheduler in _PREDICATES
 
 
 def release_scheduler(scheduler: Any) -> None:
