@@ -13,11 +13,16 @@ the journal's row width).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, get_type_hints
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from stabilitykit.engine.journal import Row, RowInfo
+from stabilitykit.engine.ledger import Counters
+from stabilitykit.recovery.record import RollbackRecord
 
 __all__ = ["STATE_VERSION", "check_version", "validate_state"]
 
@@ -29,19 +34,30 @@ class _State(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, arbitrary_types_allowed=True)
 
 
-class _Counters(_State):
-    skipped_total: int = Field(ge=0)
-    clipped_total: int = Field(ge=0)
-    nonfinite_total: int = Field(ge=0)
-    overflow_total: int = Field(ge=0)
-    consecutive: int = Field(ge=0)
-    max_norm: float
-    last_bad_step: int
-    last_bad_reason: str | None
-    last_bad_layer: str | None
-    skipped_recent: int = Field(ge=0)
-    clipped_recent: int = Field(ge=0)
-    max_norm_recent: float
+def schema_of(cls: type) -> type[BaseModel]:
+    """The strict schema of a dataclass the state holds, read from the dataclass itself: its fields,
+    their types and defaults, and the constraints written on them (``Annotated[int, Ge(0)]``).
+
+    A saved section that mirrors an owner's dataclass (the ledger's counters, the journal's row
+    notes and carried rows, recovery's rollback records) is declared once, on the owner; adding a
+    field there is all a new key needs.
+    """
+    hints = get_type_hints(cls, include_extras=True)
+    spec: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            spec[f.name] = (hints[f.name], f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            spec[f.name] = (hints[f.name], Field(default_factory=f.default_factory))
+        else:
+            spec[f.name] = (hints[f.name], ...)
+    return create_model(cls.__name__, __base__=_State, **spec)
+
+
+_Counters = schema_of(Counters)
+_RowInfo = schema_of(RowInfo)
+_Row = schema_of(Row)
+_Rollback = schema_of(RollbackRecord)
 
 
 class _Detector(_State):
@@ -111,24 +127,17 @@ class _Fp16(_State):
 
 
 class _Ledger(_State):
-    counters: _Counters
+    counters: _Counters  # type: ignore[valid-type]
     scheduler_debt: int = Field(ge=0)
     spikes: _Spikes | None
     fp16: _Fp16
 
 
-class _RowInfo(_State):
-    step: int = Field(ge=0)
-    has_loss: bool
-    scaler_active: bool
-    folded: bool = False
-
-
 class _Journal(_State):
     rows: torch.Tensor
-    infos: list[_RowInfo]
+    infos: list[_RowInfo]  # type: ignore[valid-type]
     metric_names: list[str] = Field(default_factory=list)
-    carried: list[dict[str, Any]] = Field(default_factory=list)  # rows decoded on the host (``Journal.carried``)
+    carried: list[_Row] = Field(default_factory=list)  # type: ignore[valid-type]  # rows decoded on the host
 
     @model_validator(mode="after")
     def _one_row_per_info(self) -> _Journal:
@@ -163,19 +172,8 @@ class _Engine(_State):
         return self
 
 
-class _Rollback(_State):
-    at_step: int = Field(ge=0)
-    trigger: str
-    trigger_step: int = Field(ge=0)
-    onset: int
-    restored_step: int = Field(ge=0)
-    skipped_from: int = Field(ge=0)
-    skipped_to: int = Field(ge=0)
-    skip_ahead_to: int | None = Field(ge=0, default=None)
-
-
 class _Recovery(_State):
-    rollbacks: list[_Rollback]
+    rollbacks: list[_Rollback]  # type: ignore[valid-type]
     cooldown_until: int = Field(ge=0)
     skip_until: int = Field(ge=0, default=0)
 

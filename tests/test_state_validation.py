@@ -240,3 +240,24 @@ def test_a_detector_refuses_a_list_one_short_by_name() -> None:
     robust["count"] = None
     with pytest.raises(ValueError, match="needs 'count' as a list of 3 values"):
         RobustDetector(size=3).load_state_dict(robust)
+
+
+@pytest.mark.parametrize(
+    ("section", "alter", "path"),
+    [
+        ("counters", lambda s: s["ledger"]["counters"].update(skipped_total=-1), r"ledger\.counters\.skipped_total"),
+        ("counters", lambda s: s["ledger"]["counters"].update(unknown=1), r"ledger\.counters\.unknown"),
+        ("row notes", lambda s: s["journal"]["infos"][0].update(step=-3), r"journal\.infos\.0\.step"),
+    ],
+)
+def test_sections_declared_on_their_owners_keep_their_constraints(
+    section: str, alter: Callable[[dict[str, Any]], None], path: str
+) -> None:
+    """The counters and row notes are validated from the owners' dataclasses (``state.schema_of``):
+    a negative count, an unknown key or a negative step is refused by its full path."""
+    guard, _ = _guard(CONFIGS["adaptive"])
+    state = copy.deepcopy(guard.state_dict())
+    alter(state["optimizers"][0]["engine"])
+    with pytest.raises(ValueError, match=r"invalid stabilitykit state at 'optimizers\.0\.engine\." + path):
+        guard.load_state_dict(state)
+    guard.close()

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from annotated_types import Ge
 from torch import Tensor
 
 from stabilitykit.rules.registry import SKIP
@@ -36,7 +37,7 @@ MAX_JOURNAL_ROWS = 1024
 class RowInfo:
     """What the host knows about a row without reading the device."""
 
-    step: int
+    step: Annotated[int, Ge(0)]
     has_loss: bool
     scaler_active: bool
     folded: bool = False  # the ledger has taken this row already (read at its own step)

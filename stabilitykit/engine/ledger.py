@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Annotated, Any
+
+from annotated_types import Ge
 
 from stabilitykit.config import StabilityConfig
 from stabilitykit.engine.fp16 import Fp16Monitor
@@ -24,22 +26,25 @@ from stabilitykit.spikes import SpikeMonitor
 
 __all__ = ["Counters", "Divergence", "Ledger"]
 
+#: A count (never negative): the saved state's schema reads the constraint from the field (``state.schema_of``).
+Count = Annotated[int, Ge(0)]
+
 
 @dataclass
 class Counters:
     """Totals over the run, and over the current logging interval (``*_recent``)."""
 
-    skipped_total: int = 0
-    clipped_total: int = 0
-    nonfinite_total: int = 0
-    overflow_total: int = 0
-    consecutive: int = 0
+    skipped_total: Count = 0
+    clipped_total: Count = 0
+    nonfinite_total: Count = 0
+    overflow_total: Count = 0
+    consecutive: Count = 0
     max_norm: float = 0.0
     last_bad_step: int = -1
     last_bad_reason: str | None = None
     last_bad_layer: str | None = None
-    skipped_recent: int = 0
-    clipped_recent: int = 0
+    skipped_recent: Count = 0
+    clipped_recent: Count = 0
     max_norm_recent: float = 0.0
 
     def reset_recent(self) -> None:
