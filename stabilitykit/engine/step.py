@@ -53,12 +53,12 @@ from stabilitykit.distributed import is_distributed, mark_collective_step, reduc
 from stabilitykit.engine.clipping import ClipStrategy, PerTensorClip, make_clip_strategy
 from stabilitykit.engine.decision import TAKEN, StepDecision
 from stabilitykit.engine.gate import StepGate
+from stabilitykit.engine.inputs import StepInputs
 from stabilitykit.engine.journal import MAX_JOURNAL_ROWS, Journal, Row, RowInfo
 from stabilitykit.engine.layers import build_layer_map
 from stabilitykit.engine.ledger import Divergence, Ledger
 from stabilitykit.engine.metrics import MetricNames
 from stabilitykit.engine.overflow import remeasure_overflow
-from stabilitykit.engine.record import RecordLayout, StepRecord, check_reduce
 from stabilitykit.engine.sources import MetricSources
 from stabilitykit.engine.updates import UpdateMonitor
 from stabilitykit.events import Event
@@ -67,7 +67,7 @@ from stabilitykit.hooks import HookManager
 from stabilitykit.monitors import ModelMonitor
 from stabilitykit.nn.qk_clip import QKClip
 from stabilitykit.report import StepReport
-from stabilitykit.rules import RuleSet, SkipRule, StepValues, builtin_rules
+from stabilitykit.rules import RuleSet, SkipRule, builtin_rules
 from stabilitykit.rules.spike import Spike
 
 __all__ = ["StabilityEngine", "StepDecision", "StepGate", "is_fused"]
@@ -123,12 +123,12 @@ class StabilityEngine:
         self.observers: list[Callable[[Event], None]] = []
         #: An LR scheduler is held on skipped steps (the driver says so; named in a late skip's event).
         self.has_scheduler = False
-        self.metric_layout = RecordLayout()
-        self._recorded: dict[str, Tensor] = {}
         self.hooks = hooks or HookManager()
         self.fused = fused
         self._model, self._names, self._extra_group = model, names, extra_group
         self._bind_params(params)
+        #: The step in flight's losses and recorded metrics, and the step record built from them.
+        self.inputs = StepInputs(self.device)
         self.rank = torch.distributed.get_rank() if is_distributed() else None
         self.step = 0  # optimizer steps attempted so far (skipped ones included)
         self._install(self._fresh_parts())
@@ -137,9 +137,6 @@ class StabilityEngine:
         self._false = torch.zeros((), dtype=torch.bool, device=self.device)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
         self._nan = torch.full((), math.nan, dtype=torch.float32, device=self.device)
-        self._true = ~self._false
-        self._no_request = torch.zeros((), dtype=torch.float32, device=self.device)
-        self._loss_sum: Tensor | None = None
         self.last_host_metrics: dict[str, float] = {}
         self._unlogged: Row | None = None  # the newest row a flush read without logging it (see ``flush``)
         self._logged_step: int | None = None  # the newest row logged so far
@@ -220,7 +217,7 @@ class StabilityEngine:
             ledger=Ledger(cfg, self.layer_names if self.per_layer else [], self.fused, self.rank, rules),
             clip=make_clip_strategy(cfg.clip, self.device, len(self.params), cfg.grad_norm.norm_type),
             rules=rules,
-            journal=Journal(capacity, n_layers, self.device, self.metric_layout.names),
+            journal=Journal(capacity, n_layers, self.device, self.inputs.layout.names),
         )
 
     def _parts_from(self, state: dict[str, Any]) -> _Parts:
@@ -283,14 +280,8 @@ class StabilityEngine:
     # ----------------------------------------------------------------------------- the step
 
     def record_loss(self, loss: Tensor) -> None:
-        """Add one micro-batch's loss (detached, on the device) to this optimizer step's loss.
-
-        The step's loss is the sum of the losses backpropagated into its grads: with the usual
-        ``loss / accumulate`` per micro-batch (Lightning, Accelerate and the HF Trainer divide for
-        you) that is the mean loss of the whole batch.
-        """
-        value = loss.detach().float().mean()
-        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        """Add one micro-batch's loss to this optimizer step's loss (``StepInputs.add_loss``; no sync)."""
+        self.inputs.add_loss(loss)
 
     def record_metric(self, name: str, value: Tensor | float, reduce: str = "mean") -> None:
         """Record a user metric for the step in flight (a 0-d device tensor; no sync).
@@ -299,24 +290,7 @@ class StabilityEngine:
         agreed across ranks with ``reduce``, logging steps log it as ``<prefix>/metrics/<name>`` and
         the spike detector watches it. Recording the same name twice in a step keeps the last value.
         """
-        check_reduce(name, reduce)
-        if not isinstance(value, Tensor):
-            value = torch.as_tensor(value, dtype=torch.float32, device=self.device)
-        if value.numel() != 1:
-            raise ValueError(
-                f"record({name!r}, ...): a metric is one number, got a tensor of shape {tuple(value.shape)}"
-            )
-        self.metric_layout.declare(name, reduce, self.step)
-        self._recorded[name] = value.detach().reshape(()).float().to(self.device)
-
-    def _take_metrics(self) -> dict[str, Tensor]:
-        """This step's recorded metrics, one per name of the layout (NaN where a name was not recorded);
-        the layout is fixed from the first step on."""
-        if not self.metric_layout.fixed:
-            self.metric_layout.fix()
-            self.journal.relayout(self.metric_layout.names)
-        recorded, self._recorded = self._recorded, {}
-        return {name: recorded.get(name, self._nan) for name in self.metric_layout.names}
+        self.inputs.add_metric(name, value, reduce, self.step)
 
     def evaluate(
         self,
@@ -342,18 +316,14 @@ class StabilityEngine:
         mark_collective_step(step)
         update_sums = self.updates.to_fold(step) if self.updates is not None else None
         norms, grouped = self.plan.compute(grad_scale, extra=update_sums)
-        loss = self._loss_sum  # the sum of what was backpropagated: with ``loss / accumulate`` the batch mean
-        self._loss_sum = None
-        metrics = self._take_metrics()
-        record = self._record(norms, loss, force_skip, skip_ahead, request, scaler_active, metrics)
+        loss, metrics, layout_fixed_now = self.inputs.take()
+        if layout_fixed_now:
+            self.journal.relayout(self.inputs.layout.names)
+        record = self.inputs.build_record(
+            norms, loss, metrics, self.rules, step, force_skip, skip_ahead, request, scaler_active
+        )
         agreed = record.agree(self.config.skip.sync_ranks)
-        n_rules = len(self.rules)
-        here_flags = torch.stack([record[f"rule/{r.name}"] for r in self.rules]) if n_rules else self._false[None]
-        if agreed is record.values:  # one process (or sync_ranks off): nothing was agreed
-            agreed_flags = here_flags
-        else:
-            agreed_flags = torch.stack([agreed[f"rule/{r.name}"] for r in self.rules]) if n_rules else here_flags
-        code = self.rules.code(here_flags, agreed_flags)
+        code = self.rules.code(*self.inputs.rule_flags(record, agreed, self.rules))
         skip = code > 0
         total = agreed["grad_norm"]
         coef, threshold = self._clip(norms, grouped, total, agreed["grads_finite"], agreed["loss_finite"], skip)
@@ -361,7 +331,7 @@ class StabilityEngine:
         agreed_metrics = {name: agreed[f"metric/{name}"] for name in metrics}
         self.journal.write(
             RowInfo(step, loss is not None, scaler_active),
-            [total, self._or_nan(loss), code, coef, threshold, agreed["request"]],
+            [total, self.inputs.or_nan(loss), code, coef, threshold, agreed["request"]],
             list(agreed_metrics.values()),
             layer_norms,
         )
@@ -396,63 +366,6 @@ class StabilityEngine:
     def reason_of(self, code: int) -> str | None:
         """Why a step with decision ``code`` was skipped (None: taken): the rule set decodes it."""
         return self.rules.decode(code).reason
-
-    def _or_nan(self, value: Tensor | None) -> Tensor:
-        return value if value is not None else self._nan
-
-    def _record(
-        self,
-        norms: NormResult,
-        loss: Tensor | None,
-        force_skip: Tensor | None,
-        skip_ahead: bool,
-        request: int,
-        scaler_active: bool,
-        metrics: dict[str, Tensor],
-    ) -> StepRecord:
-        """The step record: the norm, finiteness, each rule's flag on this rank, the rollback request
-        and the recorded metrics, each with its cross-rank reduction (agreed in one collective).
-
-        A rule decides on this rank's values (skip-on-spike may see another loss than its peers);
-        its flag is OR-ed across ranks with the rest.
-        """
-        grads_finite = norms.finite if norms.finite is not None else torch.isfinite(norms.total)
-        loss_finite = torch.isfinite(loss) if loss is not None else self._true
-        values = {
-            "grad_norm": norms.total,
-            "grads_finite": grads_finite,
-            "loss_finite": loss_finite,
-            "loss": self._or_nan(loss),
-            "bad_batch": force_skip if force_skip is not None else self._false,
-            "after_rollback": self._true if skip_ahead else self._false,
-            "never": self._false,  # a constant False for a rule that does not apply this step
-            **metrics,
-        }
-        view = StepValues(values, scaler_active=scaler_active, step=self.step, has_loss=loss is not None)
-        record = StepRecord()
-        record.put("grad_norm", norms.total, "max")
-        record.put("grads_finite", grads_finite, "all")
-        record.put("loss_finite", loss_finite, "all")
-        for rule in self.rules:
-            record.put(f"rule/{rule.name}", self._flag(rule, view), "any")
-        asked = self._no_request if request == 0 else torch.full((), float(request), device=self.device)
-        record.put("request", asked, "max")
-        for name, value in metrics.items():
-            record.put(f"metric/{name}", value, self.metric_layout.columns[name])
-        return record
-
-    @staticmethod
-    def _flag(rule: SkipRule, view: StepValues) -> Tensor:
-        """A rule's flag as a 0-d bool; a rule that fails or returns no 0-d tensor is named."""
-        flag = rule.flag(view)
-        if not isinstance(flag, Tensor) or flag.numel() != 1:
-            raise TypeError(
-                f"skip rule {rule.name!r} ({type(rule).__name__}.flag) must return a 0-d bool tensor on the device, "
-                f"got {type(flag).__name__}"
-            )
-        if flag.dim() != 0:
-            flag = flag.reshape(())
-        return flag if flag.dtype == torch.bool else flag.bool()
 
     def _clip(
         self,
@@ -511,7 +424,7 @@ class StabilityEngine:
         row.total, row.coef, row.threshold, row.code = float(found.total), float(found.coef), float(found.threshold), 0
         row.layers = found.layer_norms.tolist() if found.layer_norms is not None else []
         decision.settle(0, None)
-        scalars = [found.total, self._or_nan(report.loss), decision.code, found.coef, found.threshold]
+        scalars = [found.total, self.inputs.or_nan(report.loss), decision.code, found.coef, found.threshold]
         self.journal.rewrite_last(scalars, found.layer_norms)
 
     def resolve(self, decision: StepDecision) -> bool:
