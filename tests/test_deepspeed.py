@@ -1,0 +1,97 @@
+"""DeepSpeedGuard on 2 real gloo processes: ZeRO stages 0-3 x (fp32, bf16) x (NaN on one rank, Inf on
+one rank, a huge finite grad on one rank). One process group runs every case (tests/deepspeed_script.py);
+each test reads its case from both ranks' results.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.distributed_script_runner import run_world
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="deepspeed is not installed: pip install 'stabilitykit[deepspeed]' (bash scripts/setup.sh installs it)",
+)
+
+SCRIPT = Path(__file__).parent / "deepspeed_script.py"
+CASES = [f"stage{s}-{p}" for s in (0, 1, 2, 3) for p in ("fp32", "bf16")]
+PLAN_FAULTS = ["clean", "clean", "nan", "clean", "inf", "clean"]  # tests/deepspeed_script.py PLAN
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_world(SCRIPT, 2, tmp_path_factory.mktemp("deepspeed"), timeout=240)
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fault_on_one_rank_is_skipped_on_every_rank(ranks: list[dict[str, Any]], case: str) -> None:
+    """NaN on rank 1 only, Inf on rank 0 only: both ranks skip exactly those steps, leave the state
+    (parameters, fp32 partitions, moments, LR scheduler, engine counters) bitwise as it was, and end
+    bitwise where DeepSpeed alone ends over the clean batches."""
+    expected = [f != "clean" for f in PLAN_FAULTS]
+    for rank in ranks:
+        got = rank[case]
+        assert got["skipped"] == expected, f"rank {ranks.index(rank)}: {got['reasons']}"
+        assert got["unchanged_by_skip"] == [True, True], got.get("diff")
+        assert got["end_equals_reference"]
+        assert got["summary"]["skipped"] == 2 and got["summary"]["steps"] == len(PLAN_FAULTS)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_global_norm_is_deepspeeds_own(ranks: list[dict[str, Any]], case: str) -> None:
+    """Each clean step's norm equals DeepSpeed's get_global_grad_norm() (stage 0 in fp32, where
+    DeepSpeed computes none: the norm of the whole averaged grads), the same on both ranks."""
+    for rank in ranks:
+        got = rank[case]
+        for mine, theirs in zip(got["clean_norms"], got["ref_norms"], strict=True):
+            assert _rel(mine, theirs) < 2e-6, (mine, theirs)
+    assert ranks[0][case]["norms"] == ranks[1][case]["norms"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_layer_norms_are_global_under_partitioning(ranks: list[dict[str, Any]], case: str) -> None:
+    """Per-layer norms are the same on both ranks and the same as with whole grads (stage 0), also
+    where a parameter's grad is split across the two ranks (stages 1-3)."""
+    stage0 = ranks[0][case.replace(case[:6], "stage0")]["layer_norms"]
+    for rank in ranks:
+        layers = rank[case]["layer_norms"]
+        assert layers.keys() == stage0.keys()
+        for name, value in layers.items():
+            assert _rel(value, stage0[name]) < 2e-6, (name, value, stage0[name])
+        total = math.sqrt(sum(v * v for v in layers.values()))
+        assert _rel(total, rank[case]["norms"][0]) < 2e-6
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_huge_finite_grad_on_one_rank_is_clipped_like_deepspeed(ranks: list[dict[str, Any]], case: str) -> None:
+    """A huge finite grad (loss x 1e6 on rank 0): not skipped, the norm DeepSpeed measures, and the
+    guard's clip (max_norm 1) lands where DeepSpeed's gradient_clipping=1 does."""
+    for rank in ranks:
+        huge = rank[case]["huge"]
+        assert not huge["skipped"]
+        assert _rel(huge["norm"], huge["ds_norm"]) < 1e-6
+        assert huge["params_close"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_resume_through_deepspeed_checkpoint_is_exact(ranks: list[dict[str, Any]], case: str) -> None:
+    """save_checkpoint (each rank's guard state in the client state), two steps, load_checkpoint, the
+    same two steps: the same parameters and the same guard state, on every rank."""
+    for rank in ranks:
+        assert rank[case]["resume_exact"]
+        assert rank[case]["resume_guard_state"], rank[case].get("guard_diff")
+
+
+def test_two_clippers_are_refused(ranks: list[dict[str, Any]]) -> None:
+    message = ranks[0]["refusals"]["two_clippers"]
+    assert "gradient_clipping" in message and "ClipConfig(mode='off')" in message
