@@ -29,10 +29,9 @@ from typing import Any
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from distributed_script_runner import launch  # noqa: E402
+import torch
+from distributed_script_runner import launch
+from torch import nn
 
 CLEAN = [0, 1, 3, 5]  # the batches the reference run sees
 PLAN = [(0, None), (1, None), (2, "nan"), (3, None), (4, "inf"), (5, None)]  # (batch, fault) of the guarded run
@@ -53,7 +52,10 @@ def _ds_config(stage: int, bf16: bool, clipping: float = 0.0) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10},
+        },
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -68,7 +70,9 @@ def _engine(stage: int, bf16: bool, clipping: float = 0.0) -> Any:
     import deepspeed
 
     model = _model()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_ds_config(stage, bf16, clipping))
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=_ds_config(stage, bf16, clipping)
+    )
     return engine
 
 
@@ -92,9 +96,7 @@ def _state(engine: Any) -> dict[str, Any]:
         for t in getattr(opt, name, None) or []:
             masters += [x.detach().clone() for x in (t if isinstance(t, list) else [t])]
     inner = getattr(opt, "optimizer", opt)
-    moments = {k: v.detach().clone() for s in inner.state.values() for k, v in s.items() if torch.is_tensor(v)}
     moments_list = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
-    del moments
     return {
         "tensors": params + masters + [v.detach().clone() for v in moments_list],
         "lr": [g["lr"] for g in inner.param_groups],
@@ -105,14 +107,21 @@ def _state(engine: Any) -> dict[str, Any]:
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     tensors = len(a["tensors"]) == len(b["tensors"]) and all(
-        x.shape == y.shape and torch.equal(x.view(-1).view(torch.uint8) if x.numel() else x, y.view(-1).view(torch.uint8) if y.numel() else y)
+        x.shape == y.shape
+        and torch.equal(
+            x.view(-1).view(torch.uint8) if x.numel() else x, y.view(-1).view(torch.uint8) if y.numel() else y
+        )
         for x, y in zip(a["tensors"], b["tensors"], strict=True)
     )
     return tensors and a["lr"] == b["lr"] and a["counters"] == b["counters"] and a["sched"] == b["sched"]
 
 
 def _diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    found = [f"tensor {i} {tuple(x.shape)} {tuple(y.shape)}" for i, (x, y) in enumerate(zip(a["tensors"], b["tensors"], strict=False)) if x.shape != y.shape or not torch.equal(x, y)]
+    found = [
+        f"tensor {i} {tuple(x.shape)} {tuple(y.shape)}"
+        for i, (x, y) in enumerate(zip(a["tensors"], b["tensors"], strict=False))
+        if x.shape != y.shape or not torch.equal(x, y)
+    ]
     return found + [k for k in ("lr", "counters", "sched") if a[k] != b[k]]
 
 
@@ -201,7 +210,7 @@ def _where(a: Any, b: Any, path: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         return [w for k in a for w in _where(a[k], b.get(k), f"{path}.{k}")]
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return [w for i, (x, y) in enumerate(zip(a, b)) for w in _where(x, y, f"{path}[{i}]")]
+        return [w for i, (x, y) in enumerate(zip(a, b, strict=True)) for w in _where(x, y, f"{path}[{i}]")]
     return [] if a == b else [f"{path}: {str(a)[:80]} != {str(b)[:80]}"]
 
 
@@ -240,7 +249,12 @@ def _huge(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
     rtol, atol = (2e-2, 1e-3) if bf16 else (1e-4, 1e-6)
     close = all(torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol) for a, b in zip(mine, ref, strict=True))
     guard.close()
-    return {"skipped": bool(report.skipped), "norm": float(report.grad_norm), "ds_norm": their_norm, "params_close": close}
+    return {
+        "skipped": bool(report.skipped),
+        "norm": float(report.grad_norm),
+        "ds_norm": their_norm,
+        "params_close": close,
+    }
 
 
 def _refusals() -> dict[str, str]:

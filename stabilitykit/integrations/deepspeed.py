@@ -239,7 +239,7 @@ class DeepSpeedGuard:
         self.driver.record(name, value, reduce)
 
     def backward(self, loss: Tensor, **kwargs: Any) -> Any:
-        """``engine.backward(loss)``, the loss remembered (divided by the accumulation steps, as DeepSpeed scales it)."""
+        """``engine.backward(loss)``; the loss is remembered divided by the accumulation steps, as DeepSpeed scales it."""
         self._check_open("backward")
         steps = self.engine.gradient_accumulation_steps()
         self.driver.record_loss(loss.detach() / steps if steps > 1 else loss.detach())
@@ -272,13 +272,13 @@ class DeepSpeedGuard:
             self.core.engine.resolve(decision)
 
     def _guarded_step(self, original: Any) -> Any:
-        """DeepSpeed's optimizer ``step`` routed through the guard: applied, or skipped with DeepSpeed's own clean-up."""
+        """DeepSpeed's optimizer ``step`` through the guard: applied, or skipped with DeepSpeed's own clean-up."""
         guard = self
 
         def step(*args: Any, **kwargs: Any) -> Any:
             optimizer = guard.engine.optimizer
             if isinstance(optimizer, torch.optim.Optimizer) and "overflow" in vars(optimizer):
-                del optimizer.overflow  # stage 0 in fp32: the mark of the last skip, on a torch optimizer
+                delattr(optimizer, "overflow")  # stage 0 in fp32: the mark of the last skip, on a torch optimizer
             if guard.core.decision is None:  # engine.step() called directly: still measured and decided
                 guard._evaluate()
             decision = guard.core.decision
@@ -297,11 +297,12 @@ class DeepSpeedGuard:
             )
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Mapping[str, Any] | None = None,
-                        **kwargs: Any) -> Any:
+    def save_checkpoint(
+        self, save_dir: str, tag: Any = None, client_state: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> Any:
         """``engine.save_checkpoint`` with the guard's state in its client state (key ``"stabilitykit"``)."""
         mine = self.state_dict()
-        states = [mine]
+        states: list[Any] = [mine]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # DeepSpeed writes the client state of one rank only; each rank's guard state differs
             # (its own loss, its own reasons), so every rank's goes in, in rank order
@@ -378,4 +379,3 @@ def _drop_step(optimizer: Any, stage: int) -> None:
                 param.grad = None
     # stage 0 in fp32: the engine's optimizer is the torch one; the engine zeroes the module's grads
     optimizer.overflow = True  # the engine: not applied, no LR scheduler step
-
