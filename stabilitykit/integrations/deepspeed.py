@@ -239,7 +239,7 @@ class DeepSpeedGuard:
         self.driver.record(name, value, reduce)
 
     def backward(self, loss: Tensor, **kwargs: Any) -> Any:
-        """``engine.backward(loss)``; the loss is remembered divided by the accumulation steps, as DeepSpeed scales it."""
+        """``engine.backward(loss)``; the loss remembered divided by the accumulation steps (as DeepSpeed scales it)."""
         self._check_open("backward")
         steps = self.engine.gradient_accumulation_steps()
         self.driver.record_loss(loss.detach() / steps if steps > 1 else loss.detach())
