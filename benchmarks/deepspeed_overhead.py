@@ -12,6 +12,7 @@ ratios to DeepSpeed alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -92,12 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         results: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(args.repeats):
             for mode in modes:
-                out, sys.stdout = sys.stdout, open(os.devnull, "w")  # DeepSpeed prints its config
-                try:
+                with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # DeepSpeed prints its config
                     results[mode].append(_time(stage, mode, args.steps))
-                finally:
-                    sys.stdout.close()
-                    sys.stdout = out
         base = statistics.median(results["deepspeed"])
         cells = [
             f"{statistics.median(results[m]) * 1e3:.2f} ms (x{statistics.median(results[m]) / base:.3f})"
