@@ -5,8 +5,9 @@ group runs every case (DeepSpeed's import and set-up are slow); each rank writes
 the test compares the ranks and the runs. Per (stage, precision):
 
 * a reference run of DeepSpeed alone over the clean batches (its own global grad norm each step);
-* a guarded run over the same batches with faults in between (NaN on rank 1 only, Inf on rank 0
-  only): every fault skipped, the state bitwise unchanged by each skip, the end state bitwise the
+* a guarded run over the same batches (stages 0 and 2 through ``guard.backward``/``guard.step``,
+  stages 1 and 3 through the engine's own ``backward``/``step``, which the guard routes) with
+  faults in between (NaN on rank 1 only, Inf on rank 0 only): every fault skipped, the state bitwise unchanged by each skip, the end state bitwise the
   reference's, each clean step's norm equal to DeepSpeed's own;
 * a huge finite grad on rank 0 only, clipped by the guard (max_norm 1) against DeepSpeed clipping the
   same batch itself (gradient_clipping 1): not skipped, the same norm, the same parameters;
@@ -160,8 +161,14 @@ def _case(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {"skipped": [], "reasons": [], "norms": [], "unchanged_by_skip": [], "layer_norms": None}
     for i, fault in PLAN:
         before = _state(engine)
-        guard.backward(_loss(engine, i, rank, dtype, fault, 1 if fault == "nan" else 0))
-        report = guard.step()
+        loss = _loss(engine, i, rank, dtype, fault, 1 if fault == "nan" else 0)
+        if stage % 2:  # stages 1 and 3: the loop calls the engine's own backward and step (routed)
+            engine.backward(loss)
+            engine.step()
+            report = guard.core.last_report
+        else:
+            guard.backward(loss)
+            report = guard.step()
         assert report is not None
         skipped = bool(report.skipped)
         out["skipped"].append(skipped)

@@ -193,11 +193,11 @@ def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
 class DeepSpeedGuard:
     """Keeps a loop over a DeepSpeed engine finite: norms, clipping, skip-the-batch, metrics and events.
 
-    ``engine``: what ``deepspeed.initialize`` returned. Call ``guard.backward(loss)`` in place of
-    ``engine.backward(loss)`` and ``guard.step()`` in place of ``engine.step()`` on every
-    micro-batch (``step`` returns None on a micro-batch that does not end an accumulation). A
-    direct ``engine.step()`` is still guarded (the step is measured and skipped the same way),
-    but the engine's counters are then advanced on a skip as DeepSpeed does after its own overflow.
+    ``engine``: what ``deepspeed.initialize`` returned. The engine's ``backward`` and ``step`` are
+    routed through the guard for its life, so a loop that calls ``engine.backward(loss)`` and
+    ``engine.step()`` (or a framework that does: Accelerate, the Hugging Face Trainer) is guarded
+    as it is; ``guard.backward`` / ``guard.step`` do the same and ``guard.step`` returns the step's
+    report (None on a micro-batch that does not end an accumulation).
     """
 
     def __init__(
@@ -224,7 +224,14 @@ class DeepSpeedGuard:
         )
         self.core = self.cores[0]
         self.config = self.core.config
-        self._undo = replace_attribute(engine.optimizer, "step", self._guarded_step(engine.optimizer.step))
+        # the engine's backward and step, and its optimizer's step, routed through the guard (instance
+        # attributes, undone by close()): engine.step() and guard.step() are then the same step
+        self._undo = [
+            replace_attribute(engine.optimizer, "step", self._guarded_step(engine.optimizer.step)),
+            replace_attribute(engine, "backward", self._routed_backward(engine.backward)),
+            replace_attribute(engine, "step", self._routed_step(engine.step)),
+        ]
+        self._last_report: StepReport | None = None
         self._closed = False
 
     def __enter__(self) -> DeepSpeedGuard:
@@ -239,30 +246,53 @@ class DeepSpeedGuard:
         self.driver.record(name, value, reduce)
 
     def backward(self, loss: Tensor, **kwargs: Any) -> Any:
-        """``engine.backward(loss)``; the loss remembered divided by the accumulation steps (as DeepSpeed scales it)."""
+        """``engine.backward(loss)`` (the same: the engine's own ``backward`` records the loss too)."""
         self._check_open("backward")
-        steps = self.engine.gradient_accumulation_steps()
-        self.driver.record_loss(loss.detach() / steps if steps > 1 else loss.detach())
         return self.engine.backward(loss, **kwargs)
 
     def step(self, **kwargs: Any) -> StepReport | None:
-        """``engine.step()``; on the micro-batch that ends an accumulation, measure, clip and decide first.
+        """``engine.step()``, returning the step's report on the micro-batch that ends an accumulation, else None.
 
-        Returns the step's report there, else None. A skipped step leaves the engine's counters as
-        they were (``global_steps``, ``global_samples``, ``skipped_steps``).
+        The engine's own ``step`` is the same guarded step (measure, clip, decide, then apply or
+        skip); this one only returns the report.
         """
         self._check_open("step")
-        if not self.engine.is_gradient_accumulation_boundary():
-            self.engine.step(**kwargs)
-            return None
-        self._evaluate()
-        counters = {name: getattr(self.engine, name) for name in _COUNTERS}
-        decision = self.core.decision
+        self._last_report = None
         self.engine.step(**kwargs)
-        if decision is not None and decision.skipped_now:
-            for name, value in counters.items():
-                setattr(self.engine, name, value)
-        return self.core.finish()
+        return self._last_report
+
+    def _routed_backward(self, original: Any) -> Any:
+        """The engine's ``backward``: the loss remembered (divided by the accumulation steps, as DeepSpeed
+        scales it), then DeepSpeed's own."""
+        guard = self
+
+        def backward(loss: Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not guard._closed:
+                steps = guard.engine.gradient_accumulation_steps()
+                guard.driver.record_loss(loss.detach() / steps if steps > 1 else loss.detach())
+            return original(loss, *args, **kwargs)
+
+        return backward
+
+    def _routed_step(self, original: Any) -> Any:
+        """The engine's ``step``: on the accumulation boundary, measure, clip and decide first; a skipped
+        step leaves the engine's counters (``global_steps``, ``global_samples``, ``skipped_steps``) as they were."""
+        guard = self
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if guard._closed or not guard.engine.is_gradient_accumulation_boundary():
+                return original(*args, **kwargs)
+            guard._evaluate()
+            counters = {name: getattr(guard.engine, name) for name in _COUNTERS}
+            decision = guard.core.decision
+            result = original(*args, **kwargs)
+            if decision is not None and decision.skipped_now:
+                for name, value in counters.items():
+                    setattr(guard.engine, name, value)
+            guard._last_report = guard.core.finish()
+            return result
+
+        return step
 
     def _evaluate(self) -> None:
         """Grads are final: bind this rank's pieces, then measure, clip and decide (the host knows the decision)."""
@@ -345,7 +375,8 @@ class DeepSpeedGuard:
         if self._closed:
             return
         self._closed = True
-        self._undo()
+        for undo in reversed(self._undo):
+            undo()
         self.driver.end_run()
 
 
