@@ -7,8 +7,9 @@ the test compares the ranks and the runs. Per (stage, precision):
 * a reference run of DeepSpeed alone over the clean batches (its own global grad norm each step);
 * a guarded run over the same batches (stages 0 and 2 through ``guard.backward``/``guard.step``,
   stages 1 and 3 through the engine's own ``backward``/``step``, which the guard routes) with
-  faults in between (NaN on rank 1 only, Inf on rank 0 only): every fault skipped, the state bitwise unchanged by each skip, the end state bitwise the
-  reference's, each clean step's norm equal to DeepSpeed's own;
+  faults in between (NaN on rank 1 only, Inf on rank 0 only): every fault skipped, the state
+  bitwise unchanged by each skip, the end state bitwise the reference's, each clean step's norm
+  equal to DeepSpeed's own;
 * a huge finite grad on rank 0 only, clipped by the guard (max_norm 1) against DeepSpeed clipping the
   same batch itself (gradient_clipping 1): not skipped, the same norm, the same parameters;
 * resume: saved through ``save_checkpoint`` (client state), two more steps, loaded, the same two
