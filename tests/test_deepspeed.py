@@ -6,13 +6,18 @@ each test reads its case from both ranks' results.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.distributed_script_runner import run_world
+from tests.distributed_script_runner import free_port, run_world
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
@@ -95,3 +100,32 @@ def test_resume_through_deepspeed_checkpoint_is_exact(ranks: list[dict[str, Any]
 def test_two_clippers_are_refused(ranks: list[dict[str, Any]]) -> None:
     message = ranks[0]["refusals"]["two_clippers"]
     assert "gradient_clipping" in message and "ClipConfig(mode='off')" in message
+
+
+def test_hf_trainer_with_deepspeed_is_stabilized(tmp_path: Path) -> None:
+    """``stabilize(trainer, cfg)`` on the real HF Trainer with ``deepspeed=`` (ZeRO-2, 2 processes under
+    ``torchrun``): rank 1's NaN step is skipped on both ranks (DeepSpeed's engine does not count it),
+    the replicas end finite and identical, the guard's rows are in ``log_history``, and two clippers
+    (``max_grad_norm`` with ``ClipConfig``) are refused by name."""
+    script = Path(__file__).parent / "hf_deepspeed_script.py"
+    env = {**os.environ, "SK_OUT": str(tmp_path), "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", TMPDIR=str(tmp_path), DS_ACCELERATOR="cpu")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    cmd += ["--master_port", str(free_port()), str(script)]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        _, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("the HF Trainer DeepSpeed run did not finish in 240 s") from None
+    assert proc.returncode == 0, err[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:
+        assert rank["callback"] == "DeepSpeedTrainerCallback"
+        assert rank["skipped"] == [3]
+        assert rank["global_steps"] == 7  # 8 steps, the skipped one not counted by DeepSpeed
+        assert rank["finite"] and rank["rows"] >= 3
+    assert ranks[0]["digest"] == ranks[1]["digest"]
+    assert "max_grad_norm=0" in ranks[0]["refused"]
