@@ -265,6 +265,16 @@ def _huge(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
     }
 
 
+def _unguarded_nan(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
+    """DeepSpeed alone, a NaN loss on rank 1 only: what it does with the step (no guard)."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    engine = _engine(stage, bf16)
+    engine.backward(_loss(engine, 0, rank, dtype, "nan", 1))
+    engine.step()
+    finite = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in engine.module.parameters())
+    return {"params_finite": finite, "skipped_steps": engine.skipped_steps}
+
+
 def _refusals() -> dict[str, str]:
     import stabilitykit as sk
     from stabilitykit.integrations.deepspeed import DeepSpeedGuard
@@ -294,6 +304,7 @@ def worker(rank: int, world: int) -> dict[str, Any]:
             try:
                 results[key] = _case(stage, bf16, rank)
                 results[key]["huge"] = _huge(stage, bf16, rank)
+                results[key]["unguarded"] = _unguarded_nan(stage, bf16, rank)
             finally:
                 sys.stdout = old
     results["refusals"] = _refusals()

@@ -97,6 +97,14 @@ def test_resume_through_deepspeed_checkpoint_is_exact(ranks: list[dict[str, Any]
         assert rank[case]["resume_guard_state"], rank[case].get("guard_diff")
 
 
+def test_deepspeed_alone_applies_a_nan_step_at_stage_0(ranks: list[dict[str, Any]]) -> None:
+    """Why the guard is there: DeepSpeed alone at ZeRO stage 0 in fp32 applies rank 1's NaN step and
+    every parameter on both ranks is NaN, where the guarded run (above) skips it and stays finite."""
+    for rank in ranks:
+        assert not rank["stage0-fp32"]["unguarded"]["params_finite"]
+        assert rank["stage0-fp32"]["skipped"][2]
+
+
 def test_two_clippers_are_refused(ranks: list[dict[str, Any]]) -> None:
     message = ranks[0]["refusals"]["two_clippers"]
     assert "gradient_clipping" in message and "ClipConfig(mode='off')" in message
