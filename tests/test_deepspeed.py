@@ -137,3 +137,66 @@ def test_hf_trainer_with_deepspeed_is_stabilized(tmp_path: Path) -> None:
         assert rank["finite"] and rank["rows"] >= 3
     assert ranks[0]["digest"] == ranks[1]["digest"]
     assert "max_grad_norm=0" in ranks[0]["refused"]
+
+
+def _tiny_module(bad_step: int | None = None) -> Any:
+    import lightning.pytorch as pl
+    import torch
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = self.net(batch[0]).pow(2).mean()
+            return loss * float("nan") if batch_idx == bad_step else loss
+
+        def train_dataloader(self) -> Any:
+            data = torch.utils.data.TensorDataset(torch.randn(32, 4))
+            return torch.utils.data.DataLoader(data, batch_size=4)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    return Tiny()
+
+
+def test_lightning_deepspeed_strategy_needs_cuda(tmp_path: Path) -> None:
+    """What the DeepSpeed guide says: Lightning's DeepSpeedStrategy refuses any accelerator but CUDA, so
+    DeepSpeedStabilityCallback under it is tested in tests/cuda only."""
+    import lightning.pytorch as pl
+
+    from stabilitykit.integrations.deepspeed_lightning import DeepSpeedStabilityCallback
+
+    trainer = pl.Trainer(
+        strategy="deepspeed_stage_2",
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        callbacks=[DeepSpeedStabilityCallback()],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    with pytest.raises(RuntimeError, match="only supported on CUDA GPUs"):
+        trainer.fit(_tiny_module())
+
+
+def test_lightning_deepspeed_callback_names_the_strategy_it_needs(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+
+    from stabilitykit.integrations.deepspeed_lightning import DeepSpeedStabilityCallback
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        callbacks=[DeepSpeedStabilityCallback()],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    with pytest.raises(TypeError, match=r"DeepSpeedStrategy.*StabilityCallback"):
+        trainer.fit(_tiny_module())
