@@ -49,10 +49,10 @@ def _batch(i: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(2, 8, generator=g).to(dtype)
 
 
-def _ds_config(stage: int, bf16: bool, clipping: float = 0.0) -> dict[str, Any]:
+def _ds_config(stage: int, bf16: bool, clipping: float = 0.0, accumulate: int = 1) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": accumulate,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}},
         "scheduler": {
             "type": "WarmupLR",
@@ -68,12 +68,12 @@ def _ds_config(stage: int, bf16: bool, clipping: float = 0.0) -> dict[str, Any]:
     return cfg
 
 
-def _engine(stage: int, bf16: bool, clipping: float = 0.0) -> Any:
+def _engine(stage: int, bf16: bool, clipping: float = 0.0, accumulate: int = 1) -> Any:
     import deepspeed
 
     model = _model()
     engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=_ds_config(stage, bf16, clipping)
+        model=model, model_parameters=model.parameters(), config=_ds_config(stage, bf16, clipping, accumulate)
     )
     return engine
 
@@ -275,6 +275,44 @@ def _unguarded_nan(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
     return {"params_finite": finite, "skipped_steps": engine.skipped_steps}
 
 
+def _accumulating(stage: int, rank: int) -> dict[str, Any]:
+    """Two micro-batches per step, a NaN in the second micro-batch of step 1 on rank 1 only: that step
+    skipped on both ranks, the state bitwise unchanged by it, the next steps accumulating afresh (the
+    end state bitwise DeepSpeed's alone over the clean steps)."""
+    from stabilitykit.integrations.deepspeed import DeepSpeedGuard
+
+    dtype = torch.float32
+    steps = [(0, None), (1, "nan"), (2, None), (3, None)]
+    reference = _engine(stage, False, accumulate=2)
+    for i, fault in steps:
+        if fault is None:
+            for micro in (0, 1):
+                reference.backward(_loss(reference, 10 * i + micro, rank, dtype, None, 0))
+                reference.step()
+    engine = _engine(stage, False, accumulate=2)
+    guard = DeepSpeedGuard(engine)
+    skipped, unchanged, nones = [], [], 0
+    for i, fault in steps:
+        before = _state(engine)
+        for micro in (0, 1):
+            guard.backward(_loss(engine, 10 * i + micro, rank, dtype, fault if micro == 1 else None, 1))
+            report = guard.step()
+            if micro == 0:
+                nones += report is None
+        assert report is not None
+        skipped.append(bool(report.skipped))
+        if report.skipped:
+            unchanged.append(_same(before, _state(engine)))
+    out = {
+        "skipped": skipped,
+        "unchanged": unchanged,
+        "nones": nones,
+        "end_equals_reference": _same(_state(engine), _state(reference)),
+    }
+    guard.close()
+    return out
+
+
 def _refusals() -> dict[str, str]:
     import stabilitykit as sk
     from stabilitykit.integrations.deepspeed import DeepSpeedGuard
@@ -305,6 +343,13 @@ def worker(rank: int, world: int) -> dict[str, Any]:
                 results[key] = _case(stage, bf16, rank)
                 results[key]["huge"] = _huge(stage, bf16, rank)
                 results[key]["unguarded"] = _unguarded_nan(stage, bf16, rank)
+            finally:
+                sys.stdout = old
+        if stage in (2, 3):
+            old = sys.stdout
+            sys.stdout = quiet
+            try:
+                results[f"accumulate-stage{stage}"] = _accumulating(stage, rank)
             finally:
                 sys.stdout = old
     results["refusals"] = _refusals()

@@ -97,6 +97,18 @@ def test_resume_through_deepspeed_checkpoint_is_exact(ranks: list[dict[str, Any]
         assert rank[case]["resume_guard_state"], rank[case].get("guard_diff")
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_skip_under_gradient_accumulation(ranks: list[dict[str, Any]], stage: int) -> None:
+    """Two micro-batches per step, a NaN in one micro-batch on rank 1 only: that step skipped on both
+    ranks with the state unchanged, guard.step() None on the first micro-batch of each step, and the
+    steps after it accumulating afresh (the end state bitwise DeepSpeed's alone over the clean steps)."""
+    for rank in ranks:
+        got = rank[f"accumulate-stage{stage}"]
+        assert got["skipped"] == [False, True, False, False]
+        assert got["unchanged"] == [True] and got["nones"] == 4
+        assert got["end_equals_reference"]
+
+
 def test_deepspeed_alone_applies_a_nan_step_at_stage_0(ranks: list[dict[str, Any]]) -> None:
     """Why the guard is there: DeepSpeed alone at ZeRO stage 0 in fp32 applies rank 1's NaN step and
     every parameter on both ranks is NaN, where the guarded run (above) skips it and stays finite."""
