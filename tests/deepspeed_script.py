@@ -313,6 +313,45 @@ def _accumulating(stage: int, rank: int) -> dict[str, Any]:
     return out
 
 
+def _user_rule(stage: int, rank: int) -> dict[str, Any]:
+    """A user's skip rule over a metric recorded with ``sk.record`` (rank 1 alone records a bad value
+    at step 2): that step skipped on both ranks with the state unchanged; a metric recorded with
+    reduce "sum" is agreed across ranks."""
+    import stabilitykit as sk
+    from stabilitykit.integrations.deepspeed import DeepSpeedGuard
+
+    class QualityGate(sk.SkipRule):
+        name = "quality_gate"
+
+        def flag(self, values: sk.StepValues) -> torch.Tensor:
+            return values["quality"] < 0.5
+
+    engine = _engine(stage, False)
+    guard = DeepSpeedGuard(engine, config=sk.StabilityConfig(log_every_n_steps=1), rules=[QualityGate()])
+    rows: list[dict[str, float]] = []
+
+    class Rows:
+        def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+            rows.append(dict(metrics))
+
+    guard.hooks.add_sink(Rows())
+    skipped, reasons, unchanged = [], [], []
+    for i in range(4):
+        before = _state(engine)
+        sk.record("quality", torch.tensor(0.0 if (rank == 1 and i == 2) else 1.0))
+        sk.record("rank_id", torch.tensor(float(rank + 1)), reduce="sum")
+        guard.backward(_loss(engine, i, rank, torch.float32, None, 0))
+        report = guard.step()
+        assert report is not None
+        skipped.append(bool(report.skipped))
+        reasons.append(report.reason)
+        if report.skipped:
+            unchanged.append(_same(before, _state(engine)))
+    guard.close()
+    sums = sorted({r["stability/metrics/rank_id"] for r in rows if "stability/metrics/rank_id" in r})
+    return {"skipped": skipped, "reasons": reasons, "unchanged": unchanged, "rank_id_sums": sums}
+
+
 def _refusals() -> dict[str, str]:
     import stabilitykit as sk
     from stabilitykit.integrations.deepspeed import DeepSpeedGuard
@@ -350,6 +389,7 @@ def worker(rank: int, world: int) -> dict[str, Any]:
             sys.stdout = quiet
             try:
                 results[f"accumulate-stage{stage}"] = _accumulating(stage, rank)
+                results[f"rule-stage{stage}"] = _user_rule(stage, rank)
             finally:
                 sys.stdout = old
     results["refusals"] = _refusals()

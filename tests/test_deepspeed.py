@@ -109,6 +109,18 @@ def test_skip_under_gradient_accumulation(ranks: list[dict[str, Any]], stage: in
         assert got["end_equals_reference"]
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_user_rule_on_a_recorded_metric(ranks: list[dict[str, Any]], stage: int) -> None:
+    """A user's SkipRule over ``sk.record("quality", ...)``, bad on rank 1 only at step 2: skipped on
+    both ranks (reason quality_gate), the state unchanged; a metric recorded with reduce="sum" is
+    logged agreed (1 + 2 = 3) on both ranks."""
+    for rank in ranks:
+        got = rank[f"rule-stage{stage}"]
+        assert got["skipped"] == [False, False, True, False]
+        assert got["reasons"][2] == "quality_gate" and got["unchanged"] == [True]
+        assert got["rank_id_sums"] == [3.0]
+
+
 def test_deepspeed_alone_applies_a_nan_step_at_stage_0(ranks: list[dict[str, Any]]) -> None:
     """Why the guard is there: DeepSpeed alone at ZeRO stage 0 in fp32 applies rank 1's NaN step and
     every parameter on both ranks is NaN, where the guarded run (above) skips it and stays finite."""
