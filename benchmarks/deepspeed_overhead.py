@@ -6,7 +6,8 @@ One CPU process (DeepSpeed's CPU accelerator, gloo), a tiny GPT, fp32, ZeRO stag
 stage it times the same training step three ways, interleaved in rounds so a noisy machine hits
 each alike: DeepSpeed alone (``engine.backward``/``engine.step``), under the guard with per-layer
 norms, under the guard with the total norm only. It prints the median step time of each and the
-ratios to DeepSpeed alone.
+ratios to DeepSpeed alone. Times are this process's CPU time (one thread; gloo on one rank adds no
+waiting), so other work on a shared machine does not count.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _time(stage: int, mode: str, steps: int) -> float:
     times = []
     for i in range(steps + 5):
         x, y = next(batches)
-        start = time.perf_counter()
+        start = time.process_time()
         loss = torch.nn.functional.cross_entropy(engine(x).flatten(0, 1), y.flatten())
         if guard is None:
             engine.backward(loss)
@@ -65,7 +66,7 @@ def _time(stage: int, mode: str, steps: int) -> float:
             guard.backward(loss)
             guard.step()
         if i >= 5:
-            times.append(time.perf_counter() - start)
+            times.append(time.process_time() - start)
     if guard is not None:
         guard.close()
     return statistics.median(times)
