@@ -4,8 +4,8 @@
     guard = DeepSpeedGuard(engine, config=cfg)
     for batch in loader:
         loss = engine(batch)...
-        guard.backward(loss)    # engine.backward(loss), the loss recorded
-        report = guard.step()   # grads final: measure, clip, decide; engine.step() applies or skips
+        engine.backward(loss)   # routed through the guard: the loss recorded (or guard.backward(loss))
+        engine.step()           # grads final: measure, clip, decide, then apply or skip (or guard.step())
 
 Where the grads are when they are final (after ``engine.backward`` on the accumulation boundary):
 
@@ -28,8 +28,9 @@ does not step it after an overflow) and the engine's step counters (``global_ste
 (the step record is agreed across ranks), so every rank runs the same collectives.
 
 Not supported yet, refused by name at construction: fp16 (DeepSpeed's dynamic loss scaler), CPU
-offload of the optimizer, recovery (rollback), NaN tracing hooks and monitors (the guard does not
-hook the module).
+offload of the optimizer, the pipeline engine, recovery (rollback), monitors and update ratios.
+NaN tracing is off (the guard does not hook the module); the skip event still names the first
+non-finite layer from the norms.
 """
 
 from __future__ import annotations
@@ -162,6 +163,12 @@ def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
             f"DeepSpeedGuard needs the engine deepspeed.initialize returned (a DeepSpeedEngine), got "
             f"{type(engine).__name__}; for a plain torch model use stabilitykit.StabilityGuard"
         )
+    if type(engine).__name__ == "PipelineEngine":
+        raise NotImplementedError(
+            "DeepSpeedGuard does not support DeepSpeed's pipeline engine (PipelineEngine.train_batch steps "
+            "inside its own schedule); use it with a DeepSpeedEngine from deepspeed.initialize without a "
+            "PipelineModule"
+        )
     if engine.fp16_enabled():
         raise NotImplementedError(
             "DeepSpeedGuard does not support DeepSpeed's fp16 (dynamic loss scaling) yet: use bf16 "
@@ -182,6 +189,10 @@ def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
         raise NotImplementedError(
             "DeepSpeedGuard does not support recovery (RecoveryConfig) yet: roll back with DeepSpeed's own "
             "checkpoints (engine.load_checkpoint) on a 'diverged' event"
+        )
+    if config.monitors is not None:
+        raise NotImplementedError(
+            "DeepSpeedGuard does not run monitors (MonitorConfig) yet: it does not hook the module; remove monitors"
         )
     if config.grad_norm.update_ratio:
         raise NotImplementedError(
