@@ -57,7 +57,12 @@ from stabilitykit.sinks.base import Sink
 try:
     from deepspeed.runtime.engine import DeepSpeedEngine
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise missing("stabilitykit.integrations.deepspeed", "deepspeed", "deepspeed") from exc
+    base = missing("stabilitykit.integrations.deepspeed", "deepspeed", "deepspeed")
+    raise ImportError(
+        f"{base}; DeepSpeed is a source distribution: install it after torch with --no-build-isolation "
+        "(pip install --no-build-isolation deepspeed), or pip builds it against a CUDA torch it downloads; "
+        "bash scripts/setup.sh does this"
+    ) from exc
 
 __all__ = ["CLIENT_STATE_KEY", "DeepSpeedGuard", "GradPartitions"]
 
@@ -162,6 +167,11 @@ def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
         raise TypeError(
             f"DeepSpeedGuard needs the engine deepspeed.initialize returned (a DeepSpeedEngine), got "
             f"{type(engine).__name__}; for a plain torch model use stabilitykit.StabilityGuard"
+        )
+    if engine.optimizer is None:
+        raise ValueError(
+            "DeepSpeedGuard needs an engine with an optimizer: give deepspeed.initialize an optimizer (or an "
+            '"optimizer" section in its config)'
         )
     if type(engine).__name__ == "PipelineEngine":
         raise NotImplementedError(
