@@ -103,7 +103,6 @@ class GradPartitions:
                 setattr(t, SHARD_GROUPS_ATTR, (group,))
         self.names = [names.get(id(p), f"param_{i}") for i, p in enumerate(self.params)]
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self._owned: list[list[int]] = []  # per group: the index of each piece's parameter
 
     @property
     def partitioned(self) -> bool:
