@@ -5,19 +5,24 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+DEEPSPEED_SPEC=${DEEPSPEED_SPEC:-deepspeed>=0.16}
 say() { echo "stabilitykit setup: $*" >&2; }
 if [ ! -x .venv/bin/python ]; then
   say "creating .venv with $PY (first run only)"
   "$PY" -m venv .venv
 fi
 stamp=.venv/.stabilitykit-setup
-want="$(cat pyproject.toml | sha256sum | cut -c1-16) $TORCH_SPEC"
+want="$(cat pyproject.toml | sha256sum | cut -c1-16) $TORCH_SPEC $DEEPSPEED_SPEC"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   began=$SECONDS
   say "installing $TORCH_SPEC into .venv (first run, or pyproject.toml changed; a few minutes)"
   .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_SPEC" 2>&1 | grep -v "^WARNING: Location" || true
   say "installing stabilitykit with every extra (.[all]: lightning, transformers, wandb, plots, docs, dev)"
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[all]" 2>&1 | grep -v "^WARNING: Location" || true
+  # DeepSpeed ships as an sdist: built against the torch above (--no-build-isolation), or pip's
+  # isolated build would pull a multi-GB CUDA torch first; no ops are compiled at install
+  say "installing deepspeed (stabilitykit[deepspeed]; built against the installed torch, no ops compiled)"
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation "$DEEPSPEED_SPEC" 2>&1 | grep -v "^WARNING: Location" || true
   .venv/bin/python -c "import torch, stabilitykit, lightning, wandb"
   echo "$want" > "$stamp"
   say "ready in $((SECONDS - began)) s; later runs skip this step"

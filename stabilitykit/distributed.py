@@ -195,6 +195,11 @@ def _is_fsdp1_flattened(p: Tensor) -> bool:
     return is_fsdp1_flattened(p)
 
 
+#: An attribute a driver sets on a tensor whose grad is this rank's shard over those process groups
+#: (a tuple): DeepSpeed ZeRO's partitions, which carry no DTensor or FSDP layout of their own.
+SHARD_GROUPS_ATTR = "_stabilitykit_shard_groups"
+
+
 def reduce_groups_for(params: Sequence[Tensor], model: Any | None = None) -> list[tuple[Any, ...]]:
     """Per parameter: the process groups holding distinct shards of its grad (empty: whole here).
 
@@ -204,7 +209,10 @@ def reduce_groups_for(params: Sequence[Tensor], model: Any | None = None) -> lis
     fsdp1 = _fsdp1_groups(model)
     out: list[tuple[Any, ...]] = []
     for i, p in enumerate(params):
-        if is_dtensor(p):
+        declared = getattr(p, SHARD_GROUPS_ATTR, None)  # a driver's partition (DeepSpeed ZeRO)
+        if declared is not None:
+            out.append(tuple(declared))
+        elif is_dtensor(p):
             out.append(_dtensor_groups(p))
         elif id(p) in fsdp1:
             out.append(fsdp1[id(p)])

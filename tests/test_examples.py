@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 import stabilitykit as sk
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -188,3 +190,22 @@ def test_custom_rule_example_skips_the_collapsed_router_step(tmp_path, capsys) -
     assert [tuple(s) for s in result["skipped"]] == [(example.COLLAPSE_AT, "router_collapse")]
     assert len(result["logged_entropy"]) == 5 and all(0.5 < e < 1.4 for e in result["logged_entropy"])
     assert "reason=router_collapse weights unchanged=True" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="deepspeed is not installed: pip install 'stabilitykit[deepspeed]' (bash scripts/setup.sh installs it)",
+)
+def test_deepspeed_example_skips_one_ranks_nan_on_every_rank(tmp_path) -> None:
+    script = Path(__file__).parent.parent / "examples" / "deepspeed_loop.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--steps", "14", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "every rank skipped the NaN step: True" in proc.stdout
+    assert "parameters finite on every rank: True" in proc.stdout
+    assert "global norm equal to DeepSpeed's own: True" in proc.stdout
+    assert "[13, 13]" in proc.stdout  # 14 steps, the skipped one not counted by the engine

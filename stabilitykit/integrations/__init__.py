@@ -6,6 +6,8 @@
   (``pip install 'stabilitykit[accelerate]'``).
 * ``stabilitykit.integrations.fabric``: ``FabricGuard`` for Lightning Fabric
   (``pip install 'stabilitykit[lightning]'``).
+* ``stabilitykit.integrations.deepspeed``: ``DeepSpeedGuard`` for loops over a DeepSpeed engine,
+  ZeRO stages 0-3 (``pip install 'stabilitykit[deepspeed]'``).
 
 Nothing here is imported until used: ``import stabilitykit`` never needs these frameworks, and
 ``from stabilitykit.integrations import AccelerateGuard`` imports only Accelerate.
@@ -16,10 +18,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["AccelerateGuard", "FabricGuard", "StabilityTrainerCallback", "stabilize"]
+__all__ = ["AccelerateGuard", "DeepSpeedGuard", "FabricGuard", "StabilityTrainerCallback", "stabilize"]
 
 _WHERE = {
     "AccelerateGuard": "accelerate",
+    "DeepSpeedGuard": "deepspeed",
     "FabricGuard": "fabric",
     "StabilityTrainerCallback": "transformers",
     "stabilize": "transformers",

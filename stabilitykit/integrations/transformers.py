@@ -208,7 +208,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         if trainer.is_deepspeed_enabled:
             raise ValueError(
                 "StabilityTrainerCallback does not support DeepSpeed (it clips and steps inside backward); "
-                "use DDP or FSDP"
+                "use stabilitykit.integrations.stabilize(trainer, config), which guards the DeepSpeed engine"
             )
         self._trainer = weakref.ref(trainer)
         _ATTACHED.append(weakref.ref(self))
@@ -514,5 +514,12 @@ def stabilize(
     config: StabilityConfig | Mapping[str, Any] | str | None = None,
     **kwargs: Any,
 ) -> StabilityTrainerCallback:
-    """Guard ``trainer`` in one line; returns the callback (``kwargs`` go to ``StabilityTrainerCallback``)."""
+    """Guard ``trainer`` in one line; returns the callback (``kwargs`` go to ``StabilityTrainerCallback``).
+
+    A Trainer with ``deepspeed=`` gets a ``DeepSpeedTrainerCallback`` instead (its ``kwargs``:
+    ``sinks``, ``hooks``, ``rules``), which guards the DeepSpeed engine (the DeepSpeed guide)."""
+    if trainer.is_deepspeed_enabled:
+        from stabilitykit.integrations.deepspeed_trainer import DeepSpeedTrainerCallback
+
+        return DeepSpeedTrainerCallback(config, **kwargs).attach(trainer)  # type: ignore[return-value]
     return StabilityTrainerCallback(config, **kwargs).attach(trainer)

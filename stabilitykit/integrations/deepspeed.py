@@ -1,0 +1,432 @@
+"""DeepSpeedGuard: the driver for loops that drive a DeepSpeed engine themselves (ZeRO stages 0-3).
+
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, config=ds_config, ...)
+    guard = DeepSpeedGuard(engine, config=cfg)
+    for batch in loader:
+        loss = engine(batch)...
+        engine.backward(loss)   # routed through the guard: the loss recorded (or guard.backward(loss))
+        engine.step()           # grads final: measure, clip, decide, then apply or skip (or guard.step())
+
+Where the grads are when they are final (after ``engine.backward`` on the accumulation boundary):
+
+* stage 0: in the module's parameters (``p.grad``), already averaged across ranks;
+* stages 1 and 2: this rank's partition of the averaged grads, one piece per parameter it owns
+  (``optimizer.averaged_gradients``), a parameter split across two ranks in two pieces;
+* stage 3: this rank's partition of every parameter (``optimizer.averaged_gradients``).
+
+The guard measures those pieces where they are: one fused norm pass over this rank's pieces and the
+step record's one all-reduce, which sums the pieces' p-th powers over the ranks per layer. The
+global norm is then DeepSpeed's own (``engine.get_global_grad_norm()``) and per-layer norms are
+exact, with no parameter or grad gathered. Clipping scales the pieces in place before DeepSpeed
+builds its fp32 grad partition from them.
+
+A skipped step runs none of DeepSpeed's optimizer step: the ZeRO optimizer's ``step`` is routed
+through the guard, and on a skip it only drops the step's grads, as DeepSpeed does after its own
+fp16 overflow. Parameters, fp32 master partitions, optimizer moments, the LR scheduler (DeepSpeed
+does not step it after an overflow) and the engine's step counters (``global_steps``,
+``global_samples``, ``skipped_steps``) are left as they were. Every rank takes the same decision
+(the step record is agreed across ranks), so every rank runs the same collectives.
+
+Not supported yet, refused by name at construction: fp16 (DeepSpeed's dynamic loss scaler), CPU
+offload of the optimizer, the pipeline engine, recovery (rollback), monitors and update ratios.
+NaN tracing is off (the guard does not hook the module); the skip event still names the first
+non-finite layer from the norms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from stabilitykit.config import StabilityConfig
+from stabilitykit.core import DriverCore
+from stabilitykit.distributed import SHARD_GROUPS_ATTR
+from stabilitykit.drivers.base import Driver
+from stabilitykit.engine import StabilityEngine
+from stabilitykit.hooks import HookManager
+from stabilitykit.integrations._extras import missing
+from stabilitykit.patching import replace_attribute
+from stabilitykit.report import StepReport
+from stabilitykit.rules import SkipRule
+from stabilitykit.run_log import RunSummary
+from stabilitykit.sinks.base import Sink
+
+try:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    base = missing("stabilitykit.integrations.deepspeed", "deepspeed", "deepspeed")
+    raise ImportError(
+        f"{base}; DeepSpeed is a source distribution: install it after torch with --no-build-isolation "
+        "(pip install --no-build-isolation deepspeed), or pip builds it against a CUDA torch it downloads; "
+        "bash scripts/setup.sh does this"
+    ) from exc
+
+__all__ = ["CLIENT_STATE_KEY", "DeepSpeedGuard", "GradPartitions"]
+
+#: The key of the guard's state in a DeepSpeed checkpoint's ``client_state``.
+CLIENT_STATE_KEY = "stabilitykit"
+#: The engine's counters an applied step advances and a skipped step leaves as they were.
+_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+
+
+def _stand_in(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A tensor of ``shape`` with no memory of its own (one zero, expanded) that can hold a ``.grad``."""
+    return torch.zeros((), dtype=dtype, device=device).expand(*shape).requires_grad_(True)
+
+
+class GradPartitions:
+    """This rank's final grads as the engine measures them: one stand-in tensor per model parameter.
+
+    Every rank holds one stand-in per parameter of the model, in the same order, so layer names and
+    the per-layer columns of the step record are the same everywhere; a parameter whose grad this
+    rank does not own has no grad here this step. ``bind()`` points each stand-in's ``.grad`` at the
+    piece of the grad this rank owns now (DeepSpeed builds new grad tensors every step).
+    """
+
+    def __init__(self, engine: DeepSpeedEngine) -> None:
+        self.engine = engine
+        self.stage = int(engine.zero_optimization_stage())
+        self.optimizer = engine.optimizer
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        if self.stage == 0:
+            self.params: list[Tensor] = [p for p in engine.module.parameters() if p.requires_grad]
+            self.tensors = self.params  # the grads are the parameters' own, whole and averaged
+        else:
+            groups = self.optimizer.fp16_groups if self.stage == 3 else self.optimizer.bit16_groups
+            self.params = [p for group in groups for p in group]
+            self.tensors = [_stand_in((0,), p.dtype, p.device) for p in self.params]
+            group = getattr(self.optimizer, "dp_process_group", None) or torch.distributed.group.WORLD
+            for t in self.tensors:  # each grad is a shard over the data-parallel group: sum per layer
+                setattr(t, SHARD_GROUPS_ATTR, (group,))
+        self.names = [names.get(id(p), f"param_{i}") for i, p in enumerate(self.params)]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+
+    @property
+    def partitioned(self) -> bool:
+        """The grads are split across ranks (stages 1-3): the norms sum over the data-parallel group."""
+        return self.stage > 0
+
+    def _group_params(self, i: int) -> list[Tensor]:
+        if self.stage == 3:
+            return list(self.optimizer.fp16_groups[i])
+        return list(self.optimizer.params_in_partition[i])
+
+    def bind(self) -> None:
+        """Point every stand-in's grad at this rank's piece of its parameter's final grad."""
+        if not self.partitioned:
+            return
+        for t in self.tensors:
+            t.grad = None
+        grads = self.optimizer.averaged_gradients
+        n_groups = len(self.optimizer.fp16_groups if self.stage == 3 else self.optimizer.bit16_groups)
+        for i in range(n_groups):
+            pieces = grads.get(i) if isinstance(grads, Mapping) else grads[i]
+            if not pieces:
+                continue
+            for p, piece in zip(self._group_params(i), pieces, strict=True):
+                if piece is None:
+                    continue
+                held = self.tensors[self._index[id(p)]]
+                if held.shape != piece.shape or held.dtype != piece.dtype:
+                    # the same tensor object (the engine holds it) takes this rank's piece's shape once
+                    held.data = _stand_in(piece.shape, piece.dtype, piece.device).detach()
+                held.grad = piece
+
+
+class _Partitions:
+    """What the driver core takes for an optimizer: the stand-ins as its one param group.
+
+    DeepSpeed's optimizer is stepped by the engine, never through this object."""
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        self.param_groups = [{"params": tensors}]
+        self.state: dict[Any, Any] = {}
+
+    def step(self) -> None:  # pragma: no cover - never called: the engine steps DeepSpeed's optimizer
+        raise RuntimeError("stabilitykit: the DeepSpeed engine steps its own optimizer")
+
+
+def _named_engine(names: list[str]) -> type[StabilityEngine]:
+    """A ``StabilityEngine`` whose parameters carry the model's names (the stand-ins have none)."""
+
+    class _NamedEngine(StabilityEngine):
+        def __init__(self, params: Sequence[Tensor], *args: Any, **kwargs: Any) -> None:
+            kwargs["names"] = names
+            super().__init__(params, *args, **kwargs)
+
+    return _NamedEngine
+
+
+def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
+    """Refuse, by name and with the fix, what the DeepSpeed driver does not handle (yet)."""
+    if not isinstance(engine, DeepSpeedEngine):
+        raise TypeError(
+            f"DeepSpeedGuard needs the engine deepspeed.initialize returned (a DeepSpeedEngine), got "
+            f"{type(engine).__name__}; for a plain torch model use stabilitykit.StabilityGuard"
+        )
+    if engine.optimizer is None:
+        raise ValueError(
+            "DeepSpeedGuard needs an engine with an optimizer: give deepspeed.initialize an optimizer (or an "
+            '"optimizer" section in its config)'
+        )
+    if type(engine).__name__ == "PipelineEngine":
+        raise NotImplementedError(
+            "DeepSpeedGuard does not support DeepSpeed's pipeline engine (PipelineEngine.train_batch steps "
+            "inside its own schedule); use it with a DeepSpeedEngine from deepspeed.initialize without a "
+            "PipelineModule"
+        )
+    if engine.fp16_enabled():
+        raise NotImplementedError(
+            "DeepSpeedGuard does not support DeepSpeed's fp16 (dynamic loss scaling) yet: use bf16 "
+            '({"bf16": {"enabled": true}}) or fp32'
+        )
+    if engine.zero_cpu_offload():
+        raise NotImplementedError(
+            "DeepSpeedGuard does not support ZeRO optimizer offload (offload_optimizer) yet: the grads then "
+            "live in CPU buffers the guard does not read; remove offload_optimizer from the ZeRO config"
+        )
+    if engine.gradient_clipping() > 0.0 and config.clip.mode != "off":
+        raise ValueError(
+            f"two clippers: DeepSpeed's gradient_clipping={engine.gradient_clipping()} and stabilitykit's "
+            f"ClipConfig(mode={config.clip.mode!r}) are both on. Keep one: remove gradient_clipping from the "
+            "DeepSpeed config (stabilitykit then clips), or set ClipConfig(mode='off')"
+        )
+    if config.recovery.enabled:
+        raise NotImplementedError(
+            "DeepSpeedGuard does not support recovery (RecoveryConfig) yet: roll back with DeepSpeed's own "
+            "checkpoints (engine.load_checkpoint) on a 'diverged' event"
+        )
+    if config.monitors is not None:
+        raise NotImplementedError(
+            "DeepSpeedGuard does not run monitors (MonitorConfig) yet: it does not hook the module; remove monitors"
+        )
+    if config.grad_norm.update_ratio:
+        raise NotImplementedError(
+            "DeepSpeedGuard does not measure update ratios (GradNormConfig(update_ratio=...)): the parameters "
+            "are partitioned inside DeepSpeed; turn update_ratio off"
+        )
+
+
+class DeepSpeedGuard:
+    """Keeps a loop over a DeepSpeed engine finite: norms, clipping, skip-the-batch, metrics and events.
+
+    ``engine``: what ``deepspeed.initialize`` returned. The engine's ``backward`` and ``step`` are
+    routed through the guard for its life, so a loop that calls ``engine.backward(loss)`` and
+    ``engine.step()`` (or a framework that does: Accelerate, the Hugging Face Trainer) is guarded
+    as it is; ``guard.backward`` / ``guard.step`` do the same and ``guard.step`` returns the step's
+    report (None on a micro-batch that does not end an accumulation).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        config: StabilityConfig | Mapping[str, Any] | str | None = None,
+        sinks: Iterable[Sink] | None = None,
+        hooks: HookManager | None = None,
+        rules: Sequence[SkipRule] = (),
+    ) -> None:
+        self.driver = Driver(config, sinks=sinks, hooks=hooks, rules=rules)
+        cfg = self.driver.config.model_copy(
+            update={"nan_trace": self.driver.config.nan_trace.model_copy(update={"mode": "off"})}
+        )
+        _refuse_unsupported(engine, cfg)
+        self.engine = engine
+        self.hooks = self.driver.hooks
+        self.partitions = GradPartitions(engine)
+        self.cores: list[DriverCore] = self.driver.build_cores(
+            None,
+            [_Partitions(self.partitions.tensors)],
+            config=cfg,
+            engine_cls=_named_engine(self.partitions.names),
+        )
+        self.core = self.cores[0]
+        self.config = self.core.config
+        # the engine's backward and step, and its optimizer's step, routed through the guard (instance
+        # attributes, undone by close()): engine.step() and guard.step() are then the same step
+        self._undo = [
+            replace_attribute(engine.optimizer, "step", self._guarded_step(engine.optimizer.step)),
+            replace_attribute(engine, "backward", self._routed_backward(engine.backward)),
+            replace_attribute(engine, "step", self._routed_step(engine.step)),
+        ]
+        self._last_report: StepReport | None = None
+        self._closed = False
+
+    def __enter__(self) -> DeepSpeedGuard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the loop API
+    def record(self, name: str, value: Tensor | float, reduce: str = "mean") -> None:
+        """Record a metric of the coming step (see ``stabilitykit.record``)."""
+        self.driver.record(name, value, reduce)
+
+    def backward(self, loss: Tensor, **kwargs: Any) -> Any:
+        """``engine.backward(loss)`` (the same: the engine's own ``backward`` records the loss too)."""
+        self._check_open("backward")
+        return self.engine.backward(loss, **kwargs)
+
+    def step(self, **kwargs: Any) -> StepReport | None:
+        """``engine.step()``, returning the step's report on the micro-batch that ends an accumulation, else None.
+
+        The engine's own ``step`` is the same guarded step (measure, clip, decide, then apply or
+        skip); this one only returns the report.
+        """
+        self._check_open("step")
+        self._last_report = None
+        self.engine.step(**kwargs)
+        return self._last_report
+
+    def _routed_backward(self, original: Any) -> Any:
+        """The engine's ``backward``: the loss remembered (divided by the accumulation steps, as DeepSpeed
+        scales it), then DeepSpeed's own."""
+        guard = self
+
+        def backward(loss: Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not guard._closed:
+                steps = guard.engine.gradient_accumulation_steps()
+                guard.driver.record_loss(loss.detach() / steps if steps > 1 else loss.detach())
+            return original(loss, *args, **kwargs)
+
+        return backward
+
+    def _routed_step(self, original: Any) -> Any:
+        """The engine's ``step``: on the accumulation boundary, measure, clip and decide first; a skipped
+        step leaves the engine's counters (``global_steps``, ``global_samples``, ``skipped_steps``) as they were."""
+        guard = self
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if guard._closed or not guard.engine.is_gradient_accumulation_boundary():
+                return original(*args, **kwargs)
+            guard._evaluate()
+            counters = {name: getattr(guard.engine, name) for name in _COUNTERS}
+            decision = guard.core.decision
+            result = original(*args, **kwargs)
+            if decision is not None and decision.skipped_now:
+                for name, value in counters.items():
+                    setattr(guard.engine, name, value)
+            guard._last_report = guard.core.finish()
+            return result
+
+        return step
+
+    def _evaluate(self) -> None:
+        """Grads are final: bind this rank's pieces, then measure, clip and decide (the host knows the decision)."""
+        self.partitions.bind()
+        decision = self.core.evaluate()
+        if decision.pending:  # DeepSpeed's step cannot skip on the device: the host decides
+            self.core.engine.resolve(decision)
+
+    def _guarded_step(self, original: Any) -> Any:
+        """DeepSpeed's optimizer ``step`` through the guard: applied, or skipped with DeepSpeed's own clean-up."""
+        guard = self
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            optimizer = guard.engine.optimizer
+            if isinstance(optimizer, torch.optim.Optimizer) and "overflow" in vars(optimizer):
+                delattr(optimizer, "overflow")  # stage 0 in fp32: the mark of the last skip, on a torch optimizer
+            if guard.core.decision is None:  # engine.step() called directly: still measured and decided
+                guard._evaluate()
+            decision = guard.core.decision
+            assert decision is not None
+            result = guard.core.run_optimizer_step(lambda: original(*args, **kwargs))
+            if decision.skipped_now:
+                _drop_step(guard.engine.optimizer, guard.partitions.stage)
+            return result
+
+        return step
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"stabilitykit: guard.{what}() after guard.close(): build a new DeepSpeedGuard (and load_state_dict)"
+            )
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self, save_dir: str, tag: Any = None, client_state: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> Any:
+        """``engine.save_checkpoint`` with the guard's state in its client state (key ``"stabilitykit"``)."""
+        mine = self.state_dict()
+        states: list[Any] = [mine]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # DeepSpeed writes the client state of one rank only; each rank's guard state differs
+            # (its own loss, its own reasons), so every rank's goes in, in rank order
+            states = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(states, mine)
+        state = {**(client_state or {}), CLIENT_STATE_KEY: {"ranks": states}}
+        return self.engine.save_checkpoint(save_dir, tag=tag, client_state=state, **kwargs)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        """``engine.load_checkpoint``, then the guard's state from its client state; returns what DeepSpeed returns."""
+        path, client_state = self.engine.load_checkpoint(load_dir, tag=tag, **kwargs)
+        client_state = dict(client_state or {})
+        saved = client_state.pop(CLIENT_STATE_KEY, None)
+        if saved is not None:
+            ranks = saved["ranks"]
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            self.load_state_dict(ranks[rank] if rank < len(ranks) else ranks[0])
+        return path, client_state
+
+    # ------------------------------------------------------------------ state and end
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps attempted so far, skipped ones included."""
+        return self.core.engine.step
+
+    def summary(self) -> RunSummary:
+        """The run's totals (reads the steps since the last logging step first: one sync)."""
+        return self.driver.summary()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's state in the format every driver saves (``{"version", "optimizers": [...]}``)."""
+        return self.driver.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (validated as a whole first)."""
+        self.driver.load_state_dict(state)
+
+    def close(self) -> None:
+        """Undo the routed step, log the last row and the summary line, close the sinks. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for undo in reversed(self._undo):
+            undo()
+        self.driver.end_run()
+
+
+def _drop_step(optimizer: Any, stage: int) -> None:
+    """A skipped step: drop its grads and mark it as not applied, as DeepSpeed does after its own overflow.
+
+    DeepSpeed's engine then zeroes the grads, does not step its LR scheduler, and counts the step
+    (counters the guard puts back). Nothing else of the optimizer's step runs: no fp32 partition,
+    moment or parameter is touched.
+    """
+    if stage in (1, 2):
+        from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+
+        optimizer.micro_step_id = INITIAL_MICRO_STEP_ID
+        optimizer.zero_grad(set_to_none=True)
+        release = getattr(optimizer, "_release_preflattened_grad_buffers", None)
+        if callable(release):
+            release()
+        for k in list(optimizer.averaged_gradients.keys()):
+            optimizer.averaged_gradients[k] = None
+            if k in getattr(optimizer, "all_grad_tensors", {}):
+                optimizer.all_grad_tensors[k] = None
+    elif stage == 3:
+        optimizer._pre_step()
+        optimizer._partition_all_parameters()
+        optimizer._overflow_clean_up(optimizer.loss_scale)
+    elif hasattr(optimizer, "fp32_groups"):  # stage 0 with bf16: DeepSpeed's unfused mixed-precision wrapper
+        optimizer.zero_grad(set_to_none=True)
+        for group in optimizer.fp32_groups:
+            for param in group:
+                param.grad = None
+    # stage 0 in fp32: the engine's optimizer is the torch one; the engine zeroes the module's grads
+    optimizer.overflow = True  # the engine: not applied, no LR scheduler step

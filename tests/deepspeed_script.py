@@ -1,0 +1,400 @@
+"""DeepSpeed (ZeRO stages 0-3, fp32 and bf16) under DeepSpeedGuard on real gloo processes.
+
+Run by tests/test_deepspeed.py: ``python tests/deepspeed_script.py WORLD OUT PORT``. One process
+group runs every case (DeepSpeed's import and set-up are slow); each rank writes what it saw, and
+the test compares the ranks and the runs. Per (stage, precision):
+
+* a reference run of DeepSpeed alone over the clean batches (its own global grad norm each step);
+* a guarded run over the same batches (stages 0 and 2 through ``guard.backward``/``guard.step``,
+  stages 1 and 3 through the engine's own ``backward``/``step``, which the guard routes) with
+  faults in between (NaN on rank 1 only, Inf on rank 0 only): every fault skipped, the state
+  bitwise unchanged by each skip, the end state bitwise the reference's, each clean step's norm
+  equal to DeepSpeed's own;
+* a huge finite grad on rank 0 only, clipped by the guard (max_norm 1) against DeepSpeed clipping the
+  same batch itself (gradient_clipping 1): not skipped, the same norm, the same parameters;
+* resume: saved through ``save_checkpoint`` (client state), two more steps, loaded, the same two
+  steps again: the same parameters and the same guard state.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from distributed_script_runner import launch
+from torch import nn
+
+CLEAN = [0, 1, 3, 5]  # the batches the reference run sees
+PLAN = [(0, None), (1, None), (2, "nan"), (3, None), (4, "inf"), (5, None)]  # (batch, fault) of the guarded run
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _batch(i: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * i + rank)
+    return torch.randn(2, 8, generator=g).to(dtype)
+
+
+def _ds_config(stage: int, bf16: bool, clipping: float = 0.0, accumulate: int = 1) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": accumulate,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10},
+        },
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    cfg["gradient_clipping"] = clipping  # DeepSpeed's default is 1.0: off unless a case asks
+    return cfg
+
+
+def _engine(stage: int, bf16: bool, clipping: float = 0.0, accumulate: int = 1) -> Any:
+    import deepspeed
+
+    model = _model()
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=_ds_config(stage, bf16, clipping, accumulate)
+    )
+    return engine
+
+
+def _loss(engine: Any, i: int, rank: int, dtype: torch.dtype, fault: str | None, faulty_rank: int) -> torch.Tensor:
+    loss = engine(_batch(i, rank, dtype)).float().pow(2).mean()
+    if fault is not None and rank == faulty_rank:
+        loss = loss * {"nan": math.nan, "inf": math.inf, "huge": 1e6}[fault]
+    return loss
+
+
+def _state(engine: Any) -> dict[str, Any]:
+    """Everything a skip must leave bitwise as it was: parameters (this rank's partition), the fp32
+    master partitions, optimizer state, the LR and the engine's counters."""
+    opt = engine.optimizer
+    # stage 3: a parameter's own partition (its full tensor is gathered and released around forward)
+    params = [getattr(p, "ds_tensor", p).detach().clone() for p in engine.module.parameters()]
+    if hasattr(opt, "fp16_partitioned_groups_flat"):  # stage 3: this rank's partition of every parameter
+        params += [t.detach().clone() for t in opt.fp16_partitioned_groups_flat]
+    masters = []
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups"):
+        for t in getattr(opt, name, None) or []:
+            masters += [x.detach().clone() for x in (t if isinstance(t, list) else [t])]
+    inner = getattr(opt, "optimizer", opt)
+    moments_list = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
+    return {
+        "tensors": params + masters + [v.detach().clone() for v in moments_list],
+        "lr": [g["lr"] for g in inner.param_groups],
+        "counters": (engine.global_steps, engine.global_samples, engine.skipped_steps),
+        "sched": copy.deepcopy(engine.lr_scheduler.state_dict()) if engine.lr_scheduler is not None else None,
+    }
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    tensors = len(a["tensors"]) == len(b["tensors"]) and all(
+        x.shape == y.shape
+        and torch.equal(
+            x.view(-1).view(torch.uint8) if x.numel() else x, y.view(-1).view(torch.uint8) if y.numel() else y
+        )
+        for x, y in zip(a["tensors"], b["tensors"], strict=True)
+    )
+    return tensors and a["lr"] == b["lr"] and a["counters"] == b["counters"] and a["sched"] == b["sched"]
+
+
+def _diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    found = [
+        f"tensor {i} {tuple(x.shape)} {tuple(y.shape)}"
+        for i, (x, y) in enumerate(zip(a["tensors"], b["tensors"], strict=False))
+        if x.shape != y.shape or not torch.equal(x, y)
+    ]
+    return found + [k for k in ("lr", "counters", "sched") if a[k] != b[k]]
+
+
+def _full_norm(engine: Any) -> float:
+    """Stage 0 in fp32: DeepSpeed computes no norm; the whole averaged grads' norm is the reference."""
+    grads = [p.grad.float() for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+
+def _ds_norm(engine: Any, before: float | None) -> float:
+    norm = engine.get_global_grad_norm()
+    return float(norm) if norm is not None else float(before)  # type: ignore[arg-type]
+
+
+def _reference(stage: int, bf16: bool, rank: int, dtype: torch.dtype) -> tuple[dict[str, Any], list[float]]:
+    engine = _engine(stage, bf16)
+    norms = []
+    for i in CLEAN:
+        engine.backward(_loss(engine, i, rank, dtype, None, 0))
+        before = _full_norm(engine) if stage == 0 else None
+        engine.step()
+        norms.append(_ds_norm(engine, before))
+    # the counters a run of clean steps only has: the guarded run must end with the same
+    return _state(engine), norms
+
+
+def _case(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
+    import stabilitykit as sk
+    from stabilitykit.integrations.deepspeed import DeepSpeedGuard
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    ref_state, ref_norms = _reference(stage, bf16, rank, dtype)
+    engine = _engine(stage, bf16)
+    cfg = sk.StabilityConfig(log_every_n_steps=2, skip=sk.SkipConfig(nonfinite=True, max_consecutive=5))
+    guard = DeepSpeedGuard(engine, config=cfg)
+    out: dict[str, Any] = {"skipped": [], "reasons": [], "norms": [], "unchanged_by_skip": [], "layer_norms": None}
+    for i, fault in PLAN:
+        before = _state(engine)
+        loss = _loss(engine, i, rank, dtype, fault, 1 if fault == "nan" else 0)
+        if stage % 2:  # stages 1 and 3: the loop calls the engine's own backward and step (routed)
+            engine.backward(loss)
+            engine.step()
+            report = guard.core.last_report
+        else:
+            guard.backward(loss)
+            report = guard.step()
+        assert report is not None
+        skipped = bool(report.skipped)
+        out["skipped"].append(skipped)
+        out["reasons"].append(report.reason)
+        norm = float(report.grad_norm)
+        out["norms"].append(norm if math.isfinite(norm) else repr(norm))
+        if skipped:
+            after = _state(engine)
+            out["unchanged_by_skip"].append(_same(before, after))
+            if not _same(before, after):
+                out.setdefault("diff", []).append(_diff(before, after))
+        if i == 0 and report.layer_norms is not None:
+            out["layer_norms"] = dict(zip(report.layer_names, [float(x) for x in report.layer_norms], strict=False))
+    out["end_equals_reference"] = _same(_state(engine), ref_state)
+    out["ref_norms"] = ref_norms
+    out["clean_norms"] = [out["norms"][k] for k, (_, f) in enumerate(PLAN) if f is None]
+    summary = guard.summary()
+    out["summary"] = {"steps": summary.steps, "skipped": summary.skipped, "nonfinite": summary.nonfinite_steps}
+
+    # resume: save, two steps, load, the same two steps again
+    with tempfile.TemporaryDirectory() as tmp:
+        shared = [tmp]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        guard.save_checkpoint(shared[0], tag="t")
+        for i in (6, 7):
+            guard.backward(_loss(engine, i, rank, dtype, None, 0))
+            guard.step()
+        first = _state(engine)["tensors"]
+        first_guard = _plain(guard.state_dict())
+        guard.load_checkpoint(shared[0], tag="t")
+        for i in (6, 7):
+            guard.backward(_loss(engine, i, rank, dtype, None, 0))
+            guard.step()
+        again = _state(engine)["tensors"]
+        out["resume_exact"] = all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+        second_guard = _plain(guard.state_dict())
+        out["resume_guard_state"] = second_guard == first_guard
+        if second_guard != first_guard:
+            out["guard_diff"] = _where(first_guard, second_guard)
+        torch.distributed.barrier()
+    guard.close()
+    return out
+
+
+def _where(a: Any, b: Any, path: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [w for k in a for w in _where(a[k], b.get(k), f"{path}.{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [w for i, (x, y) in enumerate(zip(a, b, strict=True)) for w in _where(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: {str(a)[:80]} != {str(b)[:80]}"]
+
+
+def _plain(state: Any) -> Any:
+    """A state dict as comparable plain values (tensors to lists)."""
+    if isinstance(state, dict):
+        return {k: _plain(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return [_plain(v) for v in state]
+    if torch.is_tensor(state):
+        return _plain(state.tolist())
+    if isinstance(state, float) and math.isnan(state):
+        return "nan"
+    return state
+
+
+def _huge(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
+    """A huge finite grad on rank 0 only: the guard clips it as DeepSpeed's gradient_clipping would."""
+    import stabilitykit as sk
+    from stabilitykit.integrations.deepspeed import DeepSpeedGuard
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    theirs = _engine(stage, bf16, clipping=1.0)
+    theirs.backward(_loss(theirs, 0, rank, dtype, "huge", 0))
+    before = _full_norm(theirs) if stage == 0 else None
+    theirs.step()
+    their_norm = _ds_norm(theirs, before)
+    engine = _engine(stage, bf16)
+    cfg = sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0))
+    guard = DeepSpeedGuard(engine, config=cfg)
+    guard.backward(_loss(engine, 0, rank, dtype, "huge", 0))
+    report = guard.step()
+    assert report is not None
+    mine = _state(engine)["tensors"]
+    ref = _state(theirs)["tensors"]
+    rtol, atol = (2e-2, 1e-3) if bf16 else (1e-4, 1e-6)
+    close = all(torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol) for a, b in zip(mine, ref, strict=True))
+    guard.close()
+    return {
+        "skipped": bool(report.skipped),
+        "norm": float(report.grad_norm),
+        "ds_norm": their_norm,
+        "params_close": close,
+    }
+
+
+def _unguarded_nan(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
+    """DeepSpeed alone, a NaN loss on rank 1 only: what it does with the step (no guard)."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    engine = _engine(stage, bf16)
+    engine.backward(_loss(engine, 0, rank, dtype, "nan", 1))
+    engine.step()
+    finite = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in engine.module.parameters())
+    return {"params_finite": finite, "skipped_steps": engine.skipped_steps}
+
+
+def _accumulating(stage: int, rank: int) -> dict[str, Any]:
+    """Two micro-batches per step, a NaN in the second micro-batch of step 1 on rank 1 only: that step
+    skipped on both ranks, the state bitwise unchanged by it, the next steps accumulating afresh (the
+    end state bitwise DeepSpeed's alone over the clean steps)."""
+    from stabilitykit.integrations.deepspeed import DeepSpeedGuard
+
+    dtype = torch.float32
+    steps = [(0, None), (1, "nan"), (2, None), (3, None)]
+    reference = _engine(stage, False, accumulate=2)
+    for i, fault in steps:
+        if fault is None:
+            for micro in (0, 1):
+                reference.backward(_loss(reference, 10 * i + micro, rank, dtype, None, 0))
+                reference.step()
+    engine = _engine(stage, False, accumulate=2)
+    guard = DeepSpeedGuard(engine)
+    skipped, unchanged, nones = [], [], 0
+    for i, fault in steps:
+        before = _state(engine)
+        for micro in (0, 1):
+            guard.backward(_loss(engine, 10 * i + micro, rank, dtype, fault if micro == 1 else None, 1))
+            report = guard.step()
+            if micro == 0:
+                nones += report is None
+        assert report is not None
+        skipped.append(bool(report.skipped))
+        if report.skipped:
+            unchanged.append(_same(before, _state(engine)))
+    out = {
+        "skipped": skipped,
+        "unchanged": unchanged,
+        "nones": nones,
+        "end_equals_reference": _same(_state(engine), _state(reference)),
+    }
+    guard.close()
+    return out
+
+
+def _user_rule(stage: int, rank: int) -> dict[str, Any]:
+    """A user's skip rule over a metric recorded with ``sk.record`` (rank 1 alone records a bad value
+    at step 2): that step skipped on both ranks with the state unchanged; a metric recorded with
+    reduce "sum" is agreed across ranks."""
+    import stabilitykit as sk
+    from stabilitykit.integrations.deepspeed import DeepSpeedGuard
+
+    class QualityGate(sk.SkipRule):
+        name = "quality_gate"
+
+        def flag(self, values: sk.StepValues) -> torch.Tensor:
+            return values["quality"] < 0.5
+
+    engine = _engine(stage, False)
+    guard = DeepSpeedGuard(engine, config=sk.StabilityConfig(log_every_n_steps=1), rules=[QualityGate()])
+    rows: list[dict[str, float]] = []
+
+    class Rows:
+        def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+            rows.append(dict(metrics))
+
+    guard.hooks.add_sink(Rows())
+    skipped, reasons, unchanged = [], [], []
+    for i in range(4):
+        before = _state(engine)
+        sk.record("quality", torch.tensor(0.0 if (rank == 1 and i == 2) else 1.0))
+        sk.record("rank_id", torch.tensor(float(rank + 1)), reduce="sum")
+        guard.backward(_loss(engine, i, rank, torch.float32, None, 0))
+        report = guard.step()
+        assert report is not None
+        skipped.append(bool(report.skipped))
+        reasons.append(report.reason)
+        if report.skipped:
+            unchanged.append(_same(before, _state(engine)))
+    guard.close()
+    sums = sorted({r["stability/metrics/rank_id"] for r in rows if "stability/metrics/rank_id" in r})
+    return {"skipped": skipped, "reasons": reasons, "unchanged": unchanged, "rank_id_sums": sums}
+
+
+def _refusals() -> dict[str, str]:
+    import stabilitykit as sk
+    from stabilitykit.integrations.deepspeed import DeepSpeedGuard
+
+    engine = _engine(2, False, clipping=1.0)
+    try:
+        DeepSpeedGuard(engine, config=sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0)))
+    except ValueError as exc:
+        return {"two_clippers": str(exc)}
+    return {"two_clippers": ""}
+
+
+def worker(rank: int, world: int) -> dict[str, Any]:
+    os.environ.update({"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_SIZE": str(world)})
+    import deepspeed  # noqa: F401  (after the env: DeepSpeed reads it at import)
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.ERROR)
+    stages = [int(s) for s in os.environ.get("SK_DS_STAGES", "0,1,2,3").split(",")]
+    results: dict[str, Any] = {}
+    quiet = io.StringIO()
+    for stage in stages:
+        for bf16 in (False, True):
+            key = f"stage{stage}-{'bf16' if bf16 else 'fp32'}"
+            old = sys.stdout
+            sys.stdout = quiet  # DeepSpeed prints its config on every initialize
+            try:
+                results[key] = _case(stage, bf16, rank)
+                results[key]["huge"] = _huge(stage, bf16, rank)
+                results[key]["unguarded"] = _unguarded_nan(stage, bf16, rank)
+            finally:
+                sys.stdout = old
+        if stage in (2, 3):
+            old = sys.stdout
+            sys.stdout = quiet
+            try:
+                results[f"accumulate-stage{stage}"] = _accumulating(stage, rank)
+                results[f"rule-stage{stage}"] = _user_rule(stage, rank)
+            finally:
+                sys.stdout = old
+    results["refusals"] = _refusals()
+    return results
+
+
+if __name__ == "__main__":
+    launch(worker, sys.argv[1:])

@@ -1,0 +1,104 @@
+"""Run by test_deepspeed.py under ``torchrun --nproc_per_node 2``: the HF Trainer with ``deepspeed=``
+(ZeRO-2, DeepSpeed's CPU accelerator over gloo) and ``stabilize(trainer, cfg)``.
+
+A tiny random-init ``LlamaForCausalLM`` trains 8 steps; at global step 3 rank 1 alone has a NaN loss.
+Both ranks must skip that step (the engine not advancing for it), end with finite and identical
+parameters, and find the guard's rows in ``trainer.state.log_history``. Rank 0 also checks that
+``stabilize`` refuses two clippers (``max_grad_norm`` > 0 with ``ClipConfig``). Each rank writes
+``rank<r>.json`` to ``SK_OUT``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch
+
+import stabilitykit as sk
+from stabilitykit.integrations import stabilize
+from tests.hf_models import tiny_llama, token_batches
+
+BAD_STEP = 3
+STEPS = 8
+
+
+def _args(out: Path, max_grad_norm: float) -> Any:
+    from transformers import TrainingArguments
+
+    ds = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 10**9,
+    }
+    return TrainingArguments(
+        output_dir=str(out / "run"),
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        per_device_train_batch_size=2,
+        max_steps=STEPS,
+        learning_rate=3e-3,
+        logging_steps=2,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        deepspeed=ds,
+        max_grad_norm=max_grad_norm,
+    )
+
+
+def main() -> None:
+    from transformers import Trainer
+
+    out = Path(os.environ["SK_OUT"])
+    torch.set_num_threads(1)
+    rows = [{k: v[0] for k, v in batch.items()} for batch in token_batches(64, batch_size=1, seed=3)]
+
+    class NaNTrainer(Trainer):
+        def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            if self.args.process_index == 1 and self.state.global_step == BAD_STEP:
+                loss = loss * float("nan")
+            return loss
+
+    refused = ""
+    try:
+        clipping = NaNTrainer(model=tiny_llama(), args=_args(out, 1.0), train_dataset=rows)
+        stabilize(clipping, sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0)))
+    except ValueError as exc:
+        refused = str(exc)
+
+    trainer = NaNTrainer(model=tiny_llama(), args=_args(out, 0.0), train_dataset=rows)
+    skipped: list[int] = []
+    callback = stabilize(trainer, sk.StabilityConfig(log_every_n_steps=2))
+    callback.hooks.on("skipped", lambda e: skipped.append(e.step))
+    trainer.train()
+    engine = trainer.model_wrapped
+    params = torch.cat([p.detach().float().flatten() for p in engine.module.parameters()])
+    ours = [h for h in trainer.state.log_history if "stability/grad_norm/total" in h]
+    result = {
+        "callback": type(callback).__name__,
+        "skipped": skipped,
+        "global_steps": engine.global_steps,
+        "finite": bool(torch.isfinite(params).all()),
+        "digest": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
+        "rows": len(ours),
+        "refused": refused,
+    }
+    (out / f"rank{trainer.args.process_index}.json").write_text(json.dumps(result))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

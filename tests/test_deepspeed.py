@@ -1,0 +1,226 @@
+"""DeepSpeedGuard on 2 real gloo processes: ZeRO stages 0-3 x (fp32, bf16) x (NaN on one rank, Inf on
+one rank, a huge finite grad on one rank). One process group runs every case (tests/deepspeed_script.py);
+each test reads its case from both ranks' results.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.distributed_script_runner import free_port, run_world
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="deepspeed is not installed: pip install 'stabilitykit[deepspeed]' (bash scripts/setup.sh installs it)",
+)
+
+SCRIPT = Path(__file__).parent / "deepspeed_script.py"
+CASES = [f"stage{s}-{p}" for s in (0, 1, 2, 3) for p in ("fp32", "bf16")]
+PLAN_FAULTS = ["clean", "clean", "nan", "clean", "inf", "clean"]  # tests/deepspeed_script.py PLAN
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_world(SCRIPT, 2, tmp_path_factory.mktemp("deepspeed"), timeout=240)
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fault_on_one_rank_is_skipped_on_every_rank(ranks: list[dict[str, Any]], case: str) -> None:
+    """NaN on rank 1 only, Inf on rank 0 only: both ranks skip exactly those steps, leave the state
+    (parameters, fp32 partitions, moments, LR scheduler, engine counters) bitwise as it was, and end
+    bitwise where DeepSpeed alone ends over the clean batches."""
+    expected = [f != "clean" for f in PLAN_FAULTS]
+    for rank in ranks:
+        got = rank[case]
+        assert got["skipped"] == expected, f"rank {ranks.index(rank)}: {got['reasons']}"
+        assert got["unchanged_by_skip"] == [True, True], got.get("diff")
+        assert got["end_equals_reference"]
+        assert got["summary"]["skipped"] == 2 and got["summary"]["steps"] == len(PLAN_FAULTS)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_global_norm_is_deepspeeds_own(ranks: list[dict[str, Any]], case: str) -> None:
+    """Each clean step's norm equals DeepSpeed's get_global_grad_norm() (stage 0 in fp32, where
+    DeepSpeed computes none: the norm of the whole averaged grads), the same on both ranks."""
+    for rank in ranks:
+        got = rank[case]
+        for mine, theirs in zip(got["clean_norms"], got["ref_norms"], strict=True):
+            assert _rel(mine, theirs) < 2e-6, (mine, theirs)
+    assert ranks[0][case]["norms"] == ranks[1][case]["norms"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_layer_norms_are_global_under_partitioning(ranks: list[dict[str, Any]], case: str) -> None:
+    """Per-layer norms are the same on both ranks and the same as with whole grads (stage 0), also
+    where a parameter's grad is split across the two ranks (stages 1-3)."""
+    stage0 = ranks[0][case.replace(case[:6], "stage0")]["layer_norms"]
+    for rank in ranks:
+        layers = rank[case]["layer_norms"]
+        assert layers.keys() == stage0.keys()
+        for name, value in layers.items():
+            assert _rel(value, stage0[name]) < 2e-6, (name, value, stage0[name])
+        total = math.sqrt(sum(v * v for v in layers.values()))
+        assert _rel(total, rank[case]["norms"][0]) < 2e-6
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_huge_finite_grad_on_one_rank_is_clipped_like_deepspeed(ranks: list[dict[str, Any]], case: str) -> None:
+    """A huge finite grad (loss x 1e6 on rank 0): not skipped, the norm DeepSpeed measures, and the
+    guard's clip (max_norm 1) lands where DeepSpeed's gradient_clipping=1 does."""
+    for rank in ranks:
+        huge = rank[case]["huge"]
+        assert not huge["skipped"]
+        assert _rel(huge["norm"], huge["ds_norm"]) < 1e-6
+        assert huge["params_close"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_resume_through_deepspeed_checkpoint_is_exact(ranks: list[dict[str, Any]], case: str) -> None:
+    """save_checkpoint (each rank's guard state in the client state), two steps, load_checkpoint, the
+    same two steps: the same parameters and the same guard state, on every rank."""
+    for rank in ranks:
+        assert rank[case]["resume_exact"]
+        assert rank[case]["resume_guard_state"], rank[case].get("guard_diff")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_skip_under_gradient_accumulation(ranks: list[dict[str, Any]], stage: int) -> None:
+    """Two micro-batches per step, a NaN in one micro-batch on rank 1 only: that step skipped on both
+    ranks with the state unchanged, guard.step() None on the first micro-batch of each step, and the
+    steps after it accumulating afresh (the end state bitwise DeepSpeed's alone over the clean steps)."""
+    for rank in ranks:
+        got = rank[f"accumulate-stage{stage}"]
+        assert got["skipped"] == [False, True, False, False]
+        assert got["unchanged"] == [True] and got["nones"] == 4
+        assert got["end_equals_reference"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_user_rule_on_a_recorded_metric(ranks: list[dict[str, Any]], stage: int) -> None:
+    """A user's SkipRule over ``sk.record("quality", ...)``, bad on rank 1 only at step 2: skipped on
+    both ranks (reason quality_gate), the state unchanged; a metric recorded with reduce="sum" is
+    logged agreed (1 + 2 = 3) on both ranks."""
+    for rank in ranks:
+        got = rank[f"rule-stage{stage}"]
+        assert got["skipped"] == [False, False, True, False]
+        assert got["reasons"][2] == "quality_gate" and got["unchanged"] == [True]
+        assert got["rank_id_sums"] == [3.0]
+
+
+def test_deepspeed_alone_applies_a_nan_step_at_stage_0(ranks: list[dict[str, Any]]) -> None:
+    """Why the guard is there: DeepSpeed alone at ZeRO stage 0 in fp32 applies rank 1's NaN step and
+    every parameter on both ranks is NaN, where the guarded run (above) skips it and stays finite."""
+    for rank in ranks:
+        assert not rank["stage0-fp32"]["unguarded"]["params_finite"]
+        assert rank["stage0-fp32"]["skipped"][2]
+
+
+def test_two_clippers_are_refused(ranks: list[dict[str, Any]]) -> None:
+    message = ranks[0]["refusals"]["two_clippers"]
+    assert "gradient_clipping" in message and "ClipConfig(mode='off')" in message
+
+
+def test_hf_trainer_with_deepspeed_is_stabilized(tmp_path: Path) -> None:
+    """``stabilize(trainer, cfg)`` on the real HF Trainer with ``deepspeed=`` (ZeRO-2, 2 processes under
+    ``torchrun``): rank 1's NaN step is skipped on both ranks (DeepSpeed's engine does not count it),
+    the replicas end finite and identical, the guard's rows are in ``log_history``, and two clippers
+    (``max_grad_norm`` with ``ClipConfig``) are refused by name."""
+    script = Path(__file__).parent / "hf_deepspeed_script.py"
+    env = {**os.environ, "SK_OUT": str(tmp_path), "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", TMPDIR=str(tmp_path), DS_ACCELERATOR="cpu")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    cmd += ["--master_port", str(free_port()), str(script)]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        _, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("the HF Trainer DeepSpeed run did not finish in 240 s") from None
+    assert proc.returncode == 0, err[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:
+        assert rank["callback"] == "DeepSpeedTrainerCallback"
+        assert rank["skipped"] == [3]
+        assert rank["global_steps"] == 7  # 8 steps, the skipped one not counted by DeepSpeed
+        assert rank["finite"] and rank["rows"] >= 3
+    assert ranks[0]["digest"] == ranks[1]["digest"]
+    assert "max_grad_norm=0" in ranks[0]["refused"]
+
+
+def _tiny_module(bad_step: int | None = None) -> Any:
+    import lightning.pytorch as pl
+    import torch
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = self.net(batch[0]).pow(2).mean()
+            return loss * float("nan") if batch_idx == bad_step else loss
+
+        def train_dataloader(self) -> Any:
+            data = torch.utils.data.TensorDataset(torch.randn(32, 4))
+            return torch.utils.data.DataLoader(data, batch_size=4)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    return Tiny()
+
+
+def test_lightning_deepspeed_strategy_needs_cuda(tmp_path: Path) -> None:
+    """What the DeepSpeed guide says: Lightning's DeepSpeedStrategy refuses any accelerator but CUDA, so
+    DeepSpeedStabilityCallback under it is tested in tests/cuda only."""
+    import lightning.pytorch as pl
+
+    from stabilitykit.integrations.deepspeed_lightning import DeepSpeedStabilityCallback
+
+    trainer = pl.Trainer(
+        strategy="deepspeed_stage_2",
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        callbacks=[DeepSpeedStabilityCallback()],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    with pytest.raises(RuntimeError, match="only supported on CUDA GPUs"):
+        trainer.fit(_tiny_module())
+
+
+def test_lightning_deepspeed_callback_names_the_strategy_it_needs(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+
+    from stabilitykit.integrations.deepspeed_lightning import DeepSpeedStabilityCallback
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        callbacks=[DeepSpeedStabilityCallback()],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    with pytest.raises(TypeError, match=r"DeepSpeedStrategy.*StabilityCallback"):
+        trainer.fit(_tiny_module())
