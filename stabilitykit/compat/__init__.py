@@ -8,6 +8,8 @@ must reach inside them is here and nowhere else, so a new release breaks one sma
 * ``schedulers``: an LR scheduler held on skipped steps by a class swap (its state untouched);
 * ``functional``: wrappers over ``torch.nn.functional`` calls (the monitors' attention call);
 * ``grad_scaler``: a GradScaler's stage, scale and growth tracker;
+* ``deepspeed``: a skipped step's clean-up inside DeepSpeed's ZeRO optimizers, its step counters;
+* ``tensors``: the one mark set on a framework's tensor (a DeepSpeed grad partition's groups);
 * ``private``: every other read of a private attribute (``torch.compile``'s wrapped module,
   FSDP1's flat-parameter handle, the fused optimizers' AMP flag, tqdm's live bars, a framework
   optimizer wrapper's inner optimizer).

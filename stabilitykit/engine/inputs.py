@@ -114,9 +114,7 @@ class StepInputs:
             record.put(f"metric/{name}", value, self.layout.columns[name])
         return record
 
-    def rule_flags(
-        self, record: StepRecord, agreed: dict[str, Tensor], rules: RuleSet
-    ) -> tuple[Tensor, Tensor]:
+    def rule_flags(self, record: StepRecord, agreed: dict[str, Tensor], rules: RuleSet) -> tuple[Tensor, Tensor]:
         """(each rule's flag on this rank, each rule's flag agreed across ranks), stacked in rule order."""
         if not len(rules):
             return self.false[None], self.false[None]

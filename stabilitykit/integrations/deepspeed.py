@@ -41,14 +41,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from stabilitykit.compat.attributes import replace_attribute
+from stabilitykit.compat.deepspeed import clear_overflow_mark, drop_step, engine_counters, put_engine_counters
+from stabilitykit.compat.tensors import mark_shard
 from stabilitykit.config import StabilityConfig
 from stabilitykit.core import DriverCore
-from stabilitykit.distributed import SHARD_GROUPS_ATTR
 from stabilitykit.drivers.base import Driver
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.integrations._extras import missing
-from stabilitykit.patching import replace_attribute
 from stabilitykit.report import StepReport
 from stabilitykit.rules import SkipRule
 from stabilitykit.run_log import RunSummary
@@ -68,8 +69,6 @@ __all__ = ["CLIENT_STATE_KEY", "DeepSpeedGuard", "GradPartitions"]
 
 #: The key of the guard's state in a DeepSpeed checkpoint's ``client_state``.
 CLIENT_STATE_KEY = "stabilitykit"
-#: The engine's counters an applied step advances and a skipped step leaves as they were.
-_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
 
 def _stand_in(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -100,7 +99,7 @@ class GradPartitions:
             self.tensors = [_stand_in((0,), p.dtype, p.device) for p in self.params]
             group = getattr(self.optimizer, "dp_process_group", None) or torch.distributed.group.WORLD
             for t in self.tensors:  # each grad is a shard over the data-parallel group: sum per layer
-                setattr(t, SHARD_GROUPS_ATTR, (group,))
+                mark_shard(t, (group,))
         self.names = [names.get(id(p), f"param_{i}") for i, p in enumerate(self.params)]
         self._index = {id(p): i for i, p in enumerate(self.params)}
 
@@ -284,12 +283,11 @@ class DeepSpeedGuard:
     def _routed_backward(self, original: Any) -> Any:
         """The engine's ``backward``: the loss remembered (divided by the accumulation steps, as DeepSpeed
         scales it), then DeepSpeed's own."""
-        guard = self
 
         def backward(loss: Tensor, *args: Any, **kwargs: Any) -> Any:
-            if not guard._closed:
-                steps = guard.engine.gradient_accumulation_steps()
-                guard.driver.record_loss(loss.detach() / steps if steps > 1 else loss.detach())
+            if not self._closed:
+                steps = self.engine.gradient_accumulation_steps()
+                self.driver.record_loss(loss.detach() / steps if steps > 1 else loss.detach())
             return original(loss, *args, **kwargs)
 
         return backward
@@ -297,19 +295,17 @@ class DeepSpeedGuard:
     def _routed_step(self, original: Any) -> Any:
         """The engine's ``step``: on the accumulation boundary, measure, clip and decide first; a skipped
         step leaves the engine's counters (``global_steps``, ``global_samples``, ``skipped_steps``) as they were."""
-        guard = self
 
         def step(*args: Any, **kwargs: Any) -> Any:
-            if guard._closed or not guard.engine.is_gradient_accumulation_boundary():
+            if self._closed or not self.engine.is_gradient_accumulation_boundary():
                 return original(*args, **kwargs)
-            guard._evaluate()
-            counters = {name: getattr(guard.engine, name) for name in _COUNTERS}
-            decision = guard.core.decision
+            self._evaluate()
+            counters = engine_counters(self.engine)
+            decision = self.core.decision
             result = original(*args, **kwargs)
             if decision is not None and decision.skipped_now:
-                for name, value in counters.items():
-                    setattr(guard.engine, name, value)
-            guard._last_report = guard.core.finish()
+                put_engine_counters(self.engine, counters)
+            self._last_report = self.core.finish()
             return result
 
         return step
@@ -323,19 +319,17 @@ class DeepSpeedGuard:
 
     def _guarded_step(self, original: Any) -> Any:
         """DeepSpeed's optimizer ``step`` through the guard: applied, or skipped with DeepSpeed's own clean-up."""
-        guard = self
 
         def step(*args: Any, **kwargs: Any) -> Any:
-            optimizer = guard.engine.optimizer
-            if isinstance(optimizer, torch.optim.Optimizer) and "overflow" in vars(optimizer):
-                delattr(optimizer, "overflow")  # stage 0 in fp32: the mark of the last skip, on a torch optimizer
-            if guard.core.decision is None:  # engine.step() called directly: still measured and decided
-                guard._evaluate()
-            decision = guard.core.decision
+            optimizer = self.engine.optimizer
+            clear_overflow_mark(optimizer)  # stage 0 in fp32: the mark of the last skip, on a torch optimizer
+            if self.core.decision is None:  # engine.step() called directly: still measured and decided
+                self._evaluate()
+            decision = self.core.decision
             assert decision is not None
-            result = guard.core.run_optimizer_step(lambda: original(*args, **kwargs))
+            result = self.core.run_optimizer_step(lambda: original(*args, **kwargs))
             if decision.skipped_now:
-                _drop_step(guard.engine.optimizer, guard.partitions.stage)
+                drop_step(self.engine.optimizer, self.partitions.stage)
             return result
 
         return step
@@ -398,35 +392,3 @@ class DeepSpeedGuard:
         for undo in reversed(self._undo):
             undo()
         self.driver.end_run()
-
-
-def _drop_step(optimizer: Any, stage: int) -> None:
-    """A skipped step: drop its grads and mark it as not applied, as DeepSpeed does after its own overflow.
-
-    DeepSpeed's engine then zeroes the grads, does not step its LR scheduler, and counts the step
-    (counters the guard puts back). Nothing else of the optimizer's step runs: no fp32 partition,
-    moment or parameter is touched.
-    """
-    if stage in (1, 2):
-        from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
-
-        optimizer.micro_step_id = INITIAL_MICRO_STEP_ID
-        optimizer.zero_grad(set_to_none=True)
-        release = getattr(optimizer, "_release_preflattened_grad_buffers", None)
-        if callable(release):
-            release()
-        for k in list(optimizer.averaged_gradients.keys()):
-            optimizer.averaged_gradients[k] = None
-            if k in getattr(optimizer, "all_grad_tensors", {}):
-                optimizer.all_grad_tensors[k] = None
-    elif stage == 3:
-        optimizer._pre_step()
-        optimizer._partition_all_parameters()
-        optimizer._overflow_clean_up(optimizer.loss_scale)
-    elif hasattr(optimizer, "fp32_groups"):  # stage 0 with bf16: DeepSpeed's unfused mixed-precision wrapper
-        optimizer.zero_grad(set_to_none=True)
-        for group in optimizer.fp32_groups:
-            for param in group:
-                param.grad = None
-    # stage 0 in fp32: the engine's optimizer is the torch one; the engine zeroes the module's grads
-    optimizer.overflow = True  # the engine: not applied, no LR scheduler step

@@ -1,0 +1,65 @@
+"""DeepSpeed's internals the DeepSpeed driver must reach: a skipped step's clean-up and the engine's counters.
+
+DeepSpeed has no public way to drop a step: after its own fp16 overflow its ZeRO optimizers run
+private clean-up (``_overflow_clean_up`` at stage 3, resetting the micro-step and the flat grad
+buffers at stages 1 and 2). A step the guard skips takes the same path, written here against
+DeepSpeed 0.19; a release that renames them breaks this file (and ``tests/test_deepspeed.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: The engine's counters an applied step advances and a skipped step leaves as they were.
+ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+
+
+def engine_counters(engine: Any) -> dict[str, Any]:
+    """The engine's step counters now (``global_steps``, ``global_samples``, ``skipped_steps``)."""
+    return {name: getattr(engine, name) for name in ENGINE_COUNTERS}
+
+
+def put_engine_counters(engine: Any, counters: dict[str, Any]) -> None:
+    """Put back what ``engine_counters`` returned (a skipped step is not counted by DeepSpeed)."""
+    for name, value in counters.items():
+        setattr(engine, name, value)
+
+
+def clear_overflow_mark(optimizer: Any) -> None:
+    """Remove the ``overflow`` mark a skip left on a plain torch optimizer (stage 0 in fp32)."""
+    if isinstance(optimizer, torch.optim.Optimizer) and "overflow" in vars(optimizer):
+        delattr(optimizer, "overflow")
+
+
+def drop_step(optimizer: Any, stage: int) -> None:
+    """A skipped step: drop its grads and mark it as not applied, as DeepSpeed does after its own overflow.
+
+    DeepSpeed's engine then zeroes the grads, does not step its LR scheduler, and counts the step
+    (counters the guard puts back). Nothing else of the optimizer's step runs: no fp32 partition,
+    moment or parameter is touched.
+    """
+    if stage in (1, 2):
+        from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+
+        optimizer.micro_step_id = INITIAL_MICRO_STEP_ID
+        optimizer.zero_grad(set_to_none=True)
+        release = getattr(optimizer, "_release_preflattened_grad_buffers", None)
+        if callable(release):
+            release()
+        for k in list(optimizer.averaged_gradients.keys()):
+            optimizer.averaged_gradients[k] = None
+            if k in getattr(optimizer, "all_grad_tensors", {}):
+                optimizer.all_grad_tensors[k] = None
+    elif stage == 3:
+        optimizer._pre_step()
+        optimizer._partition_all_parameters()
+        optimizer._overflow_clean_up(optimizer.loss_scale)
+    elif hasattr(optimizer, "fp32_groups"):  # stage 0 with bf16: DeepSpeed's unfused mixed-precision wrapper
+        optimizer.zero_grad(set_to_none=True)
+        for group in optimizer.fp32_groups:
+            for param in group:
+                param.grad = None
+    # stage 0 in fp32: the engine's optimizer is the torch one; the engine zeroes the module's grads
+    optimizer.overflow = True  # the engine: not applied, no LR scheduler step
