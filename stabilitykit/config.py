@@ -269,6 +269,16 @@ class SpikeConfig(_Strict):
             "alerts: see the spike guide's operating points."
         ),
     )
+    loss_level_alert: float | None = Field(
+        2.0,
+        gt=1,
+        description=(
+            "A spike_alert when the loss's recent level (an EMA over about ten steps) reaches this many times "
+            "the best level the run has held; it scores from the fifth step on (inside warmup_steps too) and its "
+            "reference never follows a climb, so a blow-up that starts early or lasts is alerted once per "
+            "excursion (re-armed when the level falls back under the square root of this). None: off."
+        ),
+    )
     trend_warning: float = Field(
         0.7,
         gt=0,
