@@ -547,6 +547,22 @@ class RecoveryConfig(_Strict):
         ),
     )
 
+    @classmethod
+    def preset(cls, name: Literal["bad_data", "blow_up"], **overrides: Any) -> RecoveryConfig:
+        """A named recipe from the recovery guide (its benchmark rows say what each did), on, with ``overrides``.
+
+        ``"bad_data"``: roll back on a divergence or a ``spike_alert`` and skip the next 50 batches (a burst
+        of bad data goes on past the trigger). ``"blow_up"``: roll back on a divergence or a ``spike_alert``
+        and train on every batch after it (a finite blow-up: a learning-rate or optimizer accident).
+        """
+        recipes: dict[str, dict[str, Any]] = {
+            "bad_data": {"trigger": ["diverged", "spike_alert"], "skip_after": 50},
+            "blow_up": {"trigger": ["diverged", "spike_alert"], "skip_after": 0},
+        }
+        if name not in recipes:
+            raise ValueError(f"unknown recovery preset {name!r}; the presets are {sorted(recipes)}")
+        return cls(**{"enabled": True, **recipes[name], **overrides})
+
 
 class StabilityConfig(_Strict):
     """Everything stabilitykit does in one place; each feature has its own section."""
