@@ -229,7 +229,7 @@ class LevelReference:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
-        best = state["best"]
+        best = state.get("best")
         self.level, self.count = float(state["level"]), int(state["count"])
         self.best = math.inf if best is None else float(best)
 
