@@ -380,9 +380,7 @@ LEVEL_ALERT = AlertReason(LEVEL_RULE, "loss", above_best=True)
 DRIFT_ALERT = AlertReason(DRIFT_RULE, "loss", climbing=True)
 
 
-def alert_reason(
-    s: StepScores, cfg: SpikeConfig, loss_drift: float, level_excess: float = 0.0
-) -> AlertReason | None:
+def alert_reason(s: StepScores, cfg: SpikeConfig, loss_drift: float, level_excess: float = 0.0) -> AlertReason | None:
     """The alert rule: without a loss, the grad norm alone; with one, the loss alone, then both
     together, then the loss's level far above its best (``loss_level_alert``), then the loss's
     CUSUM (``loss_drift_alert``). None: no alert at this step."""
