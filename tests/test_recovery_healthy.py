@@ -94,3 +94,37 @@ def test_without_spike_detection_snapshots_are_taken_on_their_cadence() -> None:
     recovery = guard.core.recovery
     assert recovery is not None and [s.step for s in recovery.store.snapshots] == [1, 10, 20, 30]
     guard.close()
+
+
+def test_presets_are_named_recipes_that_are_on_and_take_overrides() -> None:
+    bad = sk.RecoveryConfig.preset("bad_data")
+    assert bad.enabled and bad.trigger == ["diverged", "spike_alert"] and bad.skip_after == 50
+    blow = sk.RecoveryConfig.preset("blow_up", keep=3)
+    assert blow.enabled and blow.trigger == ["diverged", "spike_alert"] and blow.skip_after == 0 and blow.keep == 3
+    try:
+        sk.RecoveryConfig.preset("bad-data")  # type: ignore[arg-type]
+    except ValueError as exc:
+        assert "'bad_data'" in str(exc) and "'blow_up'" in str(exc)
+    else:
+        raise AssertionError("an unknown preset was accepted")
+
+
+def test_bad_data_preset_rolls_back_a_burst_of_bad_labels_and_skips_past_it() -> None:
+    """Targets 30x off for steps 60-79: the bad_data preset rolls back once and skips the next 50 batches."""
+    model, batches = _problem()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    guard = sk.StabilityGuard(
+        model, opt, sk.StabilityConfig(log_every_n_steps=5, recovery=sk.RecoveryConfig.preset("bad_data"))
+    )
+    rollbacks: list[sk.Event] = []
+    guard.hooks.on("rollback", rollbacks.append)
+    for step, (x, y) in enumerate(batches):
+        target = y * 30.0 if 60 <= step < 80 else y
+        guard.backward(nn.functional.mse_loss(model(x), target))
+        guard.step()
+        guard.zero_grad()
+    guard.close()
+    assert len(rollbacks) == 1
+    details = rollbacks[0].details
+    assert details["trigger"] == "spike_alert" and 60 <= details["trigger_step"] < 65
+    assert details["restored_step"] <= 60 and details["skip_ahead_to"] == details["at_step"] + 50
