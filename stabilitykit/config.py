@@ -495,7 +495,8 @@ class RecoveryConfig(_Strict):
         min_length=1,
         description=(
             "What rolls back. 'diverged': a run of SkipConfig.max_consecutive skipped steps (instead of raising "
-            "TrainingDivergedError); 'spike_alert': a spike_alert for a jump of the loss or grad norm; "
+            "TrainingDivergedError); 'spike_alert': a spike_alert for a jump of the loss or grad norm, or for a "
+            "loss far above its best level (SpikeConfig.loss_level_alert); "
             "'loss_drift': a spike_alert of the loss-drift rule (SpikeConfig.loss_drift_alert)."
         ),
     )

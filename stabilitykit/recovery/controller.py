@@ -12,8 +12,10 @@ folded what the host read) and runs the optimizer step inside ``scaled_lr()``. I
    (the core rewinds its engine: ``StabilityEngine.rewind``);
    a ``rollback`` event names the skipped step range (``record.py``); more than ``max_rollbacks``
    within ``window`` steps raises ``RollbackLimitError`` (a ``TrainingDivergedError``);
-4. otherwise a snapshot is taken when the step count reaches a multiple of ``snapshot_every``,
-   unless this step is known to be skipped (pending when its decision is still on the device).
+4. otherwise a snapshot is taken when the step count reaches a multiple of ``snapshot_every`` (and after
+   the first step), unless this step is known to be skipped (pending when its decision is still on the
+   device) or the spike monitor is not settled (then at the next settled step); a snapshot whose step the
+   monitor scores later is vetted then, and dropped if that step was not settled (``_vet``).
 
 With several ranks a trigger is not acted on where it is found: it is queued, agreed in the next
 step's all-reduce and acted on at the next logging step, by every rank at once (``agreement.py``).
