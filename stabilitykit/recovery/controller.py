@@ -228,8 +228,10 @@ class Recovery:
         return False
 
     def _monitor(self) -> SpikeMonitor | None:
-        """The engine's spike monitor (None when spike detection is off)."""
-        return self.engine.ledger.spikes
+        """The spike monitor whose verdict keeps or drops snapshots: the engine's, in one process. None when
+        spike detection is off, and under torch.distributed: each rank's monitor scores its own loss, and
+        ranks that kept different snapshots would restore different steps."""
+        return self.engine.ledger.spikes if self.agreement is None else None
 
     def _vet(self) -> None:
         """Snapshots of steps the spike monitor has now scored: kept when it was settled after that step,
