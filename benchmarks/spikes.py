@@ -24,7 +24,8 @@ moves without paging on healthy training?).
 Detectors, each on the same values:
 
 * stabilitykit: ``SpikeMonitor``'s ``spike_alert`` (the rare alert), and its ``spike_warning``;
-* stabilitykit before: the previous ``RobustDetector`` warning at z >= 4 (what used to page);
+* stabilitykit before: the first detector's warning at z >= 4 (what used to page; an EMA baseline of
+  log(x) with a robust scale, kept here as ``EmaDetector`` since the library has one detector now);
 * OLMo-core: above mean + 6 std of the previous 128 values (grad norm and loss);
 * Lightning ``SpikeDetection`` (its defaults, on the loss; on the stream in part 1);
 * ZClip as a detector: a step counts when ZClip would clip it (grad norm);
@@ -63,13 +64,42 @@ from spike_suite import (
 )
 
 from stabilitykit.config import SpikeConfig
-from stabilitykit.spikes import PredictiveDetector, RobustDetector, SpikeMonitor, TrendDetector
+from stabilitykit.spikes import PredictiveDetector, SpikeMonitor, TrendDetector
 
 Row = dict[str, float]  # one step of a real trace: grad_norm, loss, layer norms, signals
 RowFlag = Callable[[Row], bool]
 
 
 # ----------------------------------------------------------------------------- our detectors
+class EmaDetector:
+    """The library's first detector (the "before" arm): one-step-ahead robust z-scores of log(x) against an
+    EMA baseline, residual scale an EMA of |residual| (x1.2533, floor 1e-3), residuals clamped to 3 scales."""
+
+    def __init__(self, alpha: float = 0.1, warmup_steps: int = 20) -> None:
+        self.alpha, self.warmup_steps = alpha, warmup_steps
+        self.mean = self.abs_dev = 0.0
+        self.count = 0
+
+    def update(self, x: float) -> float:
+        """The z-score of ``x`` (0 in warmup and for a non-finite or non-positive value), then fold it in."""
+        if not (x > 0 and math.isfinite(x)):
+            return 0.0
+        log_x = math.log(x)
+        if self.count == 0:
+            self.mean, self.count = log_x, 1
+            return 0.0
+        resid = log_x - self.mean
+        std = self.abs_dev * 1.2533 + 1e-3
+        z = 0.0
+        if self.count >= self.warmup_steps:
+            z = resid / std
+            resid = max(-3 * std, min(3 * std, resid))
+        self.mean += self.alpha * resid
+        self.abs_dev = (1 - self.alpha) * self.abs_dev + self.alpha * abs(resid)
+        self.count += 1
+        return z
+
+
 def ours_alert_stream() -> Flag:
     monitor = SpikeMonitor(SpikeConfig(), [])
     step = [0]
@@ -83,8 +113,8 @@ def ours_alert_stream() -> Flag:
 
 
 def old_stream() -> Flag:
-    detector = RobustDetector(alpha=0.1, warmup_steps=20, size=1)
-    return lambda x: detector.update([x])[0] >= 4.0
+    detector = EmaDetector(alpha=0.1, warmup_steps=20)
+    return lambda x: detector.update(x) >= 4.0
 
 
 def ours_real(kind: str, signal_every: int = 1, **config: Any) -> Callable[[list[str]], RowFlag]:
@@ -132,8 +162,14 @@ STREAM_DETECTORS: dict[str, Callable[[], Flag]] = {
 }
 
 REAL_DETECTORS: dict[str, Callable[[list[str]], RowFlag]] = {
+    "stabilitykit alert (default: loss drift 4, loss level 2)": ours_real("spike_alert"),
+    "stabilitykit alert, loss level off (before)": ours_real("spike_alert", loss_level_alert=None),
+    "stabilitykit alert, loss level 3": ours_real("spike_alert", loss_level_alert=3.0),
+    "stabilitykit alert, loss level 1.5": ours_real("spike_alert", loss_level_alert=1.5),
     "stabilitykit alert, loss drift off": ours_real("spike_alert", loss_drift_alert=None),
-    "stabilitykit alert + loss drift 4 (default)": ours_real("spike_alert", loss_drift_alert=4.0),
+    "stabilitykit alert, loss drift off, loss level off": ours_real(
+        "spike_alert", loss_drift_alert=None, loss_level_alert=None
+    ),
     "stabilitykit alert + loss drift 3": ours_real("spike_alert", loss_drift_alert=3.0),
     "stabilitykit alert + loss drift 2": ours_real("spike_alert", loss_drift_alert=2.0),
     "stabilitykit warning": ours_real("spike_warning"),
@@ -288,6 +324,76 @@ def print_part2(table: dict[str, Any], runs: list[Run]) -> None:
         )
 
 
+# ----------------------------------------------------------------------------- part 2b
+#: Injected blow-ups: the step they start, how many times the loss they hold, and over how many steps the loss
+#: gets there (1: a jump; 50: a climb).
+BLOWUP_STARTS = (8, 15, 30, 60, 150, 250)
+BLOWUP_FACTORS = (3.0, 15.0)
+BLOWUP_RAMPS = (1, 50)
+#: An injected blow-up counts as alerted when an alert comes within this many steps of its start (a climb:
+#: of the end of its ramp).
+BLOWUP_DEADLINE = 30
+
+
+def injected(rows: list[Row], start: int, factor: float, ramp: int) -> list[Row]:
+    """``rows`` with the loss held ``factor`` times higher from ``start`` on (reached over ``ramp`` steps)."""
+    out = []
+    for t, row in enumerate(rows):
+        if t >= start:
+            row = {**row, "loss": row["loss"] * factor ** min(1.0, (t - start + 1) / ramp)}
+        out.append(row)
+    return out
+
+
+def part2b(runs: list[Run], detectors: dict[str, Callable[[list[str]], RowFlag]]) -> dict[str, Any]:
+    """Sustained blow-ups injected into the runs with no event (a loss held high from a step on, from inside the
+    detector's warm-up to late): per detector, the share alerted in time, and the alerts in the first 50 steps
+    of the same runs left as they are (healthy: the benchmark's healthy steps start at 50)."""
+    quiet = [r for r in runs if not (t := ground_truth(r.col("loss"))).spikes and not t.divergences]
+    out: dict[str, Any] = {}
+    for name, make in detectors.items():
+        hits: dict[tuple[int, float, int], list[int]] = {}
+        early_alerts = early_steps = 0
+        for run in quiet:
+            rows = rows_of(run)
+            flag = make(run.layer_names())
+            early = [flag(row) for row in rows[:50]]
+            early_alerts += sum(early)
+            early_steps += 50
+            for start in BLOWUP_STARTS:
+                for factor in BLOWUP_FACTORS:
+                    for ramp in BLOWUP_RAMPS:
+                        flag = make(run.layer_names())
+                        alerts = [flag(row) for row in injected(rows, start, factor, ramp)]
+                        end = start + ramp - 1 + BLOWUP_DEADLINE
+                        cell = hits.setdefault((start, factor, ramp), [0, 0])
+                        cell[0] += any(alerts[start : end + 1])
+                        cell[1] += 1
+        out[name] = {
+            "cells": {key: h / n for key, (h, n) in hits.items()},
+            "recall": sum(h for h, _ in hits.values()) / max(1, sum(n for _, n in hits.values())),
+            "early_per_10k": early_alerts / max(1, early_steps) * 1e4,
+            "runs": len(quiet),
+        }
+    return out
+
+
+def print_part2b(table: dict[str, Any]) -> None:
+    runs = next(iter(table.values()))["runs"]
+    print(
+        f"\n## Injected sustained blow-ups: the loss held 3x or 15x higher from step s on (a jump, or a climb over "
+        f"50 steps), in each of the {runs} runs with no event; alerted within {BLOWUP_DEADLINE} steps of the start "
+        "(of the climb's end)\n"
+    )
+    keys = list(next(iter(table.values()))["cells"])
+    head = " | ".join(f"s={s} {f:g}x {'jump' if r == 1 else 'climb'}" for s, f, r in keys)
+    print(f"| detector | all | alerts / 10k in steps 0-49 of the runs as they are | {head} |")
+    print("|" + " --- |" * (3 + len(keys)))
+    for name, r in table.items():
+        cells = " | ".join(f"{r['cells'][k]:.2f}" for k in keys)
+        print(f"| {name} | {r['recall']:.2f} | {r['early_per_10k']:.1f} | {cells} |")
+
+
 # ----------------------------------------------------------------------------- part 3
 def signal_scores(run: Run) -> dict[str, np.ndarray]:
     """Per-step scores of each signal a rule could use, from the library's detectors (no lookahead)."""
@@ -384,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
                 print_part2(part2(subset, REAL_DETECTORS), subset)
         if tune and held:
             print_part3(part3(tune, held), tune, held)
+        alerts = {k: v for k, v in REAL_DETECTORS.items() if "alert" in k and "drift 2" not in k}
+        print_part2b(part2b(held or runs, alerts))
     else:
         print(f"(no traces at {args.traces}: run benchmarks/instability/train.py first)")
     if not args.skip_synthetic:

@@ -269,6 +269,16 @@ class SpikeConfig(_Strict):
             "alerts: see the spike guide's operating points."
         ),
     )
+    loss_level_alert: float | None = Field(
+        2.0,
+        gt=1,
+        description=(
+            "A spike_alert when the loss's recent level (an EMA over about ten steps) reaches this many times "
+            "the best level the run has held; it scores from the fifth step on (inside warmup_steps too) and its "
+            "reference never follows a climb, so a blow-up that starts early or lasts is alerted once per "
+            "excursion (re-armed when the level falls back under the square root of this). None: off."
+        ),
+    )
     trend_warning: float = Field(
         0.7,
         gt=0,
@@ -485,7 +495,8 @@ class RecoveryConfig(_Strict):
         min_length=1,
         description=(
             "What rolls back. 'diverged': a run of SkipConfig.max_consecutive skipped steps (instead of raising "
-            "TrainingDivergedError); 'spike_alert': a spike_alert for a jump of the loss or grad norm; "
+            "TrainingDivergedError); 'spike_alert': a spike_alert for a jump of the loss or grad norm, or for a "
+            "loss far above its best level (SpikeConfig.loss_level_alert); "
             "'loss_drift': a spike_alert of the loss-drift rule (SpikeConfig.loss_drift_alert)."
         ),
     )
@@ -536,6 +547,22 @@ class RecoveryConfig(_Strict):
             "default: a loop that draws its batches from them would then replay the batches it skipped."
         ),
     )
+
+    @classmethod
+    def preset(cls, name: Literal["bad_data", "blow_up"], **overrides: Any) -> RecoveryConfig:
+        """A named recipe from the recovery guide (its benchmark rows say what each did), on, with ``overrides``.
+
+        ``"bad_data"``: roll back on a divergence or a ``spike_alert`` and skip the next 50 batches (a burst
+        of bad data goes on past the trigger). ``"blow_up"``: roll back on a divergence or a ``spike_alert``
+        and train on every batch after it (a finite blow-up: a learning-rate or optimizer accident).
+        """
+        recipes: dict[str, dict[str, Any]] = {
+            "bad_data": {"trigger": ["diverged", "spike_alert"], "skip_after": 50},
+            "blow_up": {"trigger": ["diverged", "spike_alert"], "skip_after": 0},
+        }
+        if name not in recipes:
+            raise ValueError(f"unknown recovery preset {name!r}; the presets are {sorted(recipes)}")
+        return cls(**{"enabled": True, **recipes[name], **overrides})
 
 
 class StabilityConfig(_Strict):

@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DRIFT_RULE",
+    "LEVEL_RULE",
     "AlertReason",
+    "LevelReference",
     "PredictiveDetector",
-    "RobustDetector",
     "SpikeMonitor",
     "SpikeScore",
     "StepScores",
@@ -48,6 +49,12 @@ _DRIFT_REFERENCE = 1.0
 _DRIFT_CLAMP = 4.0
 #: The ``rule`` of a spike_alert raised by the loss-drift test (``SpikeConfig.loss_drift_alert``).
 DRIFT_RULE = "loss (climbing over several steps)"
+#: The ``rule`` of a spike_alert raised by the loss-level test (``SpikeConfig.loss_level_alert``).
+LEVEL_RULE = "loss (far above its best level)"
+#: Loss-level test: losses seen before it scores (the EMA needs a few values), and the rate at which
+#: the best level relaxes upward while the loss is near it (a run whose loss settles higher for good).
+_LEVEL_MIN_STEPS = 5
+_LEVEL_RELAX = 0.002
 
 
 def _check_series(state: Mapping[str, Any], keys: Sequence[str], size: int) -> None:
@@ -58,63 +65,6 @@ def _check_series(state: Mapping[str, Any], keys: Sequence[str], size: int) -> N
             raise ValueError(f"detector state needs {key!r} as a list of {size} values, got {type(values).__name__}")
         if len(values) != size:
             raise ValueError(f"detector state {key!r} has {len(values)} series, this detector scores {size}")
-
-
-class RobustDetector:
-    """One-step-ahead robust z-scores of log(x) for ``size`` positive series scored side by side."""
-
-    def __init__(self, alpha: float = 0.1, warmup_steps: int = 20, size: int = 1) -> None:
-        if not 0 < alpha < 1:
-            raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
-        self.alpha = alpha
-        self.warmup_steps = warmup_steps
-        self.mean = [0.0] * size
-        self.abs_dev = [0.0] * size
-        self.count = [0] * size
-
-    @property
-    def size(self) -> int:
-        """How many series this detector scores."""
-        return len(self.mean)
-
-    def update(self, values: Sequence[float]) -> list[float]:
-        """Score each value against its baseline, then fold it in; z is 0 in warmup and for bad values."""
-        scores: list[float] = []
-        alpha = self.alpha
-        for i, x in enumerate(values):
-            if not (x > 0 and math.isfinite(x)):
-                scores.append(0.0)
-                continue
-            log_x = math.log(x)
-            count = self.count[i]
-            if count == 0:
-                self.mean[i] = log_x
-                self.count[i] = 1
-                scores.append(0.0)
-                continue
-            resid = log_x - self.mean[i]
-            std = self.abs_dev[i] * _ABS_TO_STD + _MIN_STD
-            if count >= self.warmup_steps:
-                scores.append(resid / std)
-                bound = _CLAMP_SCALES * std
-                resid = max(-bound, min(bound, resid))
-            else:
-                scores.append(0.0)
-            self.mean[i] += alpha * resid
-            self.abs_dev[i] = (1 - alpha) * self.abs_dev[i] + alpha * abs(resid)
-            self.count[i] = count + 1
-        return scores
-
-    def state_dict(self) -> dict[str, Any]:
-        """Baselines, scales and counts (plain lists)."""
-        return {"mean": list(self.mean), "abs_dev": list(self.abs_dev), "count": list(self.count)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned; the sizes must match."""
-        _check_series(state, ("mean", "abs_dev", "count"), self.size)
-        self.mean = [float(v) for v in state["mean"]]
-        self.abs_dev = [float(v) for v in state["abs_dev"]]
-        self.count = [int(v) for v in state["count"]]
 
 
 class PredictiveDetector:
@@ -231,6 +181,57 @@ class PredictiveDetector:
         for key in ("level", "last", "abs_dev", "cov", "var"):
             setattr(self, key, [float(v) for v in state[key]])
         self.count = [int(v) for v in state["count"]]
+
+
+class LevelReference:
+    """The loss's recent level against the best level the run has held, in log units.
+
+    A z-score (``PredictiveDetector``) measures a value against its own recent past: a blow-up that
+    starts before the detector is warm is never scored, and one that lasts becomes the baseline it is
+    measured against. This reference does neither. ``level`` is an EMA of log(loss) (rate ``alpha``,
+    about ten steps: one bad batch barely moves it); ``best`` is the lowest level held so far, so it
+    never follows a climb. While the level sits within ``freeze_above`` of the best, the best relaxes
+    upward at rate ``relax`` (a run whose loss settles higher for good, e.g. a new data mixture, is
+    not alarmed for ever); above it, the best is frozen. ``update`` returns ``level - best`` (0 for
+    the first ``min_steps`` values and for a non-finite or non-positive value, never ingested).
+    """
+
+    def __init__(
+        self, alpha: float = 0.1, relax: float = _LEVEL_RELAX, freeze_above: float = 0.35, min_steps: int = 5
+    ) -> None:
+        if not 0 < alpha < 1 or not 0 <= relax < 1:
+            raise ValueError(f"alpha must be in (0, 1) and relax in [0, 1), got {alpha!r}, {relax!r}")
+        self.alpha, self.relax, self.freeze_above, self.min_steps = alpha, relax, freeze_above, min_steps
+        self.level = 0.0
+        self.best = math.inf
+        self.count = 0
+
+    def update(self, x: float) -> float:
+        """Fold in one loss; how far (log units) the recent level sits above the best level held."""
+        if not (x > 0 and math.isfinite(x)):
+            return self.excess()
+        y = math.log(x)
+        self.level = y if self.count == 0 else self.level + self.alpha * (y - self.level)
+        self.count += 1
+        if self.level < self.best:
+            self.best = self.level
+        elif self.level - self.best < self.freeze_above:
+            self.best += self.relax * (self.level - self.best)
+        return self.excess()
+
+    def excess(self) -> float:
+        """``level - best`` in log units (0 before ``min_steps`` values)."""
+        return self.level - self.best if self.count >= self.min_steps else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The level, the best level and the count."""
+        return {"level": self.level, "best": self.best if math.isfinite(self.best) else None, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        best = state.get("best")
+        self.level, self.count = float(state["level"]), int(state["count"])
+        self.best = math.inf if best is None else float(best)
 
 
 class TrendDetector:
@@ -369,31 +370,41 @@ class AlertReason:
     subject: str
     climbing: bool = False
     on_grad_norm: bool = False
+    above_best: bool = False  # the loss-level test: the loss's level far above its best
 
 
 GRAD_NORM_ALERT = AlertReason("grad norm", "grad norm", on_grad_norm=True)
 LOSS_ALERT = AlertReason("loss", "loss")
 JOINT_ALERT = AlertReason("grad norm and loss", "grad norm and loss")
+LEVEL_ALERT = AlertReason(LEVEL_RULE, "loss", above_best=True)
 DRIFT_ALERT = AlertReason(DRIFT_RULE, "loss", climbing=True)
 
 
-def alert_reason(s: StepScores, cfg: SpikeConfig, loss_drift: float) -> AlertReason | None:
-    """The four-way alert rule: without a loss, the grad norm alone; with one, the loss alone, then
-    both together, then (opt-in) the loss's CUSUM. None: no alert at this step."""
+def alert_reason(s: StepScores, cfg: SpikeConfig, loss_drift: float, level_excess: float = 0.0) -> AlertReason | None:
+    """The alert rule: without a loss, the grad norm alone; with one, the loss alone, then both
+    together, then the loss's level far above its best (``loss_level_alert``), then the loss's
+    CUSUM (``loss_drift_alert``). None: no alert at this step."""
     if s.loss is None:
         return GRAD_NORM_ALERT if s.z_grad >= cfg.z_alert else None
     if s.z_loss >= cfg.z_loss_alert:
         return LOSS_ALERT
     if min(s.z_grad, s.z_loss) >= cfg.z_joint:
         return JOINT_ALERT
+    if cfg.loss_level_alert is not None and level_excess >= math.log(cfg.loss_level_alert):
+        return LEVEL_ALERT
     if cfg.loss_drift_alert is not None and loss_drift >= cfg.loss_drift_alert:
         return DRIFT_ALERT
     return None
 
 
-def alert_event(s: StepScores, reason: AlertReason, loss_drift: float) -> Event:
+def alert_event(s: StepScores, reason: AlertReason, loss_drift: float, level_excess: float = 0.0) -> Event:
     """The ``spike_alert`` event of ``reason`` at this step."""
-    verb = f"climbed (cumulative excess {loss_drift:.1f})" if reason.climbing else "jumped"
+    if reason.above_best:
+        verb = f"stays {math.exp(level_excess):.1f}x above its best level"
+    elif reason.climbing:
+        verb = f"climbed (cumulative excess {loss_drift:.1f})"
+    else:
+        verb = "jumped"
     loss_text = "n/a" if s.loss is None else f"{s.loss:.4g}"
     message = (
         f"{reason.subject} {verb} at step {s.step}: z-scores {s.z_grad:.1f} (grad norm {s.grad_norm:.3g}) "
@@ -402,6 +413,8 @@ def alert_event(s: StepScores, reason: AlertReason, loss_drift: float) -> Event:
     z = s.z_grad if reason.on_grad_norm else s.z_loss
     details: dict[str, Any] = {"z": z, "z_grad": s.z_grad, "z_loss": s.z_loss, "grad_norm": s.grad_norm}
     details.update(loss=s.loss, loss_drift=loss_drift, rule=reason.rule, layer=s.leading)
+    if reason.above_best:
+        details["level_ratio"] = math.exp(level_excess)
     return Event("spike_alert", s.step, message, details)
 
 
@@ -451,6 +464,15 @@ class SpikeMonitor:
         self.last_alert_drift = False  # the last alert was the loss-drift rule's (a jump may still page)
         self.alerts = 0
         self.loss_drift = 0.0  # CUSUM of the loss z-score (loss_drift_alert)
+        level_factor = config.loss_level_alert
+        self._level_alert_at = math.log(level_factor) if level_factor is not None else math.inf
+        self.level = LevelReference(freeze_above=self._level_alert_at / 2 if level_factor is not None else 0.35)
+        self.level_excess = 0.0  # log(recent loss level / best level held) (loss_level_alert)
+        self.level_alerted = False  # this excursion above the best level has paged (re-armed below half way)
+        self.last_step: int | None = None  # the last step scored
+        #: Steps scored while not ``settled()``, as (first, last) ranges, newest last (the last 64 kept):
+        #: recovery drops a snapshot of such a step (``unsettled_since``). Not saved with the state.
+        self.unsettled: deque[tuple[int, int]] = deque(maxlen=64)
 
     def update(
         self,
@@ -468,6 +490,7 @@ class SpikeMonitor:
         non-finite one is simply not scored.
         """
         cfg = self.config
+        self.last_step = step
         z_grad, z_loss = self.detector.update([grad_norm, math.nan if loss is None else loss])
         self.last_z = (z_grad, z_loss)
         self.max_z_grad_recent = max(self.max_z_grad_recent, z_grad)
@@ -480,14 +503,50 @@ class SpikeMonitor:
         events = [e for e in (warning_rule(scores, cfg), loss_spike_rule(scores, cfg)) if e is not None]
         if loss is not None:
             self.loss_drift = max(0.0, self.loss_drift + min(z_loss, _DRIFT_CLAMP) - _DRIFT_REFERENCE)
-        reason = alert_reason(scores, cfg, self.loss_drift)
+            self.level_excess = self.level.update(loss)
+        if self.level_excess < self._level_alert_at / 2:
+            self.level_alerted = False  # back near the best level: the next excursion pages again
+        elif self.level_excess >= self._level_alert_at and not self.level_alerted and self._jump_paged(step):
+            self.level_alerted = True  # the jump that began this excursion has paged already
+        excess = 0.0 if self.level_alerted else self.level_excess
+        reason = alert_reason(scores, cfg, self.loss_drift, excess)
         if reason is not None:
             if self._may_alert(step, reason):
-                events.append(alert_event(scores, reason, self.loss_drift))
+                events.append(alert_event(scores, reason, self.loss_drift, self.level_excess))
                 self.last_alert_step, self.last_alert_drift = step, reason.climbing
                 self.alerts += 1
+                if self.level_excess >= self._level_alert_at:
+                    self.level_alerted = True  # this excursion has paged, whichever rule raised it
             self.loss_drift = 0.0  # this excursion is alerted (or inside the cooldown of its alert)
+        if not self.settled():
+            if self.unsettled and self.unsettled[-1][1] == step - 1:
+                self.unsettled[-1] = (self.unsettled[-1][0], step)
+            else:
+                self.unsettled.append((step, step))
         return events
+
+    def was_settled(self, step: int) -> bool:
+        """Whether the detectors were settled after scoring ``step`` (True for a step not scored yet or
+        older than the ranges kept)."""
+        return not any(first <= step <= last for first, last in self.unsettled)
+
+    def settled(self) -> bool:
+        """The detectors see nothing going on: no ``spike_alert`` within ``alert_cooldown`` steps, the loss's
+        level within half the loss-level threshold of its best (log scale), and no loss-drift excursion half
+        way to its alert. Recovery keeps snapshots only from settled steps (a state inside a climb is not a
+        restore point)."""
+        cfg = self.config
+        last = self.last_alert_step
+        if last is not None and self.last_step is not None and self.last_step - last < cfg.alert_cooldown:
+            return False
+        if self.level_excess >= self._level_alert_at / 2:
+            return False
+        return cfg.loss_drift_alert is None or self.loss_drift < cfg.loss_drift_alert / 2
+
+    def _jump_paged(self, step: int) -> bool:
+        """A jump (not a loss-drift alert) paged within ``alert_cooldown`` steps before ``step``."""
+        last = self.last_alert_step
+        return last is not None and step - last < self.config.alert_cooldown and not self.last_alert_drift
 
     def _may_alert(self, step: int, reason: AlertReason) -> bool:
         """Outside the cooldown of the last alert, or a jump inside the cooldown of a drift alert: a climb
@@ -539,6 +598,8 @@ class SpikeMonitor:
             out["spikes/max_trend"] = self.max_trend_recent
         if self.config.loss_drift_alert is not None:
             out["spikes/loss_drift"] = self.loss_drift
+        if self.config.loss_level_alert is not None:
+            out["spikes/loss_level"] = math.exp(self.level_excess)  # recent loss level / best level held
         self.max_z_grad_recent = self.max_z_loss_recent = self.max_trend_recent = 0.0
         return out
 
@@ -557,6 +618,9 @@ class SpikeMonitor:
             "last_alert_drift": self.last_alert_drift,
             "alerts": self.alerts,
             "loss_drift": self.loss_drift,
+            "level": self.level.state_dict(),
+            "level_alerted": self.level_alerted,
+            "last_step": self.last_step,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -574,6 +638,11 @@ class SpikeMonitor:
             self.last_alert_drift = bool(state.get("last_alert_drift", False))
             self.alerts = int(state.get("alerts", 0))
             self.loss_drift = float(state.get("loss_drift", 0.0))
+            if state.get("level") is not None:
+                self.level.load_state_dict(state["level"])
+                self.level_excess = self.level.excess()
+            self.level_alerted = bool(state.get("level_alerted", False))
+            self.last_step = state.get("last_step")
         self.spike_score.load_state_dict(state["spike_score"])
         z = state.get("last_z", (0.0, 0.0))
         self.last_z = (float(z[0]), float(z[1]))

@@ -91,6 +91,12 @@ class _Trend(_State):
     last_step: int | None = None
 
 
+class _Level(_State):
+    level: float
+    best: float | None = None
+    count: int = Field(ge=0)
+
+
 class _SpikeScore(_State):
     values: list[float]
 
@@ -110,6 +116,9 @@ class _Spikes(_State):
     last_alert_drift: bool = False
     alerts: int = Field(0, ge=0)
     loss_drift: float = 0.0
+    level: _Level | None = None
+    level_alerted: bool = False
+    last_step: int | None = None
 
     @model_validator(mode="after")
     def _detectors(self) -> _Spikes:

@@ -171,12 +171,14 @@ def test_rollback_limit_raises_training_diverged() -> None:
 
 
 def test_rollback_without_a_snapshot_raises_as_before() -> None:
+    """A run that diverges from its first step has no healthy state (the first snapshot comes after the first
+    step taken): the divergence raises as without recovery."""
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     guard = sk.StabilityGuard(model, opt, _config(snapshot_every=50))
     with pytest.raises(sk.TrainingDivergedError) as info:
-        for i, x in enumerate(_mlp_batches(20)):
-            loss = model(x).pow(2).mean() * (float("nan") if i >= 5 else 1.0)
+        for x in _mlp_batches(20):
+            loss = model(x).pow(2).mean() * float("nan")
             guard.backward(loss)
             guard.step()
             guard.zero_grad()
@@ -361,14 +363,14 @@ def test_snapshot_step_adds_no_host_sync() -> None:
         guard.step()  # step 3 ends with 4 steps done: a snapshot, pending until step 5's read
     assert counter.count == 0, counter.sites
     recovery = guard.core.recovery
-    assert recovery is not None and [s.step for s in recovery.store.snapshots] == [4]
-    assert not recovery.store.snapshots[0].confirmed
+    assert recovery is not None and [s.step for s in recovery.store.snapshots] == [1, 4]  # the first step's, then 4
+    assert not recovery.store.snapshots[1].confirmed
     guard.zero_grad()
     for x in data[4:6]:
         guard.backward(model(x).pow(2).mean())
         guard.step()
         guard.zero_grad()
-    assert recovery.store.snapshots[0].confirmed  # step 5 read the journal: step 3 was taken
+    assert recovery.store.snapshots[-1].step == 4 and recovery.store.snapshots[-1].confirmed  # step 3 was taken
     guard.close()
 
 

@@ -6,14 +6,15 @@ import math
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from stabilitykit.config import SkipConfig, SpikeConfig
-from stabilitykit.events import EVENT_KINDS
+from stabilitykit.events import EVENT_KINDS, Event
 from stabilitykit.spike_skip import SpikeSkipRule
-from stabilitykit.spikes import DRIFT_RULE, PredictiveDetector, SpikeMonitor, TrendDetector
+from stabilitykit.spikes import DRIFT_RULE, LEVEL_RULE, PredictiveDetector, SpikeMonitor, TrendDetector
 from stabilitykit.testing.syncs import count_host_syncs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -158,7 +159,7 @@ def test_loss_drift_alert_catches_a_loss_that_climbs_over_several_steps_and_is_o
     runs = {}
     assert SpikeConfig().loss_drift_alert == 4.0  # chosen on the monitors benchmark's tuning runs
     for drift in (None, 4.0):
-        monitor = SpikeMonitor(SpikeConfig(loss_drift_alert=drift), [])
+        monitor = SpikeMonitor(SpikeConfig(loss_drift_alert=drift, loss_level_alert=None), [])  # the drift rule alone
         alerts, top = [], 0.0
         for t in range(400):
             alerts += [e for e in monitor.update(t, grads[t], losses[t], None) if e.kind == "spike_alert"]
@@ -264,3 +265,55 @@ def test_skip_config_spike_fields_validate() -> None:
     assert cfg.spike and cfg.spike_z == 5.0 and cfg.spike_warmup_steps == 50
     with pytest.raises(ValueError, match="spike_rate"):
         SkipConfig(spike_rate=1.5)
+
+
+def _early_run(blow_up_at: int, factor: float, steps: int = 200, **config: Any) -> list[Event]:
+    """Alerts on a loss that falls from 5.5 to 2 over 60 steps (noise 4%), held ``factor`` times higher from
+    ``blow_up_at`` on (reached over 10 steps), grad norms stationary."""
+    rng = random.Random(5)
+    monitor = SpikeMonitor(SpikeConfig(**config), [])
+    alerts = []
+    for t in range(steps):
+        loss = (2.0 + 3.5 * math.exp(-t / 15)) * math.exp(0.04 * rng.gauss(0, 1))
+        if t >= blow_up_at:
+            loss *= factor ** min(1.0, (t - blow_up_at + 1) / 10)
+        grad = math.exp(0.05 * rng.gauss(0, 1))
+        alerts += [e for e in monitor.update(t, grad, loss, None) if e.kind == "spike_alert"]
+    return alerts
+
+
+def test_loss_level_alert_catches_a_blow_up_inside_the_warm_up_and_one_that_lasts() -> None:
+    """A loss that climbs 8x from step 12 (inside the 20-step warm-up: no z-score yet, and by its end the
+    climb is the baseline) pages once with the loss-level rule; without it nothing ever pages."""
+    assert SpikeConfig().loss_level_alert == 2.0
+    alerts = _early_run(12, 8.0)
+    assert [e.details["rule"] for e in alerts] == [LEVEL_RULE]  # once per excursion, not every cooldown
+    assert 12 <= alerts[0].step <= 22 and alerts[0].details["level_ratio"] >= 2.0
+    assert "above its best level" in alerts[0].message
+    assert _early_run(12, 8.0, loss_level_alert=None) == []
+
+
+def test_loss_level_alert_is_quiet_on_a_healthy_run_and_rearms_after_the_loss_comes_back() -> None:
+    assert _early_run(10**9, 1.0, steps=2000) == []  # a falling, then flat, noisy loss: no page in 2000 steps
+    rng = random.Random(2)
+    monitor = SpikeMonitor(SpikeConfig(loss_drift_alert=None), [])
+    rules = []
+    for t in range(400):
+        loss = 2.0 * math.exp(0.04 * rng.gauss(0, 1))
+        for start in (100, 250):  # two separate excursions to 3x, each reached over 10 steps, 50 steps long
+            if start <= t < start + 50:
+                loss *= 3.0 ** min(1.0, (t - start + 1) / 10)
+        rules += [(t, e.details["rule"]) for e in monitor.update(t, 1.0, loss, None) if e.kind == "spike_alert"]
+    assert len(rules) == 2 and 100 <= rules[0][0] < 150 and 250 <= rules[1][0] < 300, rules
+
+
+def test_loss_level_state_round_trips() -> None:
+    cfg = SpikeConfig()
+    a, b = SpikeMonitor(cfg, []), SpikeMonitor(cfg, [])
+    for t in range(50):
+        a.update(t, 1.0, 3.0 - t * 0.01, None)
+    b.load_state_dict(a.state_dict())
+    assert b.level.state_dict() == a.level.state_dict() and b.last_step == 49
+    after_a = [a.update(50 + t, 1.0, 9.0, None) for t in range(10)]
+    assert after_a == [b.update(50 + t, 1.0, 9.0, None) for t in range(10)]
+    assert SpikeMonitor(cfg, []).state_dict()["level"]["best"] is None  # nothing seen: no best, JSON-safe

@@ -228,7 +228,7 @@ def test_a_state_round_trips_through_torch_save(tmp_path: Any) -> None:
 
 def test_a_detector_refuses_a_list_one_short_by_name() -> None:
     """Loaded directly (outside a guard), a detector checks every list, not only the first."""
-    from stabilitykit.spikes import PredictiveDetector, RobustDetector
+    from stabilitykit.spikes import PredictiveDetector
 
     detector = PredictiveDetector(size=2)
     detector.update([1.0, 2.0])
@@ -236,10 +236,10 @@ def test_a_detector_refuses_a_list_one_short_by_name() -> None:
     state["last"] = state["last"][:1]
     with pytest.raises(ValueError, match="'last' has 1 series, this detector scores 2"):
         PredictiveDetector(size=2).load_state_dict(state)
-    robust = RobustDetector(size=3).state_dict()
-    robust["count"] = None
+    three = PredictiveDetector(size=3).state_dict()
+    three["count"] = None
     with pytest.raises(ValueError, match="needs 'count' as a list of 3 values"):
-        RobustDetector(size=3).load_state_dict(robust)
+        PredictiveDetector(size=3).load_state_dict(three)
 
 
 @pytest.mark.parametrize(

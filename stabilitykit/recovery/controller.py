@@ -12,8 +12,10 @@ folded what the host read) and runs the optimizer step inside ``scaled_lr()``. I
    (the core rewinds its engine: ``StabilityEngine.rewind``);
    a ``rollback`` event names the skipped step range (``record.py``); more than ``max_rollbacks``
    within ``window`` steps raises ``RollbackLimitError`` (a ``TrainingDivergedError``);
-4. otherwise a snapshot is taken when the step count reaches a multiple of ``snapshot_every``,
-   unless this step is known to be skipped (pending when its decision is still on the device).
+4. otherwise a snapshot is taken when the step count reaches a multiple of ``snapshot_every`` (and after
+   the first step), unless this step is known to be skipped (pending when its decision is still on the
+   device) or the spike monitor is not settled (then at the next settled step); a snapshot whose step the
+   monitor scores later is vetted then, and dropped if that step was not settled (``_vet``).
 
 With several ranks a trigger is not acted on where it is found: it is queued, agreed in the next
 step's all-reduce and acted on at the next logging step, by every rank at once (``agreement.py``).
@@ -49,7 +51,7 @@ from stabilitykit.recovery.host_copy import HostCopier
 from stabilitykit.recovery.record import RollbackLog, RollbackRecord
 from stabilitykit.recovery.snapshot import Snapshot, TrainingObjects, restore_snapshot, take_snapshot
 from stabilitykit.recovery.store import SnapshotStore
-from stabilitykit.spikes import DRIFT_RULE
+from stabilitykit.spikes import DRIFT_RULE, SpikeMonitor
 
 __all__ = ["Recovery", "refuse_several_optimizers"]
 
@@ -94,7 +96,10 @@ class Recovery:
         self.log = RollbackLog(Path(record_dir) if record_dir is not None else None)
         self.cooldown_until = 0  # steps before this one run with lr_scale
         self.skip_until = 0  # steps before this one skip their batch (``skip_after``)
-        self._snapshot_after_load = False  # a resume: snapshot at the end of the next healthy step
+        #: Snapshot at the end of the next healthy, settled step: the first step of a run (a blow-up before the
+        #: first ``snapshot_every`` multiple has a state to go back to), a resume, a snapshot put off while the
+        #: detectors were not settled.
+        self._snapshot_next = True
         #: The healthy snapshot kept when recovery gave up (``RollbackLimitError``), for ``restore_last_good``.
         self.last_good: Snapshot | None = None
         self._scheduler_checked = False  # the unpassed-scheduler check runs once, at the first snapshot
@@ -183,6 +188,7 @@ class Recovery:
         agreed rollback requests."""
         rows = list(rows)
         self.store.confirm((row.step, not row.skipped) for row in rows)
+        self._vet()
         if self.agreement is not None:
             self.agreement.read(rows)
 
@@ -206,15 +212,43 @@ class Recovery:
             if agreed is not None:
                 return self._roll_back(*self._agreed_trigger(*agreed))
         step = self.engine.step  # steps done: a snapshot now holds the state before this step
-        due = step % self.config.snapshot_every == 0 or self._snapshot_after_load
+        due = step % self.config.snapshot_every == 0 or self._snapshot_next
         if due and not decision.skipped_now:
+            monitor = self._monitor()
+            if monitor is not None and not monitor.settled():
+                self._snapshot_next = True  # inside a climb or an alert: not a restore point; the next settled step
+                return False
             if not self._scheduler_checked:
                 self._scheduler_checked = True
                 self._warn_unpassed_scheduler()
             snapshot = take_snapshot(self.objects, self.store.copier, step, confirmed=not decision.pending)
+            snapshot.vetted = monitor is None or (monitor.last_step is not None and monitor.last_step >= step - 1)
             self.store.add(snapshot)
-            self._snapshot_after_load = False
+            self._snapshot_next = False
         return False
+
+    def _monitor(self) -> SpikeMonitor | None:
+        """The spike monitor whose verdict keeps or drops snapshots: the engine's, in one process. None when
+        spike detection is off, and under torch.distributed: each rank's monitor scores its own loss, and
+        ranks that kept different snapshots would restore different steps."""
+        return self.engine.ledger.spikes if self.agreement is None else None
+
+    def _vet(self) -> None:
+        """Snapshots of steps the spike monitor has now scored: kept when it was settled after that step,
+        dropped when not (a state inside a climb or an alert is not a restore point)."""
+        monitor = self._monitor()
+        if monitor is None or monitor.last_step is None:
+            return
+        changed = False
+        for snapshot in list(self.store.snapshots):
+            if snapshot.vetted or snapshot.step - 1 > monitor.last_step:
+                continue
+            if monitor.was_settled(snapshot.step - 1):
+                snapshot.vetted = changed = True
+            else:
+                self.store.discard(snapshot)
+        if changed:
+            self.store.trim()
 
     def _warn_unpassed_scheduler(self) -> None:
         """A torch LR scheduler was built on this optimizer (it leaves ``initial_lr`` in every param group)
@@ -417,7 +451,7 @@ class Recovery:
         point of the run and are dropped; the first step after the resume takes a snapshot, so the
         resumed run can roll back before its first ``snapshot_every`` multiple."""
         self.store.clear()
-        self._snapshot_after_load = True
+        self._snapshot_next = True
         self.log.load_state_dict(list(state.get("rollbacks", [])))
         self.cooldown_until = int(state.get("cooldown_until", 0))
         self.skip_until = int(state.get("skip_until", 0))

@@ -78,6 +78,8 @@ class Snapshot:
     ``confirmed``: step ``step - 1`` is known to have been taken (not skipped); only confirmed
     snapshots are restored. ``tree``: the host copy while in memory; ``path``: its file on disk;
     ``checksum``: the file's SHA-256, taken as it was written and checked when it is read.
+    ``vetted``: the spike detectors have scored step ``step - 1`` and found it settled (a snapshot
+    not yet vetted does not push an older one out of the ring).
     """
 
     step: int
@@ -86,6 +88,7 @@ class Snapshot:
     nbytes: int = 0
     path: Path | None = None
     checksum: str | None = None
+    vetted: bool = True
 
 
 _OWN_KEYS = ("state", "param_groups")

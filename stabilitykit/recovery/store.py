@@ -88,8 +88,12 @@ class SnapshotStore:
                 self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stabilitykit-snapshot")
             self._writes[id(snapshot)] = self._writer.submit(_write, snapshot.tree, path)
             snapshot.path = path
-        confirmed = self.confirmed
-        for old in confirmed[: max(0, len(confirmed) - self.keep)]:
+        self.trim()
+
+    def trim(self) -> None:
+        """Drop the oldest confirmed, vetted snapshots beyond ``keep`` (one not yet vetted pushes none out)."""
+        kept = [s for s in self.confirmed if s.vetted]
+        for old in kept[: max(0, len(kept) - self.keep)]:
             self._drop(old)
 
     def newest_at_or_before(self, step: int) -> Snapshot | None:
