@@ -13,8 +13,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BatchLeaf", "walk_batch"]
-
 
 @dataclass(frozen=True)
 class BatchLeaf:

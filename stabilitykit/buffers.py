@@ -13,8 +13,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BufferGuard", "running_stat_buffers"]
-
 
 def running_stat_buffers(model: nn.Module | None, mode: str = "auto") -> list[Tensor]:
     """The buffers a skip restores: "auto" (modules with ``track_running_stats``), "all" or "none"."""

@@ -12,8 +12,6 @@ from typing import Any
 
 from stabilitykit import __version__
 
-__all__ = ["main"]
-
 
 class _UsageError(Exception):
     """A command-line argument the command cannot use: one line on stderr and exit status 2."""

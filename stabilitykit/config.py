@@ -16,21 +16,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = [
-    "ClipConfig",
-    "DataGuardConfig",
-    "Fp16Config",
-    "GradNormConfig",
-    "MonitorConfig",
-    "NaNTraceConfig",
-    "PrecisionConfig",
-    "QKClipConfig",
-    "RecoveryConfig",
-    "SkipConfig",
-    "SpikeConfig",
-    "StabilityConfig",
-]
-
 
 class _Strict(BaseModel):
     """Base for all config models: unknown fields are an error, and a config is immutable.

@@ -48,7 +48,6 @@ from stabilitykit.rules import SkipRule
 from stabilitykit.run_log import RunSummary
 from stabilitykit.state import STATE_VERSION, validate_state
 
-__all__ = ["STATE_VERSION", "DriverCore", "check_supported", "coerce_config", "optimizer_params", "unwrap_optimizer"]
 #: Steps traced after a non-finite step in mode "on_nonfinite".
 TRACE_AFTER_NONFINITE = 10
 

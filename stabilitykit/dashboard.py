@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["MONITORS_SECTION", "SECTIONS", "wandb_dashboard"]
-
 #: Section names, in order.
 SECTIONS = ("overview", "per-layer grad norms", "precision", "logits and attention", "update ratio")
 #: The section added with ``monitors=True``.

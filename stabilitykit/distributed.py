@@ -37,22 +37,6 @@ from torch import Tensor
 
 from stabilitykit.compat.private import fsdp1_flat_handle, fsdp1_original_params, is_fsdp1_flattened
 
-__all__ = [
-    "RECORD_COLLECTIVES_ENV",
-    "LayoutReducer",
-    "all_gather",
-    "all_reduce",
-    "clear_recorded_collectives",
-    "is_distributed",
-    "mark_collective_step",
-    "recorded_collectives",
-    "reduce_groups_for",
-    "reducer_for",
-    "to_local",
-    "world_size",
-]
-
-
 # --------------------------------------------------------------------------- the one place collectives run
 
 #: Set to 1 to record every collective stabilitykit runs, per rank (``recorded_collectives()``).

@@ -5,15 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = [
-    "EVENT_KINDS",
-    "BadBatchError",
-    "Event",
-    "RollbackLimitError",
-    "SnapshotUnavailableError",
-    "TrainingDivergedError",
-]
-
 #: Every event kind the engine emits; ``HookManager.on`` accepts these and ``"*"``.
 EVENT_KINDS = (
     "spike_warning",

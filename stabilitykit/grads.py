@@ -20,17 +20,6 @@ from torch import Tensor, nn
 
 from stabilitykit.distributed import LayoutReducer, is_distributed, is_dtensor, local_for_norm, reducer_for, to_local
 
-__all__ = [
-    "GradNormPlan",
-    "NormResult",
-    "apply_clip_coefficient",
-    "clip_coefficient",
-    "clip_grad_norm_",
-    "device_groups",
-    "grad_norms",
-    "norm_dtype",
-]
-
 #: Added to the total norm before dividing, exactly as ``torch.nn.utils.clip_grad_norm_`` does.
 CLIP_EPS = 1e-6
 

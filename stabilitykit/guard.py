@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.core import DriverCore, optimizer_params, unwrap_optimizer
+from stabilitykit.core import DriverCore, unwrap_optimizer
 from stabilitykit.drivers.base import Driver
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.hooks import HookManager
@@ -30,8 +30,6 @@ from stabilitykit.report import StepReport
 from stabilitykit.rules import SkipRule
 from stabilitykit.run_log import RunSummary
 from stabilitykit.sinks.base import Sink
-
-__all__ = ["StabilityGuard", "optimizer_params"]
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -11,8 +11,6 @@ from stabilitykit.events import EVENT_KINDS, Event
 from stabilitykit.run_log import EventLog
 from stabilitykit.sinks.base import Sink
 
-__all__ = ["HookManager"]
-
 EventHook = Callable[[Event], Any]
 
 

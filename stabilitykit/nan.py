@@ -26,8 +26,6 @@ from stabilitykit.compat.private import dynamo_disable, is_compiled_module
 from stabilitykit.engine.layers import clean_name, unwrap_model
 from stabilitykit.events import BadBatchError
 
-__all__ = ["NaNTracer", "NonFiniteRecord", "batch_is_bad", "check_batch", "replay_nonfinite"]
-
 # Backward hooks on modules fed only integer inputs (embeddings) are expected here; torch warns about them.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect")
 

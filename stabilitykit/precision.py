@@ -15,8 +15,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["PrecisionChoice", "configure_tf32", "select_precision", "set_determinism"]
-
 log = logging.getLogger("stabilitykit")
 _LOGGED: set[str] = set()
 

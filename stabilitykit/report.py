@@ -15,8 +15,6 @@ from torch import Tensor
 
 from stabilitykit.engine.decision import PENDING, Known, Outcome
 
-__all__ = ["StepReport"]
-
 
 @dataclass
 class StepReport:

@@ -24,8 +24,6 @@ from typing import Any
 
 from stabilitykit.config import SpikeConfig
 
-__all__ = ["ReportError", "RunLog", "check_output", "draw_report", "load_run_log", "report_figure"]
-
 _MARKERS = {
     "skipped": ("x", "tab:red", "skipped"),
     "spike_warning": ("^", "tab:orange", "spike warning"),

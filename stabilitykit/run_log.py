@@ -26,8 +26,6 @@ from typing import Any
 from stabilitykit.compat.private import live_tqdm_bars
 from stabilitykit.events import Event
 
-__all__ = ["LOGGER", "EventLog", "RunSummary", "TqdmSafeHandler"]
-
 
 class TqdmSafeHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """A stderr handler that writes through ``tqdm.write`` while a tqdm bar is active.

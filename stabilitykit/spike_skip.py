@@ -20,8 +20,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["SpikeSkipRule"]
-
 #: |residual| EMA * 1.2533 estimates the standard deviation of a normal residual.
 _ABS_TO_STD = 1.2533
 #: Floor of the scale in log space, so a perfectly flat series cannot skip on a 1% move.

@@ -22,21 +22,6 @@ from stabilitykit.events import Event
 if TYPE_CHECKING:
     from stabilitykit.config import SpikeConfig
 
-__all__ = [
-    "DRIFT_RULE",
-    "LEVEL_RULE",
-    "AlertReason",
-    "LevelReference",
-    "PredictiveDetector",
-    "SpikeMonitor",
-    "SpikeScore",
-    "StepScores",
-    "TrendDetector",
-    "alert_event",
-    "alert_reason",
-    "loss_spike_rule",
-    "warning_rule",
-]
 
 #: |residual| EMA * 1.2533 estimates the standard deviation of a normal residual.
 _ABS_TO_STD = 1.2533

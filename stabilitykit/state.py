@@ -24,8 +24,6 @@ from stabilitykit.engine.journal import Row, RowInfo
 from stabilitykit.engine.ledger import Counters
 from stabilitykit.recovery.record import RollbackRecord
 
-__all__ = ["STATE_VERSION", "check_version", "validate_state"]
-
 #: Version of the state a driver saves, and the only one this release reads.
 STATE_VERSION = 4
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["replace_attribute", "route_attribute"]
-
 
 def replace_attribute(owner: Any, name: str, value: Any) -> Callable[[], None]:
     """Set ``owner.<name> = value`` on the instance; returns the undo (idempotent)."""

@@ -13,8 +13,6 @@ from typing import Any
 
 import torch.nn.functional as F
 
-__all__ = ["FunctionalWrappers"]
-
 
 class FunctionalWrappers:
     """Reference-counted wrappers for named ``torch.nn.functional`` functions.

@@ -13,8 +13,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ScalerAdapter", "scaler_enabled"]
-
 
 def scaler_enabled(scaler: Any) -> bool:
     """True for a GradScaler that actually scales (``enabled=True``)."""

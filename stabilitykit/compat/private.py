@@ -13,20 +13,6 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-__all__ = [
-    "WRAPPER_NAME_PARTS",
-    "compiled_inner_module",
-    "dynamo_disable",
-    "fsdp1_flat_handle",
-    "fsdp1_inner_module",
-    "fsdp1_original_params",
-    "is_compiled_module",
-    "is_fsdp1_flattened",
-    "live_tqdm_bars",
-    "supports_amp_scaling",
-    "wrapped_optimizer",
-]
-
 F = TypeVar("F", bound=Callable[..., Any])
 
 #: Name segments wrappers add to a parameter's qualified name (FSDP1, activation checkpointing,

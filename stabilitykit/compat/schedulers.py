@@ -13,8 +13,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["hold_scheduler", "release_scheduler"]
-
 _PREDICATES: weakref.WeakKeyDictionary[Any, Callable[[], bool]] = weakref.WeakKeyDictionary()
 _HELD_CLASSES: dict[type, type] = {}
 

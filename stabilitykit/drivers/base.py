@@ -29,8 +29,6 @@ from stabilitykit.run_log import RunSummary
 from stabilitykit.sinks.base import Sink
 from stabilitykit.state import STATE_VERSION, check_version, validate_state
 
-__all__ = ["Driver", "active_drivers", "record"]
-
 _ACTIVE: list[weakref.ReferenceType[Driver]] = []
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from stabilitykit.engine.step import StabilityEngine
 
-__all__ = ["TrainerAlignedEngine"]
-
 
 class TrainerAlignedEngine(StabilityEngine):
     """The engine, logging at the framework's logging steps (``log_first_step``: also the first step)."""

@@ -18,8 +18,6 @@ from torch import Tensor
 from stabilitykit.config import ClipConfig
 from stabilitykit.grads import NormResult, clip_coefficient
 
-__all__ = ["AdaptiveClip", "ClipStrategy", "FixedClip", "PerTensorClip", "TensorClip", "make_clip_strategy"]
-
 
 class ClipStrategy(Protocol):
     """Decides the clipping threshold of each step."""

@@ -20,8 +20,6 @@ from torch import Tensor
 
 from stabilitykit.rules.registry import SKIP
 
-__all__ = ["PENDING", "TAKEN", "Known", "Outcome", "Pending", "StepDecision"]
-
 
 @dataclass(frozen=True)
 class Known:

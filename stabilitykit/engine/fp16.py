@@ -8,8 +8,6 @@ from typing import Any
 from stabilitykit.config import Fp16Config
 from stabilitykit.events import Event
 
-__all__ = ["Fp16Monitor"]
-
 
 class Fp16Monitor:
     """Tracks overflow-skipped steps over a window and turns a bad rate or scale into one event."""

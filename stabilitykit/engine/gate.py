@@ -16,8 +16,6 @@ from torch import Tensor
 from stabilitykit.engine.decision import StepDecision
 from stabilitykit.nn.qk_clip import QKClip
 
-__all__ = ["StepGate"]
-
 
 class StepGate:
     """One optimizer step's skip around the step (see ``StabilityEngine.open_step``)."""

@@ -18,8 +18,6 @@ from stabilitykit.engine.record import RecordLayout, StepRecord, check_reduce
 from stabilitykit.grads import NormResult
 from stabilitykit.rules import RuleSet, SkipRule, StepValues
 
-__all__ = ["StepInputs"]
-
 
 class StepInputs:
     """The step in flight's losses and recorded metrics; builds its record (see the module docstring)."""

@@ -24,8 +24,6 @@ from torch import Tensor
 
 from stabilitykit.rules.registry import SKIP
 
-__all__ = ["COLUMNS", "MAX_JOURNAL_ROWS", "Journal", "Row", "RowInfo"]
-
 #: The built-in scalar columns of a row, in order; recorded metrics, then the per-layer norms follow.
 COLUMNS = ("total", "loss", "code", "coef", "threshold", "request")
 TOTAL, LOSS, CODE, COEF, THRESHOLD, REQUEST = range(len(COLUMNS))

@@ -18,16 +18,6 @@ from torch import Tensor, nn
 
 from stabilitykit.compat.private import WRAPPER_NAME_PARTS, compiled_inner_module, fsdp1_inner_module
 
-__all__ = [
-    "LayerMap",
-    "build_layer_map",
-    "clean_name",
-    "find_blocks",
-    "layer_names_for",
-    "unwrap_model",
-    "user_name",
-]
-
 #: Path parts that wrappers insert between a model and its own modules.
 
 

@@ -24,8 +24,6 @@ from stabilitykit.events import Event, TrainingDivergedError
 from stabilitykit.rules import RuleSet, SkipContext, Verdict
 from stabilitykit.spikes import SpikeMonitor
 
-__all__ = ["Counters", "Divergence", "Ledger"]
-
 #: A count (never negative): the saved state's schema reads the constraint from the field (``state.schema_of``).
 Count = Annotated[int, Ge(0)]
 

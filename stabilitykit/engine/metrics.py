@@ -13,8 +13,6 @@ from typing import Any
 
 from stabilitykit.config import StabilityConfig
 
-__all__ = ["MetricNames"]
-
 
 class MetricNames:
     """Names and builds one optimizer's logging-step metrics."""

@@ -18,8 +18,6 @@ from stabilitykit.engine.clipping import ClipStrategy
 from stabilitykit.engine.record import StepRecord
 from stabilitykit.grads import CLIP_EPS, GradNormPlan, apply_clip_coefficient
 
-__all__ = ["Remeasured", "remeasure_overflow"]
-
 
 @dataclass
 class Remeasured:

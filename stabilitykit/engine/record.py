@@ -25,8 +25,6 @@ from torch import Tensor
 
 from stabilitykit.distributed import all_gather, all_reduce, is_distributed
 
-__all__ = ["REDUCTIONS", "RecordLayout", "Reduce", "StepRecord"]
-
 Reduce = Literal["max", "min", "sum", "mean", "any", "all"]
 #: The cross-rank reductions a value can have.
 REDUCTIONS: tuple[str, ...] = ("max", "min", "sum", "mean", "any", "all")

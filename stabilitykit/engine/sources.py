@@ -19,8 +19,6 @@ from stabilitykit.config import StabilityConfig
 from stabilitykit.monitors import ModelMonitor
 from stabilitykit.nn.qk_clip import QKClip
 
-__all__ = ["MetricSources"]
-
 
 class MetricSources:
     """The engine's metric sources, QK-clip and the model monitor (each None when off)."""

@@ -70,8 +70,6 @@ from stabilitykit.report import StepReport
 from stabilitykit.rules import RuleSet, SkipRule, builtin_rules
 from stabilitykit.rules.spike import Spike
 
-__all__ = ["StabilityEngine", "StepDecision", "StepGate", "is_fused"]
-
 
 def is_fused(optimizer: Any | None) -> bool:
     """True for optimizers that skip on the device through ``found_inf`` (fused Adam/AdamW/SGD).

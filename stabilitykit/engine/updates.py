@@ -29,8 +29,6 @@ from torch import Tensor
 from stabilitykit.distributed import all_reduce, is_dtensor, to_local
 from stabilitykit.grads import GradNormPlan, device_groups
 
-__all__ = ["UpdateMonitor"]
-
 
 class UpdateMonitor:
     """Snapshot before one optimizer step, per-layer update and weight norms after it, read later."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-__all__ = ["missing"]
-
 
 def missing(module: str, extra: str, package: str) -> ImportError:
     """An ImportError that says which extra (and which package) ``module`` needs."""

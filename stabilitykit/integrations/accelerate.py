@@ -38,7 +38,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise missing("stabilitykit.integrations.accelerate", "accelerate", "accelerate") from exc
 
-__all__ = ["AccelerateGuard", "AcceleratorTrackers", "route_accelerated_step"]
+__all__ = ["AccelerateGuard"]
 
 
 def route_accelerated_step(core: DriverCore, optimizer: Any) -> Callable[[], None]:

@@ -65,7 +65,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "bash scripts/setup.sh does this"
     ) from exc
 
-__all__ = ["CLIENT_STATE_KEY", "DeepSpeedGuard", "GradPartitions"]
+__all__ = ["DeepSpeedGuard"]
 
 #: The key of the guard's state in a DeepSpeed checkpoint's ``client_state``.
 CLIENT_STATE_KEY = "stabilitykit"

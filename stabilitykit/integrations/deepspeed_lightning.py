@@ -36,8 +36,6 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise missing("stabilitykit.integrations.deepspeed_lightning", "lightning", "lightning") from exc
 
-__all__ = ["DeepSpeedStabilityCallback"]
-
 
 class DeepSpeedStabilityCallback(pl.Callback):
     """Guards the DeepSpeed engine of a Lightning ``DeepSpeedStrategy`` fit."""

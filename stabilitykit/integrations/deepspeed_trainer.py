@@ -34,8 +34,6 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise missing("stabilitykit.integrations.deepspeed_trainer", "transformers", "transformers") from exc
 
-__all__ = ["DeepSpeedTrainerCallback"]
-
 
 class _LogHistory:
     """A sink: metrics and event markers into ``trainer.state.log_history``, at their optimizer step."""

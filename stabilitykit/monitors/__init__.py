@@ -8,7 +8,6 @@ builds one from ``StabilityConfig.monitors`` and reads it like any other metric 
 
 from __future__ import annotations
 
-from stabilitykit.monitors.monitor import SIGNALS, ModelMonitor
-from stabilitykit.monitors.select import MonitorTargets, select_targets
+from stabilitykit.monitors.monitor import ModelMonitor
 
-__all__ = ["SIGNALS", "ModelMonitor", "MonitorTargets", "select_targets"]
+__all__ = ["ModelMonitor"]

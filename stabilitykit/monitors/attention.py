@@ -40,8 +40,6 @@ from torch import Tensor, nn
 
 from stabilitykit.compat.functional import FunctionalWrappers
 
-__all__ = ["AttentionCapture", "attention_modules", "sdpa_max_logit"]
-
 #: Receives (module name, 0-d device tensor) for each measured attention call.
 Record = Callable[[str, Tensor], None]
 

@@ -30,8 +30,6 @@ from stabilitykit.monitors.attention import AttentionCapture, attention_modules
 from stabilitykit.monitors.select import MonitorTargets, select_targets
 from stabilitykit.monitors.stats import activation_stats, first_tensor, logit_stats
 
-__all__ = ["SIGNALS", "ModelMonitor"]
-
 LOGGER = logging.getLogger("stabilitykit")
 
 #: Every signal a monitor records, and whether values measured on several sampled steps between

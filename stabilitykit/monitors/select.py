@@ -14,8 +14,6 @@ from torch import nn
 
 from stabilitykit.engine.layers import clean_name, find_blocks, unwrap_model
 
-__all__ = ["MonitorTargets", "select_targets"]
-
 
 @dataclass
 class MonitorTargets:

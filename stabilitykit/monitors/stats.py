@@ -11,8 +11,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["activation_stats", "feature_dim", "first_tensor", "logit_stats", "spread_rows"]
-
 
 def first_tensor(value: Any) -> Tensor | None:
     """The tensor a module returned, or the first tensor of a tuple / list / ModelOutput."""

@@ -36,8 +36,6 @@ from stabilitykit.distributed import all_reduce, is_distributed, is_dtensor, to_
 if TYPE_CHECKING:
     from stabilitykit.config import QKClipConfig
 
-__all__ = ["QKClip", "QKClipTarget", "QKLayout", "is_qk_clip_target"]
-
 
 @dataclass(frozen=True)
 class QKLayout:

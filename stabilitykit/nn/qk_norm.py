@@ -17,8 +17,6 @@ from torch import Tensor, nn
 from stabilitykit.nn.qk_clip import QKLayout
 from stabilitykit.nn.softcap import softcap, validate_cap
 
-__all__ = ["QKNorm", "QKNormAttention"]
-
 
 def _norm(kind: str, width: int, eps: float) -> nn.Module:
     if kind == "rms":

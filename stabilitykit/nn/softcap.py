@@ -12,8 +12,6 @@ import math
 
 from torch import Tensor, nn
 
-__all__ = ["SoftCap", "softcap", "validate_cap"]
-
 
 def validate_cap(cap: float) -> float:
     """``cap`` as a float, or a ValueError: a soft-cap must be a finite number > 0."""

@@ -14,8 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["ZLoss", "ZLossOutput", "cross_entropy_with_z_loss", "log_z", "z_loss"]
-
 
 def log_z(logits: Tensor) -> Tensor:
     """``logsumexp(logits, -1)`` computed in fp32 (bf16/fp16 logits lose too much here)."""

@@ -9,8 +9,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Capture", "sample"]
-
 
 def _floats(value: Any) -> Iterator[Tensor]:
     if isinstance(value, Tensor):

@@ -18,8 +18,6 @@ from torch import Tensor, nn
 
 from stabilitykit.precision_eval.capture import Capture
 
-__all__ = ["EPS", "PrecisionReport", "Variant", "compare", "evaluate"]
-
 #: Floor of the reference scale in rms_rel, so exact zeros do not divide by zero.
 EPS = 1e-12
 #: Loss scale of the "fp16" variant; captured input gradients are divided by it again.

@@ -7,20 +7,13 @@ step ranges, ``skipped_batches.json``) and ``controller`` (triggers, the rollbac
 rate after it). ``stabilitykit.core.DriverCore`` drives it; configure it with ``RecoveryConfig``.
 """
 
-from stabilitykit.recovery.controller import Recovery, refuse_several_optimizers
-from stabilitykit.recovery.record import SKIPPED_FILE, RollbackLog, RollbackRecord
-from stabilitykit.recovery.snapshot import Snapshot, TrainingObjects, restore_snapshot, take_snapshot
-from stabilitykit.recovery.store import SnapshotStore
-
-__all__ = [
-    "SKIPPED_FILE",
-    "Recovery",
-    "RollbackLog",
-    "RollbackRecord",
-    "Snapshot",
-    "SnapshotStore",
-    "TrainingObjects",
-    "refuse_several_optimizers",
-    "restore_snapshot",
-    "take_snapshot",
-]
+from stabilitykit.recovery.controller import Recovery as Recovery
+from stabilitykit.recovery.controller import refuse_several_optimizers as refuse_several_optimizers
+from stabilitykit.recovery.record import SKIPPED_FILE as SKIPPED_FILE
+from stabilitykit.recovery.record import RollbackLog as RollbackLog
+from stabilitykit.recovery.record import RollbackRecord as RollbackRecord
+from stabilitykit.recovery.snapshot import Snapshot as Snapshot
+from stabilitykit.recovery.snapshot import TrainingObjects as TrainingObjects
+from stabilitykit.recovery.snapshot import restore_snapshot as restore_snapshot
+from stabilitykit.recovery.snapshot import take_snapshot as take_snapshot
+from stabilitykit.recovery.store import SnapshotStore as SnapshotStore

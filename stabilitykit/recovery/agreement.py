@@ -28,8 +28,6 @@ from dataclasses import dataclass
 
 from stabilitykit.engine.journal import Row
 
-__all__ = ["KINDS", "Agreement", "decode_request", "encode_request"]
-
 #: The triggers a request can carry, by code (1, 2, 3).
 KINDS = ("diverged", "spike_alert", "loss_drift")
 

@@ -53,8 +53,6 @@ from stabilitykit.recovery.snapshot import Snapshot, TrainingObjects, restore_sn
 from stabilitykit.recovery.store import SnapshotStore
 from stabilitykit.spikes import DRIFT_RULE, SpikeMonitor
 
-__all__ = ["Recovery", "refuse_several_optimizers"]
-
 
 def refuse_several_optimizers(config: RecoveryConfig, count: int) -> None:
     """Recovery restores one optimizer with the model: refuse it, by name, with several optimizers."""

@@ -23,16 +23,6 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "SnapshotFileError",
-    "clean_orphans",
-    "last_good_path",
-    "owner_tag",
-    "read_verified",
-    "snapshot_path",
-    "write_checksummed",
-]
-
 _CHUNK = 1 << 20
 _OWNED = re.compile(r"^snapshot-\d+\.(?P<host>.+)-(?P<pid>\d+)\.pt(?:\.tmp)?$")
 

@@ -30,8 +30,6 @@ from torch import Tensor
 
 from stabilitykit.distributed import is_dtensor, to_local
 
-__all__ = ["HostCopier", "HostTree", "Saved", "map_saved", "saved_tensors"]
-
 
 @dataclass(frozen=True)
 class DTensorLayout:

@@ -18,8 +18,6 @@ from typing import Annotated, Any
 
 from annotated_types import Ge
 
-__all__ = ["SKIPPED_FILE", "RollbackLog", "RollbackRecord"]
-
 #: The file name of the skipped ranges in ``RecoveryConfig.record_dir``.
 SKIPPED_FILE = "skipped_batches.json"
 #: An optimizer step (never negative): the saved state's schema reads the constraint from the field.

@@ -10,8 +10,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["capture_rng", "restore_rng"]
-
 
 def _numpy() -> Any | None:
     try:

@@ -37,8 +37,6 @@ from stabilitykit.distributed import to_local
 from stabilitykit.recovery.host_copy import HostCopier, HostTree, Saved, map_saved
 from stabilitykit.recovery.rng import capture_rng, restore_rng
 
-__all__ = ["Snapshot", "TrainingObjects", "restore_snapshot", "take_snapshot"]
-
 
 @dataclass
 class TrainingObjects:

@@ -36,8 +36,6 @@ from stabilitykit.recovery.files import (
 from stabilitykit.recovery.host_copy import HostCopier, HostTree
 from stabilitykit.recovery.snapshot import Snapshot
 
-__all__ = ["SnapshotStore"]
-
 
 class SnapshotStore:
     """Pending and confirmed snapshots, oldest first."""

@@ -7,12 +7,13 @@ A custom rule is one class (``SkipRule``) given to any driver with ``rules=[...]
 from __future__ import annotations
 
 from stabilitykit.rules.base import SkipContext, SkipRule, StepValues
-from stabilitykit.rules.registry import RuleSet, Verdict
+from stabilitykit.rules.registry import RuleSet
+from stabilitykit.rules.registry import Verdict as Verdict
 
-__all__ = ["RuleSet", "SkipContext", "SkipRule", "StepValues", "Verdict", "builtin_rules"]
+__all__ = ["RuleSet", "SkipContext", "SkipRule", "StepValues"]
 
 
-def builtin_rules(config, device, scaler_active: bool = False) -> list[SkipRule]:  # type: ignore[no-untyped-def]
+def builtin_rules(config, device) -> list[SkipRule]:  # type: ignore[no-untyped-def]
     """The built-in rules a configuration turns on, in precedence order (``config``: a ``StabilityConfig``)."""
     from stabilitykit.rules.after_rollback import AfterRollback
     from stabilitykit.rules.bad_batch import BadBatch
@@ -21,7 +22,6 @@ def builtin_rules(config, device, scaler_active: bool = False) -> list[SkipRule]
     from stabilitykit.rules.nonfinite_loss import NonFiniteLoss
     from stabilitykit.rules.spike import Spike
 
-    del scaler_active
     rules: list[SkipRule] = [AfterRollback(), BadBatch()]
     scfg = config.skip
     if scfg.nonfinite:

@@ -7,8 +7,6 @@ from torch import Tensor
 
 from stabilitykit.rules.base import SkipContext, SkipRule, StepValues
 
-__all__ = ["AfterRollback"]
-
 
 class AfterRollback(SkipRule):
     """A batch after a rollback that is measured and logged but never trained on."""

@@ -6,8 +6,6 @@ from torch import Tensor
 
 from stabilitykit.rules.base import SkipContext, SkipRule, StepValues
 
-__all__ = ["BadBatch"]
-
 
 class BadBatch(SkipRule):
     """Some micro-batch of the step held non-finite inputs or labels out of range (on any rank)."""

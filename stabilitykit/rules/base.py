@@ -14,8 +14,6 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["SkipContext", "SkipRule", "StepValues"]
-
 
 class StepValues(Mapping[str, Tensor]):
     """This rank's named device values of one step, read-only, as a rule sees them.

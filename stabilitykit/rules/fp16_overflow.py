@@ -6,8 +6,6 @@ from torch import Tensor
 
 from stabilitykit.rules.base import SkipContext, SkipRule, StepValues
 
-__all__ = ["Fp16Overflow"]
-
 
 class Fp16Overflow(SkipRule):
     """A non-finite grad while a GradScaler scales the loss: an overflow, expected now and then, so it

@@ -8,8 +8,6 @@ from torch import Tensor
 
 from stabilitykit.rules.base import SkipContext, SkipRule, StepValues
 
-__all__ = ["NonFiniteGrad"]
-
 
 class NonFiniteGrad(SkipRule):
     """A non-finite grad norm without a GradScaler."""

@@ -6,8 +6,6 @@ from torch import Tensor
 
 from stabilitykit.rules.base import SkipContext, SkipRule, StepValues
 
-__all__ = ["NonFiniteLoss"]
-
 
 class NonFiniteLoss(SkipRule):
     """The recorded loss is not finite. Under a GradScaler this is a data problem, not an fp16

@@ -17,8 +17,6 @@ from torch import Tensor
 
 from stabilitykit.rules.base import SkipRule
 
-__all__ = ["MAX_RULES", "SKIP", "RuleSet", "Verdict"]
-
 #: Bit 0 of a decision code: the step was skipped.
 SKIP = 1
 #: The code travels in a float32 column (exact integers up to 2**24): 1 + 2 bits per rule.

@@ -11,8 +11,6 @@ from torch import Tensor
 from stabilitykit.rules.base import SkipContext, SkipRule, StepValues
 from stabilitykit.spike_skip import SpikeSkipRule
 
-__all__ = ["Spike"]
-
 
 class Spike(SkipRule):
     """A log-space z-score above ``SkipConfig.spike_z`` on this rank (``spike_skip.SpikeSkipRule``,

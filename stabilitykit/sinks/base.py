@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Sink"]
-
 
 @runtime_checkable
 class Sink(Protocol):

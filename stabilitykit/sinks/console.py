@@ -8,8 +8,6 @@ from typing import IO
 
 from stabilitykit.events import Event
 
-__all__ = ["ConsoleSink"]
-
 _DEFAULT_KEYS = ("loss", "grad_norm/total", "clip/coef", "skipped/total")
 
 

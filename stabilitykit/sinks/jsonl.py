@@ -26,8 +26,6 @@ from typing import IO, Any, Literal
 
 from stabilitykit.events import Event
 
-__all__ = ["JsonlError", "JsonlMode", "JsonlSink", "iter_jsonl", "iter_jsonl_numbered", "read_jsonl"]
-
 #: What a JsonlSink does with a file that already holds records: see the module docstring.
 JsonlMode = Literal["new", "append", "overwrite"]
 _MODES = ("new", "append", "overwrite")

@@ -19,8 +19,6 @@ from typing import Any
 
 from stabilitykit.events import Event
 
-__all__ = ["ALERT_KINDS", "WandbSink", "send_alert"]
-
 #: Event kinds that raise a W&B alert by default.
 ALERT_KINDS = ("spike_alert", "nonfinite", "diverged", "fp16_warning", "rollback")
 _LEVELS = {"diverged": "ERROR", "nonfinite": "WARN", "spike_alert": "WARN", "fp16_warning": "WARN", "rollback": "WARN"}

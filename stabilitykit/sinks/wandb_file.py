@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WandbRunFile", "read_wandb_records"]
-
 _BLOCK = 32768
 _HEADER = 7
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4

@@ -10,8 +10,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from stabilitykit.testing.tiny_gpt import char_batches, tiny_gpt
 
-__all__ = ["GPTModule", "gpt_dataloader"]
-
 
 class GPTModule(pl.LightningModule):
     """TinyGPT trained with AdamW; ``poison`` maps global steps to a loss factor (``nan``, ``1000``)."""

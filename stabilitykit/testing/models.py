@@ -14,8 +14,6 @@ from torch import nn
 from stabilitykit.testing.tiny_gpt import char_batches
 from stabilitykit.testing.tiny_gpt import tiny_gpt as _tiny_gpt
 
-__all__ = ["tiny_gpt", "tiny_gpt_qk_norm"]
-
 
 def _gpt_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     x, y = batch

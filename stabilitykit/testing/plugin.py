@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-__all__ = ["DEFAULT_DEVICE_KEYS", "device_key", "select_block0"]
+__all__ = ["device_key"]
 
 #: Substring of ``torch.cuda.get_device_name()`` -> reference key; the first match wins.
 DEFAULT_DEVICE_KEYS: dict[str, str] = {

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["PACKAGE_DIR", "SyncCounter", "count_host_syncs"]
+__all__ = ["SyncCounter", "count_host_syncs"]
 
 _PATCHED = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy")
 

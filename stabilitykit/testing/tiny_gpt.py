@@ -15,8 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["GPTConfig", "TinyGPT", "char_batches", "tiny_gpt"]
-
 
 @dataclass
 class GPTConfig:
