@@ -24,6 +24,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   say "installing deepspeed (stabilitykit[deepspeed]; built against the installed torch, no ops compiled)"
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation "$DEEPSPEED_SPEC" 2>&1 | grep -v "^WARNING: Location" || true
   .venv/bin/python -c "import torch, stabilitykit, lightning, wandb"
+  if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('deepspeed') is None)"; then
+    say "WARNING: deepspeed did not install (see pip's output above): the DeepSpeed tests will be skipped"
+  fi
   echo "$want" > "$stamp"
   say "ready in $((SECONDS - began)) s; later runs skip this step"
 fi
