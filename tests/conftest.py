@@ -16,6 +16,27 @@ os.environ.setdefault("WANDB_SILENT", "true")
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_process_state() -> Iterator[None]:
+    """Every test leaves the environment and torch.distributed as it found them.
+
+    Lightning's strategies and DeepSpeed set ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK`` and
+    ``NODE_RANK`` in this process when a fit starts (and keep them when it raises); a later test's
+    subprocesses would inherit them (Accelerate then wraps a one-process model in DDP, a DDP script
+    binds a port in use), and a default process group left behind refuses the next one.
+    """
+    import torch.distributed as dist
+
+    env = dict(os.environ)
+    had_group = dist.is_available() and dist.is_initialized()
+    yield
+    if not had_group and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    if dict(os.environ) != env:
+        os.environ.clear()
+        os.environ.update(env)
+
+
 @pytest.fixture
 def gpt() -> torch.nn.Module:
     return tiny_gpt(seed=0)

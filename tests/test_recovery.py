@@ -248,7 +248,7 @@ def test_a_snapshot_that_cannot_be_written_warns_and_training_goes_on(tmp_path: 
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     guard = sk.StabilityGuard(model, opt, _config(storage=str(blocker / "snaps"), record_dir=str(tmp_path / "records")))
-    with pytest.warns(RuntimeWarning, match="could not write the recovery snapshot of step [48]"):
+    with pytest.warns(RuntimeWarning, match=r"could not write the recovery snapshot of step \d+"):
         for x in _mlp_batches(9):
             guard.backward(model(x).pow(2).mean())
             guard.step()
