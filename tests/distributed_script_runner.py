@@ -37,15 +37,33 @@ def run_world(script: Path, world: int, out: Path, *args: str, timeout: float = 
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
+    _wait(proc, timeout, f"{script.name} on {world} processes")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def run_torchrun(script: Path, world: int, out: Path, timeout: float = 240, **env: str) -> list[dict[str, Any]]:
+    """Run ``script`` under ``torchrun`` on ``world`` local processes (gloo, ``SK_OUT=out``, ``env`` added)
+    and return each rank's JSON results (``out/rank<r>.json``, rank order)."""
+    full_env = {**os.environ, "SK_OUT": str(out), "PYTHONPATH": str(script.parent.parent)}
+    full_env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", TMPDIR=str(out), **env)  # torchrun's temp dirs go here
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr", "127.0.0.1"]
+    cmd += ["--master_port", str(free_port()), str(script)]
+    proc = subprocess.Popen(
+        cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    _wait(proc, timeout, f"{script.name} under torchrun on {world} processes")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _wait(proc: subprocess.Popen[str], timeout: float, what: str) -> None:
+    """Wait for ``proc``; on a timeout kill it with every process it spawned. Fails naming ``what``."""
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it spawned
         _, err = proc.communicate()
-        message = f"{script.name} on {world} processes did not finish in {timeout}s:\n{err[-3000:]}"
-        raise AssertionError(message) from None
-    assert proc.returncode == 0, f"{script.name} on {world} processes failed:\n{err[-4000:]}"
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+        raise AssertionError(f"{what} did not finish in {timeout}s:\n{err[-3000:]}") from None
+    assert proc.returncode == 0, f"{what} failed:\n{err[-4000:]}"
 
 
 def _bootstrap(rank: int, worker: Callable[[int, int], dict[str, Any]], world: int, out: str, port: str) -> None:

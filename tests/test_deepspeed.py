@@ -6,18 +6,13 @@ each test reads its case from both ranks' results.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.distributed_script_runner import free_port, run_world
+from tests.distributed_script_runner import run_torchrun, run_world
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
@@ -140,20 +135,7 @@ def test_hf_trainer_with_deepspeed_is_stabilized(tmp_path: Path) -> None:
     the replicas end finite and identical, the guard's rows are in ``log_history``, and two clippers
     (``max_grad_norm`` with ``ClipConfig``) are refused by name."""
     script = Path(__file__).parent / "hf_deepspeed_script.py"
-    env = {**os.environ, "SK_OUT": str(tmp_path), "PYTHONPATH": str(Path(__file__).parent.parent)}
-    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", TMPDIR=str(tmp_path), DS_ACCELERATOR="cpu")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
-    cmd += ["--master_port", str(free_port()), str(script)]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        _, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError("the HF Trainer DeepSpeed run did not finish in 240 s") from None
-    assert proc.returncode == 0, err[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = run_torchrun(script, 2, tmp_path, DS_ACCELERATOR="cpu")
     for rank in ranks:
         assert rank["callback"] == "DeepSpeedTrainerCallback"
         assert rank["skipped"] == [3]

@@ -8,11 +8,6 @@ the real HF Trainer under ``torchrun`` (``hf_ddp_recovery_script.py``); the requ
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -26,7 +21,7 @@ from stabilitykit.engine.journal import Row
 from stabilitykit.hooks import HookManager
 from stabilitykit.recovery import Recovery
 from stabilitykit.recovery.agreement import Agreement, decode_request, encode_request
-from tests.distributed_script_runner import free_port, run_world
+from tests.distributed_script_runner import run_torchrun, run_world
 
 SCRIPT = Path(__file__).parent / "distributed_recovery_script.py"
 CASES = ["ddp-alert", "ddp-nan", "fsdp2-alert", "fsdp2-nan", "fsdp2-alert-disk", "fsdp1-alert", "tp-alert"]
@@ -84,20 +79,7 @@ def test_fsdp2_shards_round_trip_through_disk_snapshots(ranks: list[dict]) -> No
 def test_hf_trainer_ddp_ranks_roll_back_together_on_one_ranks_alert(tmp_path: Path) -> None:
     """The real HF Trainer under ``torchrun`` (DDP over gloo through Accelerate): rank 1 alone alerts."""
     script = Path(__file__).parent / "hf_ddp_recovery_script.py"
-    env = {**os.environ, "SK_OUT": str(tmp_path), "PYTHONPATH": str(Path(__file__).parent.parent)}
-    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", TMPDIR=str(tmp_path))  # torchrun's temp dirs go here
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
-    cmd += ["--master_port", str(free_port()), str(script)]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        _, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError("the HF Trainer DDP run did not finish in 240 s") from None
-    assert proc.returncode == 0, err[-4000:]
-    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    first, second = run_torchrun(script, 2, tmp_path)
     assert first["world"] == second["world"] == 2
     assert first["alerts"] == [] and second["alerts"] == [12]
     assert len(first["rollbacks"]) == 1 and first["rollbacks"] == second["rollbacks"]

@@ -132,9 +132,7 @@ class StabilityEngine:
         self._install(self._fresh_parts())
         #: Whether anything can ever skip a step (configuration and rules only, so the same on every rank).
         self.can_skip = self.config.can_skip or bool(self.user_rules)
-        self._false = torch.zeros((), dtype=torch.bool, device=self.device)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
-        self._nan = torch.full((), math.nan, dtype=torch.float32, device=self.device)
         self.last_host_metrics: dict[str, float] = {}
         self._unlogged: Row | None = None  # the newest row a flush read without logging it (see ``flush``)
         self._logged_step: int | None = None  # the newest row logged so far
@@ -381,7 +379,7 @@ class StabilityEngine:
             self.plan.scale_tensors(grouped, clipped.coefs)
             return clipped.coef, clipped.threshold
         if self.clip is None:
-            return self._one, self._nan
+            return self._one, self.inputs.nan
         threshold, active = self.clip.threshold(total, grads_finite)
         coef = torch.where(active, clip_coefficient(total, threshold, grads_finite), 1.0)
         apply_clip_coefficient(grouped, coef)
@@ -416,7 +414,7 @@ class StabilityEngine:
         if found is None:
             return
         report.grad_norm, report.clip_coef, report.layer_norms = found.total, found.coef, found.layer_norms
-        report.skipped = decision.skip = self._false
+        report.skipped = decision.skip = self.inputs.false
         report.code = decision.code = torch.zeros_like(decision.code)
         row = decision.rows[-1]
         row.total, row.coef, row.threshold, row.code = float(found.total), float(found.coef), float(found.threshold), 0

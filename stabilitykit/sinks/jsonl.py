@@ -49,7 +49,7 @@ def _clean_record(record: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(record)
     for key, value in record.items():
         if isinstance(value, float) and not math.isfinite(value):
-            out[key] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+            out[key] = _clean(value)  # called only for the rare non-finite value
     return out
 
 
