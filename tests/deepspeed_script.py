@@ -211,6 +211,51 @@ def _case(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
             out["guard_diff"] = _where(first_guard, second_guard)
         torch.distributed.barrier()
     guard.close()
+    out["rollback"] = _rollback(engine, rank, dtype)  # on the same engine: a new guard, with recovery
+    return out
+
+
+ROLLBACK_PLAN = [None, None, None, "nan", "nan", None, None, None]  # a divergence at step 4: 2 skips in a row
+
+
+def _rollback(engine: Any, rank: int, dtype: torch.dtype) -> dict[str, Any]:
+    """Recovery: NaN on rank 1 only at steps 3 and 4 (two skips in a row: diverged). Both ranks roll back
+    together to the same snapshot, every rank's own partitions, fp32 masters, moments, LR scheduler and the
+    engine's counters bitwise what they were at that snapshot; the next step, on the restored step's own
+    batch, ends bitwise where that step ended (at stage 3 it gathers the restored partitions afresh)."""
+    import stabilitykit as sk
+    from stabilitykit.integrations.deepspeed import DeepSpeedGuard
+
+    recovery = sk.RecoveryConfig(
+        enabled=True, snapshot_every=2, keep=2, trigger=["diverged"], min_lookback=0, skip_after=0
+    )
+    cfg = sk.StabilityConfig(
+        log_every_n_steps=1, skip=sk.SkipConfig(nonfinite=True, max_consecutive=2), recovery=recovery
+    )
+    guard = DeepSpeedGuard(engine, config=cfg)
+    events: list[Any] = []
+    guard.hooks.on("rollback", events.append)
+    states: dict[int, dict[str, Any]] = {}
+    out: dict[str, Any] = {"skipped": [], "restored": None, "replayed": None}
+    replay: int | None = None  # after the rollback: the restored step's own batch again
+    for k, fault in enumerate(ROLLBACK_PLAN):
+        batch = 20 + (replay if replay is not None else k)
+        guard.backward(_loss(engine, batch, rank, dtype, fault, 1))
+        report = guard.step()
+        assert report is not None
+        out["skipped"].append(bool(report.skipped))
+        if replay is not None and out["replayed"] is None:  # the same step as from the snapshot, bitwise
+            out["replayed"] = _same(_state(engine), states[replay + 1])
+        if events and out["restored"] is None:
+            replay = events[0].details["restored_step"]
+            out.update(at_step=events[0].step, restored_step=replay)
+            out["restored"] = _same(_state(engine), states[replay])
+            if not out["restored"]:
+                out["diff"] = _diff(_state(engine), states[replay])
+        states[guard.step_count] = _state(engine)
+    out["rollbacks"] = len(events)
+    out["finite"] = all(bool(torch.isfinite(t.float()).all()) for t in _state(engine)["tensors"])
+    guard.close()
     return out
 
 

@@ -3,9 +3,11 @@
 
 A tiny random-init ``LlamaForCausalLM`` trains 8 steps; at global step 3 rank 1 alone has a NaN loss.
 Both ranks must skip that step (the engine not advancing for it), end with finite and identical
-parameters, and find the guard's rows in ``trainer.state.log_history``. Rank 0 also checks that
-``stabilize`` refuses two clippers (``max_grad_norm`` > 0 with ``ClipConfig``). Each rank writes
-``rank<r>.json`` to ``SK_OUT``.
+parameters, and find the guard's rows in ``trainer.state.log_history``. The run saves a checkpoint at
+step 4; a second Trainer resumes from it (``resume_from_checkpoint``) and must end bitwise where the
+first ended, each rank's guard state back (its own, from ``trainer_state.json``) and equal at the end.
+Rank 0 also checks that ``stabilize`` refuses two clippers (``max_grad_norm`` > 0 with ``ClipConfig``).
+Each rank writes ``rank<r>.json`` to ``SK_OUT``.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import torch
 
 import stabilitykit as sk
 from stabilitykit.integrations import stabilize
+from stabilitykit.integrations.transformers import to_json
 from tests.hf_models import tiny_llama, token_batches
 
 BAD_STEP = 3
 STEPS = 8
+SAVE_STEPS = 4
 
 
 def _args(out: Path, max_grad_norm: float) -> Any:
@@ -49,7 +53,9 @@ def _args(out: Path, max_grad_norm: float) -> Any:
         max_steps=STEPS,
         learning_rate=3e-3,
         logging_steps=2,
-        save_strategy="no",
+        save_strategy="steps",
+        save_steps=SAVE_STEPS,
+        save_only_model=False,
         seed=0,
         disable_tqdm=True,
         dataloader_num_workers=0,
@@ -87,6 +93,17 @@ def main() -> None:
     engine = trainer.model_wrapped
     params = torch.cat([p.detach().float().flatten() for p in engine.module.parameters()])
     ours = [h for h in trainer.state.log_history if "stability/grad_norm/total" in h]
+    assert callback.guard is not None
+    end_state = to_json(callback.guard.state_dict())
+
+    # resume from the step-4 checkpoint: the same end, bitwise, and the same guard state
+    resumed = NaNTrainer(model=tiny_llama(), args=_args(out, 0.0), train_dataset=rows)
+    again = stabilize(resumed, sk.StabilityConfig(log_every_n_steps=2))
+    loaded: list[int] = []
+    again.hooks.on("skipped", lambda e: loaded.append(e.step))
+    resumed.train(resume_from_checkpoint=str(out / "run" / f"checkpoint-{SAVE_STEPS}"))
+    assert again.guard is not None
+    params_again = torch.cat([p.detach().float().flatten() for p in resumed.model_wrapped.module.parameters()])
     result = {
         "callback": type(callback).__name__,
         "skipped": skipped,
@@ -95,6 +112,10 @@ def main() -> None:
         "digest": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
         "rows": len(ours),
         "refused": refused,
+        "resume_exact": bool(torch.equal(params, params_again)),
+        "resume_guard_state": to_json(again.guard.state_dict()) == end_state,
+        "resume_skipped": again.guard.summary().skipped,
+        "resume_global_steps": resumed.model_wrapped.global_steps,
     }
     (out / f"rank{trainer.args.process_index}.json").write_text(json.dumps(result))
     sys.stdout.flush()

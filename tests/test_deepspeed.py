@@ -92,6 +92,22 @@ def test_resume_through_deepspeed_checkpoint_is_exact(ranks: list[dict[str, Any]
         assert rank[case]["resume_guard_state"], rank[case].get("guard_diff")
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_rollback_restores_every_rank_partitions(ranks: list[dict[str, Any]], case: str) -> None:
+    """Recovery: NaN on rank 1 only at steps 3 and 4 (diverged at the second skip). Both ranks roll back
+    once, together, to the same snapshot: each rank's own partitions, fp32 masters, moments, LR scheduler
+    and DeepSpeed's step counters bitwise what they were at it; the next step, fed the restored step's own
+    batch, ends bitwise where that step first ended (the forward sees the restored weights); the run goes on."""
+    got = [rank[case]["rollback"] for rank in ranks]
+    for mine in got:
+        assert mine["rollbacks"] == 1
+        assert mine["restored"], mine.get("diff")
+        assert mine["replayed"]
+        assert mine["skipped"] == [False, False, False, True, True, False, False, False]
+        assert mine["finite"]
+    assert got[0]["restored_step"] == got[1]["restored_step"] and got[0]["at_step"] == got[1]["at_step"]
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_skip_under_gradient_accumulation(ranks: list[dict[str, Any]], stage: int) -> None:
     """Two micro-batches per step, a NaN in one micro-batch on rank 1 only: that step skipped on both
@@ -133,7 +149,9 @@ def test_hf_trainer_with_deepspeed_is_stabilized(tmp_path: Path) -> None:
     """``stabilize(trainer, cfg)`` on the real HF Trainer with ``deepspeed=`` (ZeRO-2, 2 processes under
     ``torchrun``): rank 1's NaN step is skipped on both ranks (DeepSpeed's engine does not count it),
     the replicas end finite and identical, the guard's rows are in ``log_history``, and two clippers
-    (``max_grad_norm`` with ``ClipConfig``) are refused by name."""
+    (``max_grad_norm`` with ``ClipConfig``) are refused by name. Resume: a second Trainer resumed from the
+    step-4 checkpoint (``resume_from_checkpoint``) ends bitwise where the first ended, with every rank's
+    own guard state back (the skip before the checkpoint counted) and equal to the first run's at the end."""
     script = Path(__file__).parent / "hf_deepspeed_script.py"
     ranks = run_torchrun(script, 2, tmp_path, DS_ACCELERATOR="cpu")
     for rank in ranks:
@@ -141,6 +159,8 @@ def test_hf_trainer_with_deepspeed_is_stabilized(tmp_path: Path) -> None:
         assert rank["skipped"] == [3]
         assert rank["global_steps"] == 7  # 8 steps, the skipped one not counted by DeepSpeed
         assert rank["finite"] and rank["rows"] >= 3
+        assert rank["resume_exact"] and rank["resume_guard_state"]
+        assert rank["resume_skipped"] == 1 and rank["resume_global_steps"] == 7
     assert ranks[0]["digest"] == ranks[1]["digest"]
     assert "max_grad_norm=0" in ranks[0]["refused"]
 

@@ -63,3 +63,44 @@ def drop_step(optimizer: Any, stage: int) -> None:
                 param.grad = None
     # stage 0 in fp32: the engine's optimizer is the torch one; the engine zeroes the module's grads
     optimizer.overflow = True  # the engine: not applied, no LR scheduler step
+
+
+def inner_optimizer(engine: Any) -> Any:
+    """The torch optimizer under DeepSpeed's wrapper (ZeRO, or the mixed-precision wrapper at stage 0), whose
+    param groups hold the fp32 master partitions and whose state holds the moments; the engine's optimizer
+    itself when it is a torch optimizer (stage 0 in fp32)."""
+    optimizer = engine.optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    return optimizer.optimizer
+
+
+def master_partitions(engine: Any) -> list[torch.Tensor]:
+    """This rank's fp32 master partitions, the keys of the inner optimizer's state. Stage 3 puts each in its
+    param group only for the length of its own step (the groups are empty between steps), so they are
+    read from ZeRO-3's flat list there; elsewhere they are the inner optimizer's parameters."""
+    if int(engine.zero_optimization_stage()) == 3:
+        return list(engine.optimizer.fp32_partitioned_groups_flat)
+    return [p for group in inner_optimizer(engine).param_groups for p in group["params"]]
+
+
+def rank_tensors(engine: Any) -> list[torch.Tensor]:
+    """This rank's own parameter tensors, restored in place by a rollback (the fp32 masters are the inner
+    optimizer's state keys, see ``master_partitions``).
+
+    Stages 0-2: the module's parameters, whole on every rank (at stages 1 and 2 views into DeepSpeed's
+    flat bit16 buffers). Stage 3: this rank's partition of every parameter (the flat bit16 partitions
+    the parameters' ``ds_tensor`` views point into); the whole copies it keeps gathered between steps
+    are dropped after a restore (``release_gathered``).
+    """
+    if int(engine.zero_optimization_stage()) < 3:
+        return list(engine.module.parameters())
+    return list(engine.optimizer.fp16_partitioned_groups_flat)
+
+
+def release_gathered(engine: Any) -> None:
+    """Stage 3, after this rank's partitions were put back: drop the whole copies of parameters it keeps
+    gathered between steps (the small, persistent ones), so the next forward gathers the restored
+    partitions, as after DeepSpeed's own overflow skip (no collective here). Nothing at stages 0-2."""
+    if int(engine.zero_optimization_stage()) == 3:
+        engine.optimizer._partition_all_parameters()

@@ -35,6 +35,7 @@ non-finite layer from the norms.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -42,7 +43,17 @@ import torch
 from torch import Tensor
 
 from stabilitykit.compat.attributes import replace_attribute
-from stabilitykit.compat.deepspeed import clear_overflow_mark, drop_step, engine_counters, put_engine_counters
+from stabilitykit.compat.deepspeed import (
+    clear_overflow_mark,
+    drop_step,
+    engine_counters,
+    inner_optimizer,
+    master_partitions,
+    put_engine_counters,
+    rank_tensors,
+    release_gathered,
+)
+from stabilitykit.compat.grad_scaler import ScalerAdapter
 from stabilitykit.compat.tensors import mark_shard
 from stabilitykit.config import StabilityConfig
 from stabilitykit.core import DriverCore
@@ -50,6 +61,7 @@ from stabilitykit.drivers.base import Driver
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.integrations._extras import missing
+from stabilitykit.recovery import TrainingObjects
 from stabilitykit.report import StepReport
 from stabilitykit.rules import SkipRule
 from stabilitykit.run_log import RunSummary
@@ -193,11 +205,6 @@ def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
             f"ClipConfig(mode={config.clip.mode!r}) are both on. Keep one: remove gradient_clipping from the "
             "DeepSpeed config (stabilitykit then clips), or set ClipConfig(mode='off')"
         )
-    if config.recovery.enabled:
-        raise NotImplementedError(
-            "DeepSpeedGuard does not support recovery (RecoveryConfig) yet: roll back with DeepSpeed's own "
-            "checkpoints (engine.load_checkpoint) on a 'diverged' event"
-        )
     if config.monitors is not None:
         raise NotImplementedError(
             "DeepSpeedGuard does not run monitors (MonitorConfig) yet: it does not hook the module; remove monitors"
@@ -207,6 +214,37 @@ def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
             "DeepSpeedGuard does not measure update ratios (GradNormConfig(update_ratio=...)): the parameters "
             "are partitioned inside DeepSpeed; turn update_ratio off"
         )
+
+
+class _EngineState:
+    """What a snapshot keeps of the engine itself: its step counters (``global_steps``, ``global_samples``,
+    ``skipped_steps``). Restored after the tensors, it also drops stage 3's gathered parameter copies."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def state_dict(self) -> dict[str, Any]:
+        return engine_counters(self.engine)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        put_engine_counters(self.engine, dict(state))
+        release_gathered(self.engine)  # the next forward gathers the restored partitions
+
+
+def rank_state(engine: Any, scaler: ScalerAdapter, guard_state: Any) -> TrainingObjects:
+    """What a recovery snapshot of this rank holds under DeepSpeed: this rank's own parameter tensors (whole at
+    stages 0-2, its partitions at stage 3), the fp32 master partitions and the moments of the torch optimizer
+    inside DeepSpeed's, the module's buffers and the engine's step counters (the LR scheduler is tracked by the
+    guard). Each rank snapshots and restores only its own; nothing is gathered."""
+    inner = inner_optimizer(engine)
+    optimizer_params = master_partitions(engine)
+    params = rank_tensors(engine)
+    seen = {id(t) for t in params}
+    params += [p for p in optimizer_params if id(p) not in seen]
+    buffers = [b for b in engine.module.buffers() if b is not None]
+    return TrainingObjects(
+        params, buffers, inner, optimizer_params, scaler, guard_state, stateful=[_EngineState(engine)]
+    )
 
 
 class DeepSpeedGuard:
@@ -243,13 +281,22 @@ class DeepSpeedGuard:
         )
         self.core = self.cores[0]
         self.config = self.core.config
+        if self.core.recovery is not None:  # snapshots of this rank's partitions, not of the stand-ins
+            self.core.recovery.cover(lambda scaler, guard_state: rank_state(engine, scaler, guard_state))
+            if engine.lr_scheduler is not None:
+                self.core.track_scheduler(engine.lr_scheduler)
         # the engine's backward and step, and its optimizer's step, routed through the guard (instance
         # attributes, undone by close()): engine.step() and guard.step() are then the same step
         self._undo = [
             replace_attribute(engine.optimizer, "step", self._guarded_step(engine.optimizer.step)),
             replace_attribute(engine, "backward", self._routed_backward(engine.backward)),
             replace_attribute(engine, "step", self._routed_step(engine.step)),
+            replace_attribute(engine, "save_checkpoint", self._routed_save(engine.save_checkpoint)),
+            replace_attribute(engine, "load_checkpoint", self._routed_load(engine.load_checkpoint)),
         ]
+        #: Every rank's state as the last ``save_checkpoint`` wrote it (the Hugging Face Trainer's checkpoints
+        #: keep it in ``trainer_state.json`` too).
+        self.checkpoint_states: list[dict[str, Any]] | None = None
         self._last_report: StepReport | None = None
         self._closed = False
 
@@ -344,27 +391,59 @@ class DeepSpeedGuard:
     def save_checkpoint(
         self, save_dir: str, tag: Any = None, client_state: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> Any:
-        """``engine.save_checkpoint`` with the guard's state in its client state (key ``"stabilitykit"``)."""
-        mine = self.state_dict()
-        states: list[Any] = [mine]
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # DeepSpeed writes the client state of one rank only; each rank's guard state differs
-            # (its own loss, its own reasons), so every rank's goes in, in rank order
-            states = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(states, mine)
-        state = {**(client_state or {}), CLIENT_STATE_KEY: {"ranks": states}}
-        return self.engine.save_checkpoint(save_dir, tag=tag, client_state=state, **kwargs)
+        """``engine.save_checkpoint`` (the same: the engine's own puts the guard's state in its client state too)."""
+        return self.engine.save_checkpoint(save_dir, tag=tag, client_state=dict(client_state or {}), **kwargs)
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-        """``engine.load_checkpoint``, then the guard's state from its client state; returns what DeepSpeed returns."""
+        """``engine.load_checkpoint`` (the same: the engine's own restores the guard's state from its client state)."""
         path, client_state = self.engine.load_checkpoint(load_dir, tag=tag, **kwargs)
-        client_state = dict(client_state or {})
-        saved = client_state.pop(CLIENT_STATE_KEY, None)
-        if saved is not None:
-            ranks = saved["ranks"]
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            self.load_state_dict(ranks[rank] if rank < len(ranks) else ranks[0])
-        return path, client_state
+        return path, dict(client_state or {})
+
+    def every_rank_state(self) -> list[dict[str, Any]]:
+        """Every rank's ``state_dict()``, in rank order (one ``all_gather_object`` under torch.distributed; call it
+        on every rank). Each rank's differs (its own loss, its own reasons), so a checkpoint keeps them all."""
+        mine = self.state_dict()
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return [mine]
+        states: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(states, mine)
+        return states
+
+    def load_rank_state(self, states: Sequence[Mapping[str, Any]]) -> None:
+        """Load this rank's entry of what ``every_rank_state`` returned (the first when the world was smaller)."""
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.load_state_dict(states[rank] if rank < len(states) else states[0])
+
+    def _routed_save(self, original: Any) -> Any:
+        """The engine's ``save_checkpoint``: every rank's guard state in the client state (key ``"stabilitykit"``),
+        whoever calls it (a loop, the Hugging Face Trainer). DeepSpeed writes one rank's client state, so every
+        rank's goes in, in rank order."""
+
+        @functools.wraps(original)
+        def save_checkpoint(save_dir: str, tag: Any = None, client_state: Any = None, **kwargs: Any) -> Any:
+            if self._closed:
+                return original(save_dir, tag=tag, client_state=client_state or {}, **kwargs)
+            self.checkpoint_states = self.every_rank_state()
+            state = {**(client_state or {}), CLIENT_STATE_KEY: {"ranks": self.checkpoint_states}}
+            return original(save_dir, tag=tag, client_state=state, **kwargs)
+
+        return save_checkpoint
+
+    def _routed_load(self, original: Any) -> Any:
+        """The engine's ``load_checkpoint``: this rank's guard state restored from the client state (taken out of
+        what it returns)."""
+
+        @functools.wraps(original)
+        def load_checkpoint(load_dir: str, *args: Any, **kwargs: Any) -> Any:
+            path, client_state = original(load_dir, *args, **kwargs)
+            if self._closed or not isinstance(client_state, dict):
+                return path, client_state
+            saved = client_state.pop(CLIENT_STATE_KEY, None)
+            if saved is not None:
+                self.load_rank_state(saved["ranks"])
+            return path, client_state
+
+        return load_checkpoint
 
     # ------------------------------------------------------------------ state and end
     @property

@@ -12,6 +12,12 @@ Trainer creates the engine inside ``train()``); the guard routes the engine's ``
 loop (see the DeepSpeed guide). A skipped step is one the Trainer sees as skipped too (Accelerate
 reads DeepSpeed's ``overflow``). Metrics and events go to ``trainer.state.log_history`` (each at
 the optimizer step it belongs to) and to the sinks given.
+
+Checkpoints: the Trainer saves through the engine's ``save_checkpoint``, which the guard routes, so
+every rank's guard state is gathered there (and kept in DeepSpeed's client state); the Trainer then
+writes it into ``trainer_state.json`` through its stateful-callback mechanism. A run resumed with
+``resume_from_checkpoint`` gives each rank its own state back when training begins (also with
+``restore_callback_states_from_checkpoint=True``).
 """
 
 from __future__ import annotations
@@ -31,8 +37,14 @@ from stabilitykit.sinks.base import Sink
 
 try:
     from transformers import Trainer, TrainerCallback
+    from transformers.trainer_callback import ExportableState
+
+    from stabilitykit.integrations.transformers import from_json, to_json
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise missing("stabilitykit.integrations.deepspeed_trainer", "transformers", "transformers") from exc
+
+#: Callbacks attached to a Trainer (weak), for the Trainer's callback-state restore to find.
+_ATTACHED: list[weakref.ReferenceType[DeepSpeedTrainerCallback]] = []
 
 
 class _LogHistory:
@@ -54,8 +66,24 @@ class _LogHistory:
         self._append({f"{self.prefix}/events/{event.kind}": 1.0, "step": event.step})
 
 
-class DeepSpeedTrainerCallback(TrainerCallback):  # type: ignore[misc]
+class DeepSpeedTrainerCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
     """Guards the DeepSpeed engine a Trainer trains with; made by ``stabilize(trainer, cfg)``."""
+
+    def __new__(cls, *args: Any, restore_into_attached: bool = False, **kwargs: Any) -> DeepSpeedTrainerCallback:
+        """``restore_into_attached``: the Trainer is restoring callback states from a checkpoint
+        (``restore_callback_states_from_checkpoint=True`` rebuilds each callback as ``type(cb)(**saved_args)``):
+        hand back the callback already attached to that Trainer, so the saved state is restored into it."""
+        if restore_into_attached:
+            for ref in reversed(_ATTACHED):
+                callback = ref()
+                trainer = callback.bound_trainer() if callback is not None else None
+                if (
+                    type(callback) is cls
+                    and trainer is not None
+                    and trainer.args.restore_callback_states_from_checkpoint
+                ):
+                    return callback
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -63,7 +91,13 @@ class DeepSpeedTrainerCallback(TrainerCallback):  # type: ignore[misc]
         sinks: Iterable[Sink] | None = None,
         hooks: HookManager | None = None,
         rules: Sequence[SkipRule] = (),
+        *,
+        restore_into_attached: bool = False,
     ) -> None:
+        if restore_into_attached and getattr(self, "_trainer", None) is not None:
+            return  # the attached callback came back from __new__: keep everything it holds
+        #: Every rank's saved guard state (JSON values), set by the Trainer's callback-state restore.
+        self.saved_ranks: list[Any] | None = None
         self.config = coerce_config(config)
         self.sinks = list(sinks or [])
         self.hooks = hooks or HookManager()
@@ -81,13 +115,19 @@ class DeepSpeedTrainerCallback(TrainerCallback):  # type: ignore[misc]
                 "set max_grad_norm=0 (stabilitykit clips) or ClipConfig(mode='off')"
             )
         self._trainer = weakref.ref(trainer)
+        _ATTACHED[:] = [ref for ref in _ATTACHED if ref() is not None]
+        _ATTACHED.append(weakref.ref(self))
         if not any(cb is self for cb in trainer.callback_handler.callbacks):
             trainer.add_callback(self)
         return self
 
+    def bound_trainer(self) -> Trainer | None:
+        """The Trainer this callback is attached to (None before ``attach`` or once it is gone)."""
+        return self._trainer() if self._trainer is not None else None
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """The engine exists now: guard it."""
-        trainer = self._trainer() if self._trainer is not None else None
+        """The engine exists now: guard it; a resumed run gives each rank its saved state back."""
+        trainer = self.bound_trainer()
         if trainer is None:
             raise RuntimeError(
                 "DeepSpeedTrainerCallback is not attached: use stabilitykit.integrations.stabilize(trainer)"
@@ -96,8 +136,33 @@ class DeepSpeedTrainerCallback(TrainerCallback):  # type: ignore[misc]
             self.guard.close()
         sinks = [*self.sinks, _LogHistory(trainer, self.config.metric_prefix)]
         self.guard = DeepSpeedGuard(trainer.model_wrapped, self.config, sinks=sinks, hooks=self.hooks, rules=self.rules)
+        saved = self.saved_ranks or _saved_in(state)
+        self.saved_ranks = None
+        if saved and state.global_step > 0:
+            self.guard.load_rank_state(from_json(saved))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Training is over: the guard's last row and summary, its routes undone, the sinks closed."""
         if self.guard is not None:
             self.guard.close()
+
+    def state(self) -> dict[str, Any]:
+        """What the Trainer writes into ``trainer_state.json`` at a checkpoint (rank 0 only): every rank's guard
+        state as the engine's ``save_checkpoint`` gathered it just before (JSON values)."""
+        ranks = self.guard.checkpoint_states if self.guard is not None else None
+        return {
+            "args": {"restore_into_attached": True},
+            "attributes": {"saved_ranks": to_json(ranks) if ranks else None},
+        }
+
+
+def _saved_in(state: Any) -> list[Any] | None:
+    """Every rank's guard state in a resumed ``TrainerState`` (its ``stateful_callbacks``), or None."""
+    stored: Any = state.stateful_callbacks or {}
+    entry = stored.get(DeepSpeedTrainerCallback.__name__) if isinstance(stored, Mapping) else None
+    if isinstance(entry, list):
+        entry = entry[0] if entry else None
+    if not isinstance(entry, Mapping):
+        return None
+    saved = entry.get("attributes", {}).get("saved_ranks")
+    return list(saved) if isinstance(saved, list) else None

@@ -86,6 +86,8 @@ class Recovery:
         self.hooks = hooks
         self._model = model
         self._guard_state, self._restore_guard = guard_state, restore_guard
+        #: Builds what snapshots cover from (scaler, guard state) when a driver says so (``cover``).
+        self._cover: Callable[[ScalerAdapter, Callable[[], dict[str, Any]]], TrainingObjects] | None = None
         self.objects = self._objects(optimizer, scaler)
         self.store = SnapshotStore(config.keep, config.storage, HostCopier())
         record_dir = config.record_dir
@@ -135,6 +137,13 @@ class Recovery:
             self.objects.schedulers.append(scheduler)
             self.store.clear()
 
+    def cover(self, build: Callable[[ScalerAdapter, Callable[[], dict[str, Any]]], TrainingObjects]) -> None:
+        """Snapshots cover ``build(scaler, guard_state)`` from now on instead of the model and optimizer the
+        core was given: for a driver whose framework keeps the training state elsewhere (DeepSpeed's
+        partitions and inner optimizer). Schedulers tracked so far stay; snapshots held are dropped."""
+        self._cover = build
+        self.forget()
+
     def forget(self) -> None:
         """The optimizer's parameters changed: snapshots of the old set cannot be restored."""
         old = self.objects
@@ -143,6 +152,8 @@ class Recovery:
         self.store.clear()
 
     def _objects(self, optimizer: Any, scaler: ScalerAdapter) -> TrainingObjects:
+        if self._cover is not None:
+            return self._cover(scaler, self._guard_state)
         return TrainingObjects.build(self._model, optimizer, self.engine.params, scaler, self._guard_state)
 
     def close(self) -> None:

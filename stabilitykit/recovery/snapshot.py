@@ -4,8 +4,9 @@ A snapshot is the training state at the end of one optimizer step: parameters, b
 optimizer's per-parameter state (tensors and Python values), entries of its ``state`` not keyed by a
 parameter (MADGRAD's step count), its param-group settings (the learning rate a scheduler set), the
 extra top-level keys an optimizer adds to its own ``state_dict()`` (SPAM's ``warmup`` and
-``total_step``), each LR scheduler's ``state_dict()``, the GradScaler's scale and growth tracker, the guard's own
-state (``StabilityEngine.state_dict()``) and the random generators. Tensors are host copies
+``total_step``), each LR scheduler's ``state_dict()`` and that of any other object a driver adds
+(DeepSpeed's step counters), the GradScaler's scale and growth tracker, the guard's own state
+(``StabilityEngine.state_dict()``) and the random generators. Tensors are host copies
 (``host_copy.py``: no host sync when taken).
 
 Restoring copies into the tensors that exist (``Tensor.copy_``): the parameters, buffers and
@@ -49,6 +50,9 @@ class TrainingObjects:
     scaler: ScalerAdapter
     guard_state: Callable[[], dict[str, Any]]
     schedulers: list[Any] = field(default_factory=list)
+    #: Other objects saved and restored through their own ``state_dict()`` / ``load_state_dict()`` (DeepSpeed's
+    #: step counters).
+    stateful: list[Any] = field(default_factory=list)
     #: Whether the optimizer's ``state_dict()`` adds top-level keys (None: not asked yet).
     extra_keys: bool | None = None
 
@@ -126,6 +130,7 @@ def take_snapshot(objects: TrainingObjects, copier: HostCopier, step: int, confi
             "buffers": list(objects.buffers),
             "optimizer": _optimizer_state(objects),
             "schedulers": [s.state_dict() for s in objects.schedulers],
+            "stateful": [s.state_dict() for s in objects.stateful],
             "scaler": objects.scaler.state_tensors(),
             "guard": objects.guard_state(),
             "rng": capture_rng(),
@@ -218,6 +223,8 @@ def _check_fits(objects: TrainingObjects, tree: Any) -> None:
         raise ValueError(
             f"the snapshot holds {len(tree['schedulers'])} LR scheduler(s), this run has {len(objects.schedulers)}"
         )
+    if len(tree.get("stateful", [])) != len(objects.stateful):
+        raise ValueError("the snapshot was taken for another set of stateful objects")
     for target, saved in zip([*objects.params, *objects.buffers], [*tree["params"], *tree["buffers"]], strict=True):
         local = to_local(target)
         if local.shape != saved.data.shape or local.dtype != saved.data.dtype:
@@ -240,6 +247,8 @@ def restore_snapshot(objects: TrainingObjects, tree: Any, rng: bool) -> dict[str
         _restore_optimizer(objects, tree["optimizer"])
         for scheduler, state in zip(objects.schedulers, tree["schedulers"], strict=True):
             scheduler.load_state_dict(map_saved(state, _new))
+        for stateful, state in zip(objects.stateful, tree.get("stateful", []), strict=True):
+            stateful.load_state_dict(map_saved(state, _new))
         if tree["scaler"] is not None:
             objects.scaler.load_state_tensors(map_saved(tree["scaler"], _new))
     if rng:
