@@ -397,6 +397,91 @@ def _user_rule(stage: int, rank: int) -> dict[str, Any]:
     return {"skipped": skipped, "reasons": reasons, "unchanged": unchanged, "rank_id_sums": sums}
 
 
+FP16_PLAN = [(0, None), (1, None), (2, "overflow"), (3, None), (4, "nan"), (5, None)]  # (batch, fault)
+
+
+def _fp16_engine(stage: int) -> Any:
+    import deepspeed
+
+    cfg = _ds_config(stage, False)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 1000}
+    model = _model()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def _fp16_loss(engine: Any, i: int, rank: int, fault: str | None) -> torch.Tensor:
+    """An fp16 overflow on rank 1 (a finite loss whose scaled grads exceed fp16), a NaN loss on rank 0."""
+    loss = engine(_batch(i, rank, torch.float16)).float().pow(2).mean()
+    if fault == "overflow" and rank == 1:
+        loss = loss * 1e6
+    if fault == "nan" and rank == 0:
+        loss = loss * math.nan
+    return loss
+
+
+def _fp16(stage: int, rank: int) -> dict[str, Any]:
+    """DeepSpeed's fp16 with its dynamic loss scaler (stages 0-2, on the CPU through an accelerator that
+    declares fp16): an overflow on rank 1 only is DeepSpeed's own skip, reported once as fp16_overflow
+    (its scale lowered, its counters its own); a NaN loss on rank 0 only is the guard's skip (the scale
+    untouched). The end state is bitwise DeepSpeed's alone over the batches without the NaN loss."""
+    import stabilitykit as sk
+    from stabilitykit.integrations.deepspeed import DeepSpeedGuard
+
+    reference = _fp16_engine(stage)
+    ref_norms = []
+    for i, fault in FP16_PLAN:
+        if fault != "nan":
+            reference.backward(_fp16_loss(reference, i, rank, fault))
+            reference.step()
+            if fault is None:
+                ref_norms.append(_ds_norm(reference, None))
+    engine = _fp16_engine(stage)
+    guard = DeepSpeedGuard(engine, config=sk.StabilityConfig(log_every_n_steps=1))
+    kinds: list[str] = []
+    guard.hooks.on("*", lambda e: kinds.append(e.kind))
+    reasons, scales, norms = [], [], []
+    for i, fault in FP16_PLAN:
+        guard.backward(_fp16_loss(engine, i, rank, fault))
+        report = guard.step()
+        assert report is not None
+        reasons.append(report.reason)
+        scales.append(float(engine.optimizer.loss_scale))
+        if fault is None:
+            norms.append(float(report.grad_norm))
+    summary = guard.summary()
+    guard.close()
+    return {
+        "reasons": reasons,
+        "scales": scales,
+        "ref_scale": float(reference.optimizer.loss_scale),
+        "norms": norms,
+        "ref_norms": ref_norms,
+        "end_equals_reference": _same(_state(engine), _state(reference)),
+        "kinds": sorted(set(kinds) - {"precision"}),
+        "skipped_steps": engine.skipped_steps,
+        "skipped": summary.skipped,
+    }
+
+
+def _fp16_cases(rank: int) -> dict[str, Any]:
+    """Every fp16 case, after the rest (the accelerator is set for the process from here on)."""
+    from deepspeed.accelerator import set_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    class Fp16Cpu(CPU_Accelerator):  # type: ignore[misc]
+        """DeepSpeed's CPU accelerator, declaring fp16 (it declares it only where oneDNN has fp16 kernels)."""
+
+        def is_fp16_supported(self) -> bool:
+            return True
+
+        def supported_dtypes(self) -> list[torch.dtype]:
+            return [torch.float, torch.bfloat16, torch.float16]
+
+    set_accelerator(Fp16Cpu())
+    return {f"fp16-stage{stage}": _fp16(stage, rank) for stage in (0, 1, 2)}
+
+
 def _refusals() -> dict[str, str]:
     import stabilitykit as sk
     from stabilitykit.integrations.deepspeed import DeepSpeedGuard
@@ -415,7 +500,7 @@ def worker(rank: int, world: int) -> dict[str, Any]:
     from deepspeed.utils import logger
 
     logger.setLevel(logging.ERROR)
-    stages = [int(s) for s in os.environ.get("SK_DS_STAGES", "0,1,2,3").split(",")]
+    stages = [int(s) for s in os.environ.get("SK_DS_STAGES", "0,1,2,3").split(",") if s]
     results: dict[str, Any] = {}
     quiet = io.StringIO()
     for stage in stages:
@@ -438,6 +523,12 @@ def worker(rank: int, world: int) -> dict[str, Any]:
             finally:
                 sys.stdout = old
     results["refusals"] = _refusals()
+    old = sys.stdout
+    sys.stdout = quiet
+    try:
+        results.update(_fp16_cases(rank))
+    finally:
+        sys.stdout = old
     return results
 
 

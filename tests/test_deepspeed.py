@@ -132,6 +132,28 @@ def test_user_rule_on_a_recorded_metric(ranks: list[dict[str, Any]], stage: int)
         assert got["rank_id_sums"] == [3.0]
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_fp16_overflow_is_deepspeeds_own_skip(ranks: list[dict[str, Any]], stage: int) -> None:
+    """DeepSpeed's fp16 with its dynamic loss scaler (on the CPU through an accelerator that declares fp16):
+    an overflow on rank 1 only is skipped by DeepSpeed's own step, reported as fp16_overflow on both ranks
+    (the reduction has spread the inf to rank 0's grads), its scale halved once, counted once by
+    DeepSpeed; a NaN loss on rank 0 only is the guard's skip, the scale untouched. Each clean norm is
+    DeepSpeed's own (the grads' loss scale divided out), and the end state (parameters, fp32 masters,
+    moments, scale, counters) is bitwise DeepSpeed's alone over the batches without the NaN loss: not a
+    second skip, not a divergence."""
+    for r, rank in enumerate(ranks):
+        got = rank[f"fp16-stage{stage}"]
+        assert got["reasons"][2] == "fp16_overflow"
+        assert got["reasons"][4] == ("nonfinite_loss" if r == 0 else "fp16_overflow")  # rank 1: NaN grads, reduced
+        assert [x is None for x in got["reasons"]] == [True, True, False, True, False, True]
+        assert got["scales"] == [256.0, 256.0, 128.0, 128.0, 128.0, 128.0] and got["ref_scale"] == 128.0
+        assert got["end_equals_reference"]
+        assert got["skipped_steps"] == 1 and got["skipped"] == 2
+        assert "diverged" not in got["kinds"] and "fp16_overflow" in got["kinds"]
+        for mine, theirs in zip(got["norms"], got["ref_norms"], strict=True):
+            assert _rel(mine, theirs) < 1e-6, (mine, theirs)
+
+
 def test_deepspeed_alone_applies_a_nan_step_at_stage_0(ranks: list[dict[str, Any]]) -> None:
     """Why the guard is there: DeepSpeed alone at ZeRO stage 0 in fp32 applies rank 1's NaN step and
     every parameter on both ranks is NaN, where the guarded run (above) skips it and stays finite."""

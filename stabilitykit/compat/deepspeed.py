@@ -104,3 +104,16 @@ def release_gathered(engine: Any) -> None:
     partitions, as after DeepSpeed's own overflow skip (no collective here). Nothing at stages 0-2."""
     if int(engine.zero_optimization_stage()) == 3:
         engine.optimizer._partition_all_parameters()
+
+
+def grads_loss_scale(engine: Any) -> float:
+    """The loss scale still applied to this step's grads when they are final (fp16).
+
+    DeepSpeed 0.19's ``engine.backward`` scales the loss for its ZeRO optimizers only (stages 1-3); at
+    stage 0 the fp16 wrapper's own ``backward``, which would scale it, is not called, so the grads are
+    not scaled there (1.0), while that wrapper's step still divides them by its scale.
+    """
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    optimizer = engine.optimizer
+    return float(optimizer.loss_scale) if isinstance(optimizer, ZeROOptimizer) else 1.0

@@ -27,8 +27,17 @@ does not step it after an overflow) and the engine's step counters (``global_ste
 ``global_samples``, ``skipped_steps``) are left as they were. Every rank takes the same decision
 (the step record is agreed across ranks), so every rank runs the same collectives.
 
-Not supported yet, refused by name at construction: fp16 (DeepSpeed's dynamic loss scaler), CPU
-offload of the optimizer, the pipeline engine, recovery (rollback), monitors and update ratios.
+fp16 (DeepSpeed's dynamic loss scaler, stages 0-2): the grads are still scaled when final, so the
+norms divide by DeepSpeed's scale; a step whose only fault is a non-finite grad is an fp16 overflow,
+handed to DeepSpeed's own step, which skips it, counts it and lowers its scale (reported once, as
+``fp16_overflow``, never toward divergence); any other skip (a NaN loss, a user's rule) is the
+guard's, DeepSpeed's scale untouched.
+
+Recovery: each rank snapshots its own state (``rank_state``) and every rank rolls back at the same
+step (the rollback is agreed in the step record); nothing is gathered.
+
+Not supported yet, refused by name at construction: fp16 at stage 3, recovery with fp16, CPU
+offload of the optimizer, the pipeline engine, monitors and update ratios.
 NaN tracing is off (the guard does not hook the module); the skip event still names the first
 non-finite layer from the norms.
 """
@@ -47,6 +56,7 @@ from stabilitykit.compat.deepspeed import (
     clear_overflow_mark,
     drop_step,
     engine_counters,
+    grads_loss_scale,
     inner_optimizer,
     master_partitions,
     put_engine_counters,
@@ -189,10 +199,15 @@ def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
             "inside its own schedule); use it with a DeepSpeedEngine from deepspeed.initialize without a "
             "PipelineModule"
         )
-    if engine.fp16_enabled():
+    if engine.fp16_enabled() and int(engine.zero_optimization_stage()) == 3:
         raise NotImplementedError(
-            "DeepSpeedGuard does not support DeepSpeed's fp16 (dynamic loss scaling) yet: use bf16 "
-            '({"bf16": {"enabled": true}}) or fp32'
+            "DeepSpeedGuard supports DeepSpeed's fp16 (its dynamic loss scaler) at ZeRO stages 0-2 only: use "
+            'stage 2, or bf16 ({"bf16": {"enabled": true}}) at stage 3'
+        )
+    if engine.fp16_enabled() and config.recovery.enabled:
+        raise NotImplementedError(
+            "DeepSpeedGuard does not support recovery (RecoveryConfig) with DeepSpeed's fp16 yet: a snapshot does "
+            "not hold DeepSpeed's loss scaler; use bf16 or fp32 with recovery, or turn recovery off"
         )
     if engine.zero_cpu_offload():
         raise NotImplementedError(
@@ -214,6 +229,33 @@ def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
             "DeepSpeedGuard does not measure update ratios (GradNormConfig(update_ratio=...)): the parameters "
             "are partitioned inside DeepSpeed; turn update_ratio off"
         )
+
+
+class DeepSpeedLossScale(ScalerAdapter):
+    """DeepSpeed's own dynamic loss scaler (fp16) as the driver core sees a loss scaler.
+
+    The grads are still scaled when they are final at ZeRO stages 1-2 (DeepSpeed unscales them inside
+    its step), so the norms divide by the scale they carry (``grads_loss_scale``); a non-finite grad
+    is an fp16 overflow (rule ``fp16_overflow``), which DeepSpeed's own step skips while lowering its
+    scale. Its scale is logged as ``scaler/scale``.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(None)
+        self.engine = engine
+        self.enabled = True
+
+    def grads_scale(self, optimizer: Any, fused: bool) -> Tensor | None:
+        return torch.tensor(grads_loss_scale(self.engine), device=self.engine.device)
+
+    def loss_scale(self) -> Tensor | None:
+        return torch.tensor(float(self.engine.optimizer.loss_scale), device=self.engine.device)
+
+    def scale(self, loss: Tensor) -> Tensor:
+        return loss  # the engine's backward scales it
+
+    def state_tensors(self) -> dict[str, Tensor] | None:
+        return None  # saved with DeepSpeed's own checkpoints
 
 
 class _EngineState:
@@ -281,6 +323,10 @@ class DeepSpeedGuard:
         )
         self.core = self.cores[0]
         self.config = self.core.config
+        #: DeepSpeed's fp16: its own loss scaler scales the grads and skips an overflow itself.
+        self.fp16 = bool(engine.fp16_enabled())
+        if self.fp16:
+            self.core.scaler = DeepSpeedLossScale(engine)
         if self.core.recovery is not None:  # snapshots of this rank's partitions, not of the stand-ins
             self.core.recovery.cover(lambda scaler, guard_state: rank_state(engine, scaler, guard_state))
             if engine.lr_scheduler is not None:
@@ -350,7 +396,7 @@ class DeepSpeedGuard:
             counters = engine_counters(self.engine)
             decision = self.core.decision
             result = original(*args, **kwargs)
-            if decision is not None and decision.skipped_now:
+            if decision is not None and decision.skipped_now and not self._deepspeed_skips(decision):
                 put_engine_counters(self.engine, counters)
             self._last_report = self.core.finish()
             return result
@@ -374,12 +420,22 @@ class DeepSpeedGuard:
                 self._evaluate()
             decision = self.core.decision
             assert decision is not None
+            if self._deepspeed_skips(decision):  # DeepSpeed's own overflow skip: it also lowers its loss scale
+                return original(*args, **kwargs)
             result = self.core.run_optimizer_step(lambda: original(*args, **kwargs))
             if decision.skipped_now:
                 drop_step(self.engine.optimizer, self.partitions.stage)
             return result
 
         return step
+
+    def _deepspeed_skips(self, decision: Any) -> bool:
+        """A step skipped for an fp16 overflow alone, which DeepSpeed's own step skips (counting it and
+        lowering its loss scale), so the guard hands the step to it. Decided from the agreed rules only,
+        so every rank hands it over or skips it itself alike."""
+        if not (self.fp16 and decision.skipped_now):
+            return False
+        return self.core.engine.rules.raised_anywhere(decision.outcome.code) == ["fp16_overflow"]
 
     def _check_open(self, what: str) -> None:
         if self._closed:

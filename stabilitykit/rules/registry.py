@@ -95,6 +95,11 @@ class RuleSet:
         n = len(self.rules)
         return SKIP | (2 << (n + i)) | ((2 << i) if here else 0)
 
+    def raised_anywhere(self, code: int) -> list[str]:
+        """The rules some rank raised in a decision code (the same list on every rank: the agreed bits)."""
+        n = len(self.rules)
+        return [rule.name for i, rule in enumerate(self.rules) if code & (2 << (n + i))]
+
     def decode(self, code: int) -> Verdict:
         """What a decision code says: skipped or not, and why.
 
