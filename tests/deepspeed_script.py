@@ -398,6 +398,9 @@ def _user_rule(stage: int, rank: int) -> dict[str, Any]:
 
 
 FP16_PLAN = [(0, None), (1, None), (2, "overflow"), (3, None), (4, "nan"), (5, None)]  # (batch, fault)
+#: After FP16_PLAN, with recovery: an overflow (scale halved), then two NaN losses in a row (diverged), a
+#: clean step (the rollback, agreed), then the restored step's own batch again.
+FP16_ROLLBACK = [(6, "overflow"), (7, "nan"), (8, "nan"), (9, None)]
 
 
 def _fp16_engine(stage: int) -> Any:
@@ -421,12 +424,19 @@ def _fp16_loss(engine: Any, i: int, rank: int, fault: str | None) -> torch.Tenso
 
 
 def _fp16(stage: int, rank: int) -> dict[str, Any]:
-    """DeepSpeed's fp16 with its dynamic loss scaler (stages 0-2, on the CPU through an accelerator that
-    declares fp16): an overflow on rank 1 only is DeepSpeed's own skip, reported once as fp16_overflow
-    (its scale lowered, its counters its own); a NaN loss on rank 0 only is the guard's skip (the scale
-    untouched). The end state is bitwise DeepSpeed's alone over the batches without the NaN loss."""
+    """DeepSpeed's fp16 with its dynamic loss scaler (on the CPU through an accelerator that declares
+    fp16): an overflow on rank 1 only is DeepSpeed's own skip, reported once as fp16_overflow (its scale
+    lowered, its counters its own); a NaN loss on rank 0 only is the guard's skip (the scale untouched).
+    The end state is bitwise DeepSpeed's alone over the batches without the NaN loss. Then recovery: an
+    overflow halves the scale, a NaN streak diverges, and the rollback puts the partitions, masters,
+    moments, counters and DeepSpeed's loss scaler back bitwise; the restored step's own batch (an
+    overflow again) then ends where it ended the first time."""
     import stabilitykit as sk
+    from stabilitykit.compat.deepspeed import loss_scaler_state
     from stabilitykit.integrations.deepspeed import DeepSpeedGuard
+
+    def state() -> dict[str, Any]:
+        return {**_state(engine), "scaler": loss_scaler_state(engine)}
 
     reference = _fp16_engine(stage)
     ref_norms = []
@@ -437,7 +447,14 @@ def _fp16(stage: int, rank: int) -> dict[str, Any]:
             if fault is None:
                 ref_norms.append(_ds_norm(reference, None))
     engine = _fp16_engine(stage)
-    guard = DeepSpeedGuard(engine, config=sk.StabilityConfig(log_every_n_steps=1))
+    recovery = sk.RecoveryConfig(
+        enabled=True, snapshot_every=2, keep=2, trigger=["diverged"], min_lookback=0, skip_after=0
+    )
+    cfg = sk.StabilityConfig(log_every_n_steps=1, skip=sk.SkipConfig(max_consecutive=2), recovery=recovery)
+    guard = DeepSpeedGuard(engine, config=cfg)
+    rollbacks: list[Any] = []
+    guard.hooks.on("rollback", rollbacks.append)
+    states: dict[int, dict[str, Any]] = {}
     kinds: list[str] = []
     guard.hooks.on("*", lambda e: kinds.append(e.kind))
     reasons, scales, norms = [], [], []
@@ -449,17 +466,40 @@ def _fp16(stage: int, rank: int) -> dict[str, Any]:
         scales.append(float(engine.optimizer.loss_scale))
         if fault is None:
             norms.append(float(report.grad_norm))
+        states[guard.step_count] = state()
+    end_equals_reference = _same(_state(engine), _state(reference))
     summary = guard.summary()
+    skipped_steps = engine.skipped_steps
+    plan = dict(enumerate([*FP16_PLAN, *FP16_ROLLBACK]))  # step -> (batch, fault)
+    replay: int | None = None
+    restored = replayed = False
+    for i, fault in [*FP16_ROLLBACK, (None, None)]:
+        if replay is not None:  # the restored step's own batch, and fault, again
+            i, fault = plan[replay]
+        guard.backward(_fp16_loss(engine, i, rank, fault))
+        guard.step()
+        if replay is not None:
+            replayed = _same(state(), states[replay + 1]) and state()["scaler"] == states[replay + 1]["scaler"]
+            break
+        if rollbacks:
+            replay = rollbacks[0].details["restored_step"]
+            restored = _same(state(), states[replay]) and state()["scaler"] == states[replay]["scaler"]
+        else:
+            states[guard.step_count] = state()
     guard.close()
     return {
+        "rollbacks": len(rollbacks),
+        "restored_step": replay,
+        "restored": restored,
+        "replayed": replayed,
         "reasons": reasons,
         "scales": scales,
         "ref_scale": float(reference.optimizer.loss_scale),
         "norms": norms,
         "ref_norms": ref_norms,
-        "end_equals_reference": _same(_state(engine), _state(reference)),
+        "end_equals_reference": end_equals_reference,
         "kinds": sorted(set(kinds) - {"precision"}),
-        "skipped_steps": engine.skipped_steps,
+        "skipped_steps": skipped_steps,
         "skipped": summary.skipped,
     }
 
@@ -479,7 +519,7 @@ def _fp16_cases(rank: int) -> dict[str, Any]:
             return [torch.float, torch.bfloat16, torch.float16]
 
     set_accelerator(Fp16Cpu())
-    return {f"fp16-stage{stage}": _fp16(stage, rank) for stage in (0, 1, 2)}
+    return {f"fp16-stage{stage}": _fp16(stage, rank) for stage in (0, 1, 2, 3)}
 
 
 def _refusals() -> dict[str, str]:

@@ -132,7 +132,7 @@ def test_user_rule_on_a_recorded_metric(ranks: list[dict[str, Any]], stage: int)
         assert got["rank_id_sums"] == [3.0]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp16_overflow_is_deepspeeds_own_skip(ranks: list[dict[str, Any]], stage: int) -> None:
     """DeepSpeed's fp16 with its dynamic loss scaler (on the CPU through an accelerator that declares fp16):
     an overflow on rank 1 only is skipped by DeepSpeed's own step, reported as fp16_overflow on both ranks
@@ -152,6 +152,18 @@ def test_fp16_overflow_is_deepspeeds_own_skip(ranks: list[dict[str, Any]], stage
         assert "diverged" not in got["kinds"] and "fp16_overflow" in got["kinds"]
         for mine, theirs in zip(got["norms"], got["ref_norms"], strict=True):
             assert _rel(mine, theirs) < 1e-6, (mine, theirs)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp16_rollback_restores_deepspeeds_loss_scaler(ranks: list[dict[str, Any]], stage: int) -> None:
+    """Recovery in fp16: after an overflow halved DeepSpeed's scale, a NaN streak on rank 0 only diverges and
+    both ranks roll back once to the same snapshot: partitions, fp32 masters, moments, counters and DeepSpeed's
+    loss scaler (scale, iteration, last overflow, hysteresis) bitwise the snapshot's; the restored step's own
+    batch (the overflow again) then ends bitwise where it ended the first time."""
+    got = [rank[f"fp16-stage{stage}"] for rank in ranks]
+    for mine in got:
+        assert mine["rollbacks"] == 1 and mine["restored"] and mine["replayed"]
+    assert got[0]["restored_step"] == got[1]["restored_step"] == 6
 
 
 def test_deepspeed_alone_applies_a_nan_step_at_stage_0(ranks: list[dict[str, Any]]) -> None:

@@ -117,3 +117,30 @@ def grads_loss_scale(engine: Any) -> float:
 
     optimizer = engine.optimizer
     return float(optimizer.loss_scale) if isinstance(optimizer, ZeROOptimizer) else 1.0
+
+
+def _loss_scaler(engine: Any) -> Any | None:
+    """The object that holds DeepSpeed's fp16 loss scale (read fresh: loading a checkpoint replaces it)."""
+    if not engine.fp16_enabled():
+        return None
+    optimizer = engine.optimizer
+    scaler = getattr(optimizer, "loss_scaler", None)  # the ZeRO optimizers
+    return scaler if scaler is not None else getattr(optimizer, "loss_scale_config", None)  # stage 0's fp16 wrapper
+
+
+def loss_scaler_state(engine: Any) -> dict[str, Any] | None:
+    """DeepSpeed's fp16 loss scaler as plain values (scale, iteration, last overflow, hysteresis...); None
+    without fp16."""
+    scaler = _loss_scaler(engine)
+    if scaler is None:
+        return None
+    return {k: v for k, v in vars(scaler).items() if v is None or isinstance(v, (bool, int, float, torch.Tensor))}
+
+
+def put_loss_scaler_state(engine: Any, state: dict[str, Any] | None) -> None:
+    """Put back what ``loss_scaler_state`` returned."""
+    scaler = _loss_scaler(engine)
+    if scaler is None or state is None:
+        return
+    for name, value in state.items():
+        setattr(scaler, name, value)

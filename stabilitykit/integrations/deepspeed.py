@@ -27,7 +27,7 @@ does not step it after an overflow) and the engine's step counters (``global_ste
 ``global_samples``, ``skipped_steps``) are left as they were. Every rank takes the same decision
 (the step record is agreed across ranks), so every rank runs the same collectives.
 
-fp16 (DeepSpeed's dynamic loss scaler, stages 0-2): the grads are still scaled when final, so the
+fp16 (DeepSpeed's dynamic loss scaler): the grads are still scaled when final, so the
 norms divide by DeepSpeed's scale; a step whose only fault is a non-finite grad is an fp16 overflow,
 handed to DeepSpeed's own step, which skips it, counts it and lowers its scale (reported once, as
 ``fp16_overflow``, never toward divergence); any other skip (a NaN loss, a user's rule) is the
@@ -36,8 +36,8 @@ guard's, DeepSpeed's scale untouched.
 Recovery: each rank snapshots its own state (``rank_state``) and every rank rolls back at the same
 step (the rollback is agreed in the step record); nothing is gathered.
 
-Not supported yet, refused by name at construction: fp16 at stage 3, recovery with fp16, CPU
-offload of the optimizer, the pipeline engine, monitors and update ratios.
+Not supported yet, refused by name at construction: CPU offload of the optimizer, the pipeline
+engine, monitors and update ratios.
 NaN tracing is off (the guard does not hook the module); the skip event still names the first
 non-finite layer from the norms.
 """
@@ -58,8 +58,10 @@ from stabilitykit.compat.deepspeed import (
     engine_counters,
     grads_loss_scale,
     inner_optimizer,
+    loss_scaler_state,
     master_partitions,
     put_engine_counters,
+    put_loss_scaler_state,
     rank_tensors,
     release_gathered,
 )
@@ -199,16 +201,6 @@ def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
             "inside its own schedule); use it with a DeepSpeedEngine from deepspeed.initialize without a "
             "PipelineModule"
         )
-    if engine.fp16_enabled() and int(engine.zero_optimization_stage()) == 3:
-        raise NotImplementedError(
-            "DeepSpeedGuard supports DeepSpeed's fp16 (its dynamic loss scaler) at ZeRO stages 0-2 only: use "
-            'stage 2, or bf16 ({"bf16": {"enabled": true}}) at stage 3'
-        )
-    if engine.fp16_enabled() and config.recovery.enabled:
-        raise NotImplementedError(
-            "DeepSpeedGuard does not support recovery (RecoveryConfig) with DeepSpeed's fp16 yet: a snapshot does "
-            "not hold DeepSpeed's loss scaler; use bf16 or fp32 with recovery, or turn recovery off"
-        )
     if engine.zero_cpu_offload():
         raise NotImplementedError(
             "DeepSpeedGuard does not support ZeRO optimizer offload (offload_optimizer) yet: the grads then "
@@ -234,7 +226,7 @@ def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
 class DeepSpeedLossScale(ScalerAdapter):
     """DeepSpeed's own dynamic loss scaler (fp16) as the driver core sees a loss scaler.
 
-    The grads are still scaled when they are final at ZeRO stages 1-2 (DeepSpeed unscales them inside
+    The grads are still scaled when they are final at ZeRO stages 1-3 (DeepSpeed unscales them inside
     its step), so the norms divide by the scale they carry (``grads_loss_scale``); a non-finite grad
     is an fp16 overflow (rule ``fp16_overflow``), which DeepSpeed's own step skips while lowering its
     scale. Its scale is logged as ``scaler/scale``.
@@ -260,24 +252,26 @@ class DeepSpeedLossScale(ScalerAdapter):
 
 class _EngineState:
     """What a snapshot keeps of the engine itself: its step counters (``global_steps``, ``global_samples``,
-    ``skipped_steps``). Restored after the tensors, it also drops stage 3's gathered parameter copies."""
+    ``skipped_steps``) and, in fp16, its loss scaler. Restored after the tensors, it also drops stage 3's
+    gathered parameter copies."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
     def state_dict(self) -> dict[str, Any]:
-        return engine_counters(self.engine)
+        return {"counters": engine_counters(self.engine), "loss_scaler": loss_scaler_state(self.engine)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        put_engine_counters(self.engine, dict(state))
+        put_engine_counters(self.engine, dict(state["counters"]))
+        put_loss_scaler_state(self.engine, state["loss_scaler"])
         release_gathered(self.engine)  # the next forward gathers the restored partitions
 
 
 def rank_state(engine: Any, scaler: ScalerAdapter, guard_state: Any) -> TrainingObjects:
     """What a recovery snapshot of this rank holds under DeepSpeed: this rank's own parameter tensors (whole at
     stages 0-2, its partitions at stage 3), the fp32 master partitions and the moments of the torch optimizer
-    inside DeepSpeed's, the module's buffers and the engine's step counters (the LR scheduler is tracked by the
-    guard). Each rank snapshots and restores only its own; nothing is gathered."""
+    inside DeepSpeed's, the module's buffers, the engine's step counters and fp16 loss scaler (the LR scheduler
+    is tracked by the guard). Each rank snapshots and restores only its own; nothing is gathered."""
     inner = inner_optimizer(engine)
     optimizer_params = master_partitions(engine)
     params = rank_tensors(engine)

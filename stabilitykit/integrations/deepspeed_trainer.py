@@ -139,7 +139,7 @@ class DeepSpeedTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         saved = self.saved_ranks or _saved_in(state)
         self.saved_ranks = None
         if saved and state.global_step > 0:
-            self.guard.load_rank_state(from_json(saved))
+            self.guard.load_rank_state(from_json(saved, self.guard.core.engine.device))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Training is over: the guard's last row and summary, its routes undone, the sinks closed."""
