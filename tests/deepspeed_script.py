@@ -522,6 +522,32 @@ def _fp16_cases(rank: int) -> dict[str, Any]:
     return {f"fp16-stage{stage}": _fp16(stage, rank) for stage in (0, 1, 2, 3)}
 
 
+def _per_tensor(stage: int, rank: int) -> dict[str, Any]:
+    """Per-tensor clipping (AdaGC, ``per_tensor_adaptive``) where the grads are partitioned: four clean steps
+    (the warm-up), then a huge grad on rank 0 only. Each parameter's norm is global (its pieces summed over
+    the ranks), so the clipped tensors and the end parameters are those of stage 0 (whole grads)."""
+    import deepspeed
+
+    import stabilitykit as sk
+    from stabilitykit.integrations.deepspeed import DeepSpeedGuard
+
+    engine = _engine(stage, False)
+    clip = sk.ClipConfig(mode="per_tensor_adaptive", warmup_steps=2, per_tensor_ratio=1.05)
+    guard = DeepSpeedGuard(engine, config=sk.StabilityConfig(log_every_n_steps=1, clip=clip))
+    clipped = []
+    for i in range(5):
+        loss = _loss(engine, i, rank, torch.float32, None, 0)
+        guard.backward(loss * 1e3 if (i == 4 and rank == 0) else loss)
+        report = guard.step()
+        assert report is not None and not bool(report.skipped)
+        clipped.append(bool(report.clipped))
+    guard.close()
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):  # stage 3: whole for reading only
+        whole = [p.detach().flatten().tolist() for p in params]
+    return {"clipped": clipped, "params": whole}
+
+
 def _refusals() -> dict[str, str]:
     import stabilitykit as sk
     from stabilitykit.integrations.deepspeed import DeepSpeedGuard
@@ -552,6 +578,13 @@ def worker(rank: int, world: int) -> dict[str, Any]:
                 results[key] = _case(stage, bf16, rank)
                 results[key]["huge"] = _huge(stage, bf16, rank)
                 results[key]["unguarded"] = _unguarded_nan(stage, bf16, rank)
+            finally:
+                sys.stdout = old
+        if stage in (0, 2, 3):
+            old = sys.stdout
+            sys.stdout = quiet
+            try:
+                results[f"per-tensor-stage{stage}"] = _per_tensor(stage, rank)
             finally:
                 sys.stdout = old
         if stage in (2, 3):

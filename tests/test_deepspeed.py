@@ -109,6 +109,20 @@ def test_rollback_restores_every_rank_partitions(ranks: list[dict[str, Any]], ca
 
 
 @pytest.mark.parametrize("stage", [2, 3])
+def test_per_tensor_clipping_under_partitioning(ranks: list[dict[str, Any]], stage: int) -> None:
+    """Per-tensor clipping (``per_tensor_adaptive``) with the grads partitioned: a huge grad on rank 0 only
+    after the warm-up is clipped on both ranks, and the parameters end where they end at stage 0 (whole
+    grads) within fp32 rounding: each tensor's norm is global, its pieces summed over the ranks."""
+    reference = [x for t in ranks[0]["per-tensor-stage0"]["params"] for x in t]
+    for rank in ranks:
+        got = rank[f"per-tensor-stage{stage}"]
+        assert got["clipped"] == [False, False, False, False, True]
+        flat = [x for t in got["params"] for x in t]
+        assert len(flat) == len(reference)
+        assert all(abs(a - b) <= 1e-6 * max(abs(b), 1e-3) for a, b in zip(flat, reference, strict=True))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
 def test_skip_under_gradient_accumulation(ranks: list[dict[str, Any]], stage: int) -> None:
     """Two micro-batches per step, a NaN in one micro-batch on rank 1 only: that step skipped on both
     ranks with the state unchanged, guard.step() None on the first micro-batch of each step, and the
