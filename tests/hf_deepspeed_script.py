@@ -33,7 +33,7 @@ STEPS = 8
 SAVE_STEPS = 4
 
 
-def _args(out: Path, max_grad_norm: float) -> Any:
+def _args(out: Path, max_grad_norm: float, restore_callbacks: bool = False) -> Any:
     from transformers import TrainingArguments
 
     ds = {
@@ -61,6 +61,7 @@ def _args(out: Path, max_grad_norm: float) -> Any:
         dataloader_num_workers=0,
         deepspeed=ds,
         max_grad_norm=max_grad_norm,
+        restore_callback_states_from_checkpoint=restore_callbacks,
     )
 
 
@@ -104,6 +105,25 @@ def main() -> None:
     resumed.train(resume_from_checkpoint=str(out / "run" / f"checkpoint-{SAVE_STEPS}"))
     assert again.guard is not None
     params_again = torch.cat([p.detach().float().flatten() for p in resumed.model_wrapped.module.parameters()])
+
+    # resume from the last checkpoint with restore_callback_states_from_checkpoint=True: the Trainer rebuilds
+    # the callback from its saved args, which hands back the attached one; its state is what step 8 saved
+    from transformers import TrainerCallback
+
+    restoring = NaNTrainer(model=tiny_llama(), args=_args(out, 0.0, restore_callbacks=True), train_dataset=rows)
+    third = stabilize(restoring, sk.StabilityConfig(log_every_n_steps=2))
+    seen: dict[str, Any] = {}
+
+    class Probe(TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+            if "loaded" not in seen and third.guard is not None:
+                seen["loaded"] = to_json(third.guard.state_dict())
+
+    restoring.add_callback(Probe())
+    restoring.args.max_steps = STEPS + 1
+    restoring.train(resume_from_checkpoint=str(out / "run" / f"checkpoint-{STEPS}"))
+    assert callback.guard.checkpoint_states is not None
+    saved_at_end = to_json(callback.guard.checkpoint_states[trainer.args.process_index])
     result = {
         "callback": type(callback).__name__,
         "skipped": skipped,
@@ -116,6 +136,8 @@ def main() -> None:
         "resume_guard_state": to_json(again.guard.state_dict()) == end_state,
         "resume_skipped": again.guard.summary().skipped,
         "resume_global_steps": resumed.model_wrapped.global_steps,
+        "restored_into_attached": any(cb is third for cb in restoring.callback_handler.callbacks),
+        "restored_state": seen.get("loaded") == saved_at_end,
     }
     (out / f"rank{trainer.args.process_index}.json").write_text(json.dumps(result))
     sys.stdout.flush()

@@ -199,7 +199,8 @@ def test_hf_trainer_with_deepspeed_is_stabilized(tmp_path: Path) -> None:
     the replicas end finite and identical, the guard's rows are in ``log_history``, and two clippers
     (``max_grad_norm`` with ``ClipConfig``) are refused by name. Resume: a second Trainer resumed from the
     step-4 checkpoint (``resume_from_checkpoint``) ends bitwise where the first ended, with every rank's
-    own guard state back (the skip before the checkpoint counted) and equal to the first run's at the end."""
+    own guard state back (the skip before the checkpoint counted) and equal to the first run's at the end;
+    with ``restore_callback_states_from_checkpoint=True`` the attached callback gets the state step 8 saved."""
     script = Path(__file__).parent / "hf_deepspeed_script.py"
     ranks = run_torchrun(script, 2, tmp_path, DS_ACCELERATOR="cpu")
     for rank in ranks:
@@ -209,6 +210,7 @@ def test_hf_trainer_with_deepspeed_is_stabilized(tmp_path: Path) -> None:
         assert rank["finite"] and rank["rows"] >= 3
         assert rank["resume_exact"] and rank["resume_guard_state"]
         assert rank["resume_skipped"] == 1 and rank["resume_global_steps"] == 7
+        assert rank["restored_into_attached"] and rank["restored_state"]
     assert ranks[0]["digest"] == ranks[1]["digest"]
     assert "max_grad_norm=0" in ranks[0]["refused"]
 
