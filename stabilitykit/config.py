@@ -166,7 +166,7 @@ class ClipConfig(_Strict):
             "down to exactly that; at least 1 (below 1 every step is clipped and the thresholds shrink to 0)."
         ),
     )
-    per_tensor_beta: float = Field(
+    per_tensor_decay: float = Field(
         0.98,
         gt=0,
         lt=1,
@@ -328,8 +328,8 @@ class DataGuardConfig(_Strict):
 class Fp16Config(_Strict):
     """fp16 overflow diagnosis: warn when GradScaler skips too often or the loss scale collapses."""
 
-    window: int = Field(200, ge=10, description="Steps over which the overflow rate is measured.")
-    max_overflow_rate: float = Field(
+    window: int = Field(200, ge=10, description="Steps over which the share of overflow-skipped steps is measured.")
+    max_overflow_share: float = Field(
         0.05, gt=0, le=1, description="Share of overflow-skipped steps in the window that triggers the warning."
     )
     scale_floor: float = Field(1.0, gt=0, description="A loss scale below this triggers the warning.")

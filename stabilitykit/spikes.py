@@ -214,7 +214,7 @@ class LevelReference:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
-        best = state.get("best")
+        best = state["best"]
         self.level, self.count = float(state["level"]), int(state["count"])
         self.best = math.inf if best is None else float(best)
 
@@ -265,7 +265,7 @@ class TrendDetector:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
         self.fast, self.slow, self.count = float(state["fast"]), float(state["slow"]), int(state["count"])
-        self.first_step, self.last_step = state.get("first_step"), state.get("last_step")
+        self.first_step, self.last_step = state["first_step"], state["last_step"]
 
 
 class SpikeScore:
@@ -591,7 +591,6 @@ class SpikeMonitor:
     def state_dict(self) -> dict[str, Any]:
         """Detector baselines, trends, the score window, interval maxima and the alert clock (plain values)."""
         return {
-            "version": 2,
             "detector": self.detector.state_dict(),
             "layer_detector": self.layer_detector.state_dict() if self.layer_detector is not None else None,
             "trends": {name: d.state_dict() for name, d in self.trends.items()},
@@ -609,27 +608,24 @@ class SpikeMonitor:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned (a state from before version 2 restores the score window only)."""
-        if state.get("version", 1) >= 2:
-            self.detector.load_state_dict(state["detector"])
-            if self.layer_detector is not None and state.get("layer_detector") is not None:
-                self.layer_detector.load_state_dict(state["layer_detector"])
-            self.trends = {}
-            self.trend_high = set(state.get("trend_high", []))
-            for name, sub in state.get("trends", {}).items():
-                self.trends[name] = TrendDetector(warmup_steps=max(self.config.warmup_steps, 50))
-                self.trends[name].load_state_dict(sub)
-            self.last_alert_step = state.get("last_alert_step")
-            self.last_alert_drift = bool(state.get("last_alert_drift", False))
-            self.alerts = int(state.get("alerts", 0))
-            self.loss_drift = float(state.get("loss_drift", 0.0))
-            if state.get("level") is not None:
-                self.level.load_state_dict(state["level"])
-                self.level_excess = self.level.excess()
-            self.level_alerted = bool(state.get("level_alerted", False))
-            self.last_step = state.get("last_step")
+        """Restore what ``state_dict`` returned (validated by ``state.py`` first)."""
+        self.detector.load_state_dict(state["detector"])
+        if self.layer_detector is not None and state["layer_detector"] is not None:
+            self.layer_detector.load_state_dict(state["layer_detector"])
+        self.trends = {}
+        self.trend_high = set(state["trend_high"])
+        for name, sub in state["trends"].items():
+            self.trends[name] = TrendDetector(warmup_steps=max(self.config.warmup_steps, 50))
+            self.trends[name].load_state_dict(sub)
+        self.last_alert_step = state["last_alert_step"]
+        self.last_alert_drift = bool(state["last_alert_drift"])
+        self.alerts = int(state["alerts"])
+        self.loss_drift = float(state["loss_drift"])
+        self.level.load_state_dict(state["level"])
+        self.level_excess = self.level.excess()
+        self.level_alerted = bool(state["level_alerted"])
+        self.last_step = state["last_step"]
         self.spike_score.load_state_dict(state["spike_score"])
-        z = state.get("last_z", (0.0, 0.0))
+        z = state["last_z"]
         self.last_z = (float(z[0]), float(z[1]))
-        recent = [*state.get("recent", (0.0, 0.0)), 0.0]
-        self.max_z_grad_recent, self.max_z_loss_recent, self.max_trend_recent = (float(v) for v in recent[:3])
+        self.max_z_grad_recent, self.max_z_loss_recent, self.max_trend_recent = (float(v) for v in state["recent"])

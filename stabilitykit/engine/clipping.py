@@ -116,7 +116,7 @@ class PerTensorClip:
     (``warmup_steps`` accepted steps): the total norm is clipped to ``warmup_max_norm`` (when set)
     and ``gamma_i`` keeps the smallest clipped norm of tensor ``i``. Then a tensor whose norm exceeds
     ``per_tensor_ratio * gamma_i`` is scaled to exactly that, and ``gamma_i`` takes its clipped norm
-    with weight ``1 - per_tensor_beta``. Only accepted steps (finite grads and loss, not skipped by
+    with weight ``1 - per_tensor_decay``. Only accepted steps (finite grads and loss, not skipped by
     the engine) update the statistics, and only for tensors with a non-zero grad: a zero norm carries
     no scale, and a zero ``gamma`` would freeze a tensor for good (a zero-initialised LoRA ``B`` gives
     ``A`` a zero grad on its first step). A tensor without statistics yet is not clipped; its first
@@ -171,7 +171,7 @@ class PerTensorClip:
         clipped = coefs * tensor_norms
 
         update = accept & finite & present & (tensor_norms > 0)
-        beta = cfg.per_tensor_beta
+        beta = cfg.per_tensor_decay
         kept = torch.where(warm, torch.minimum(self.gamma, clipped), beta * self.gamma + (1 - beta) * clipped)
         self.gamma = torch.where(update, torch.where(had, kept, clipped), self.gamma)
         self.seen = had | update

@@ -35,7 +35,7 @@ class Fp16Monitor:
         if step - self.warned_at < cfg.window:
             return []
         problems = []
-        if rate > cfg.max_overflow_rate and len(self.overflow_steps) >= 2:
+        if rate > cfg.max_overflow_share and len(self.overflow_steps) >= 2:
             problems.append(f"GradScaler skipped {rate:.0%} of the last {min(cfg.window, step + 1)} steps")
         if scale < cfg.scale_floor:
             problems.append(f"the loss scale fell to {scale:g} (floor {cfg.scale_floor:g})")
@@ -56,5 +56,5 @@ class Fp16Monitor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
-        self.overflow_steps = deque(int(s) for s in state.get("overflow_steps", []))
-        self.warned_at = int(state.get("warned_at", -(10**9)))
+        self.overflow_steps = deque(int(s) for s in state["overflow_steps"])
+        self.warned_at = int(state["warned_at"])

@@ -126,7 +126,7 @@ class Recovery:
             )
         self._listening = any(t in config.trigger for t in ("spike_alert", "loss_drift"))
         if self._listening:
-            engine.observers.append(self._on_alert)  # the ledger's events in step order, not the user's bus
+            engine.readout.observers.append(self._on_alert)  # the ledger's events in step order, not the user's bus
 
     # ------------------------------------------------------------------ what the driver core calls
     def track_scheduler(self, scheduler: Any) -> None:
@@ -148,7 +148,7 @@ class Recovery:
     def close(self) -> None:
         """Stop listening for alerts and drop every snapshot (the driver is done)."""
         if self._listening:
-            self.engine.observers.remove(self._on_alert)
+            self.engine.readout.observers.remove(self._on_alert)
             self._listening = False
         self.store.close()
 
@@ -277,7 +277,7 @@ class Recovery:
         divergence = decision.divergence
         if divergence is not None:
             if "diverged" not in self.config.trigger:
-                self.engine.report_divergence(divergence)  # raises, as without recovery
+                self.engine.readout.report_divergence(divergence)  # raises, as without recovery
             found.append(("diverged", divergence.step, divergence.step - divergence.consecutive + 1))
         if self._alert is not None:
             trigger, step = self._alert
@@ -310,7 +310,7 @@ class Recovery:
         found = self._load_newest(onset - cfg.min_lookback, at_step, trigger)
         if found is None:
             if divergence is not None:
-                self.engine.report_divergence(divergence)  # nothing to go back to: raise as before
+                self.engine.readout.report_divergence(divergence)  # nothing to go back to: raise as before
             return False  # an alert with no snapshot before it stays an alert
         snapshot, tree = found
         self._restore_guard(restore_snapshot(self.objects, tree, rng=cfg.restore_rng))
