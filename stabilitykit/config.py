@@ -6,7 +6,6 @@ field's name instead of being silently ignored.
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import re
@@ -14,31 +13,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-
-class _Strict(BaseModel):
-    """Base for all config models: unknown fields are an error, and a config is immutable.
-
-    A driver reads its config when it is built; a field assigned afterwards would be validated and
-    then silently ignored, so assignment raises instead. Derive a changed copy with
-    ``config.model_copy(update={...})`` and build a new driver with it.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unknown_fields(cls, data: Any) -> Any:
-        """A misspelled field names the closest real one (``max_nrom`` -> did you mean ``max_norm``?)."""
-        if isinstance(data, Mapping):
-            known = set(cls.model_fields)
-            for key in data:
-                if isinstance(key, str) and key not in known:
-                    close = difflib.get_close_matches(key, sorted(known), n=1)
-                    hint = f"; did you mean {close[0]!r}?" if close else f"; fields: {', '.join(sorted(known))}"
-                    raise ValueError(f"{cls.__name__} has no field {key!r}{hint}")
-        return data
+from stabilitykit.section import Section
 
 
 def _check_norm_type(value: float) -> float:
@@ -58,7 +35,7 @@ def _check_patterns(patterns: list[str] | None) -> list[str] | None:
     return patterns
 
 
-class GradNormConfig(_Strict):
+class GradNormConfig(Section):
     """How gradient norms are measured and grouped into layers."""
 
     norm_type: float = Field(2.0, description="p of the p-norm: 1, 2, any p > 0, or inf.")
@@ -116,7 +93,7 @@ class GradNormConfig(_Strict):
         return _check_patterns(value)
 
 
-class ClipConfig(_Strict):
+class ClipConfig(Section):
     """Gradient clipping: off, a fixed max_norm, an adaptive global threshold, or per-tensor adaptive (AdaGC)."""
 
     @field_validator("max_norm", mode="before")
@@ -174,7 +151,7 @@ class ClipConfig(_Strict):
     )
 
 
-class SkipConfig(_Strict):
+class SkipConfig(Section):
     """Skip-the-batch: which steps are skipped and when training is declared diverged."""
 
     nonfinite: bool = Field(True, description="Skip the step when the grad norm or loss is NaN/Inf.")
@@ -208,7 +185,7 @@ class SkipConfig(_Strict):
     spike_on_loss: bool = Field(True, description="Skip-on-spike: test the loss as well as the grad norm.")
 
 
-class SpikeConfig(_Strict):
+class SpikeConfig(Section):
     """Early warning on the loss and the total grad norm (robust one-step-ahead baseline)."""
 
     enabled: bool = Field(True, description="Run the spike detectors.")
@@ -285,7 +262,7 @@ class SpikeConfig(_Strict):
         return self
 
 
-class NaNTraceConfig(_Strict):
+class NaNTraceConfig(Section):
     """Locating the first module whose forward output or input gradient went non-finite."""
 
     mode: Literal["off", "always", "every_n", "on_nonfinite"] = Field(
@@ -308,7 +285,7 @@ class NaNTraceConfig(_Strict):
     )
 
 
-class DataGuardConfig(_Strict):
+class DataGuardConfig(Section):
     """Checking batches before they are trained on: non-finite floats, out-of-range labels, empty tensors."""
 
     mode: Literal["off", "skip", "raise"] = Field(
@@ -325,7 +302,7 @@ class DataGuardConfig(_Strict):
     )
 
 
-class Fp16Config(_Strict):
+class Fp16Config(Section):
     """fp16 overflow diagnosis: warn when GradScaler skips too often or the loss scale collapses."""
 
     window: int = Field(200, ge=10, description="Steps over which the share of overflow-skipped steps is measured.")
@@ -335,7 +312,7 @@ class Fp16Config(_Strict):
     scale_floor: float = Field(1.0, gt=0, description="A loss scale below this triggers the warning.")
 
 
-class PrecisionConfig(_Strict):
+class PrecisionConfig(Section):
     """Precision knobs the drivers apply when they start (they do not own autocast: see sk.select_precision)."""
 
     report_choice: bool = Field(
@@ -349,7 +326,7 @@ class PrecisionConfig(_Strict):
     deterministic_seed: int | None = Field(None, description="Call sk.set_determinism(seed) before training.")
 
 
-class QKClipConfig(_Strict):
+class QKClipConfig(Section):
     """QK-clip (MuonClip): after each optimizer step, rescale the q/k rows of heads whose max logit exceeded tau."""
 
     enabled: bool = Field(
@@ -376,7 +353,7 @@ class QKClipConfig(_Strict):
     )
 
 
-class MonitorConfig(_Strict):
+class MonitorConfig(Section):
     """Sampled activation, attention-logit and output-logit monitors for any model.
 
     Off unless ``StabilityConfig(monitors=MonitorConfig(...))`` is given; hooks are installed once,
@@ -455,7 +432,7 @@ class MonitorConfig(_Strict):
         return value
 
 
-class RecoveryConfig(_Strict):
+class RecoveryConfig(Section):
     """Rollback past a divergence: a ring of healthy snapshots, restored when a trigger fires, then training goes on.
 
     On by being given: ``StabilityConfig(recovery=RecoveryConfig(...))`` turns it on without ``enabled=True``
@@ -550,7 +527,7 @@ class RecoveryConfig(_Strict):
         return cls(**{"enabled": True, **recipes[name], **overrides})
 
 
-class StabilityConfig(_Strict):
+class StabilityConfig(Section):
     """Everything stabilitykit does in one place; each feature has its own section."""
 
     log_every_n_steps: int | None = Field(

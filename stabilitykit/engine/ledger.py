@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from stabilitykit.config import StabilityConfig
 from stabilitykit.engine.fp16 import Fp16Monitor
 from stabilitykit.engine.journal import Row
 from stabilitykit.events import Event, TrainingDivergedError
 from stabilitykit.fields import NonNegativeInt
 from stabilitykit.rules import RuleSet, SkipContext, Verdict
 from stabilitykit.spikes import SpikeMonitor
+
+if TYPE_CHECKING:  # the config module imports the sections' owners, this package among them
+    from stabilitykit.config import StabilityConfig
 
 
 @dataclass

@@ -43,13 +43,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from stabilitykit.compat.private import supports_amp_scaling
-from stabilitykit.config import StabilityConfig
 from stabilitykit.distributed import is_distributed, mark_collective_step, reducer_for
 from stabilitykit.engine.clipping import ClipStrategy, PerTensorClip, make_clip_strategy
 from stabilitykit.engine.decision import TAKEN, StepDecision
@@ -70,6 +69,9 @@ from stabilitykit.nn.qk_clip import QKClip
 from stabilitykit.report import StepReport
 from stabilitykit.rules import RuleSet, SkipRule, builtin_rules
 from stabilitykit.rules.spike import Spike
+
+if TYPE_CHECKING:  # the config module imports the sections' owners, this package among them
+    from stabilitykit.config import StabilityConfig
 
 
 def is_fused(optimizer: Any | None) -> bool:
@@ -107,7 +109,7 @@ class StabilityEngine:
     def __init__(
         self,
         params: Sequence[nn.Parameter | Tensor],
-        config: StabilityConfig | None = None,
+        config: StabilityConfig,
         model: nn.Module | None = None,
         hooks: HookManager | None = None,
         fused: bool = False,
@@ -115,7 +117,7 @@ class StabilityEngine:
         extra_group: Any | None = None,
         rules: Sequence[SkipRule] = (),
     ) -> None:
-        self.config = config or StabilityConfig()
+        self.config = config
         self.user_rules = list(rules)
         #: An LR scheduler is held on skipped steps (the driver says so; named in a late skip's event).
         self.has_scheduler = False
