@@ -15,12 +15,89 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from pydantic import Field, model_validator
 
 from stabilitykit.events import Event
+from stabilitykit.section import Section
 
-if TYPE_CHECKING:
-    from stabilitykit.config import SpikeConfig
+
+class SpikeConfig(Section):
+    """Early warning on the loss and the total grad norm (robust one-step-ahead baseline)."""
+
+    enabled: bool = Field(True, description="Run the spike detectors.")
+    warmup_steps: int = Field(20, ge=1, description="Steps that only collect statistics.")
+    baseline_rate: float = Field(0.1, gt=0, lt=1, description="EMA rate of the log-space baseline.")
+    scale_rate: float = Field(
+        0.1,
+        gt=0,
+        lt=1,
+        description=(
+            "EMA rate of the residual scale (debiased). Slower (0.03) gives less noisy z-scores on "
+            "stationary noise; 0.1 follows noise that changes during training (better on real runs)."
+        ),
+    )
+    z_warning: float = Field(
+        4.0, gt=0, description="Grad-norm (or layer) z-score that raises a spike_warning (dashboard only)."
+    )
+    z_spike: float = Field(6.0, gt=0, description="Robust z-score of the loss that is a loss spike.")
+    z_alert: float = Field(
+        5.0,
+        gt=0,
+        description="With no loss given: the grad-norm z-score that raises a spike_alert (the rare event that pages).",
+    )
+    z_joint: float = Field(
+        3.0, gt=0, description="With a loss: grad norm and loss both at this z-score raise a spike_alert."
+    )
+    z_loss_alert: float = Field(6.0, gt=0, description="Loss z-score that raises a spike_alert.")
+    alert_cooldown: int = Field(
+        20,
+        ge=1,
+        description=(
+            "Steps after a spike_alert during which no other is raised (after a loss-drift alert, a jump of "
+            "the loss or grad norm still alerts)."
+        ),
+    )
+    loss_drift_alert: float | None = Field(
+        4.0,
+        gt=0,
+        description=(
+            "Sequential test (CUSUM) on the loss: a spike_alert when the running sum of (loss z-score - 1), "
+            "each term clamped to 4, reaches this; catches a loss that climbs over several steps. None: off. "
+            "4 was chosen on the tuning runs of the monitors benchmark; lower is more recall for more "
+            "alerts: see the spike guide's operating points."
+        ),
+    )
+    loss_level_alert: float | None = Field(
+        2.0,
+        gt=1,
+        description=(
+            "A spike_alert when the loss's recent level (an EMA over about ten steps) reaches this many times "
+            "the best level the run has held; it scores from the fifth step on (inside warmup_steps too) and its "
+            "reference never follows a climb, so a blow-up that starts early or lasts is alerted once per "
+            "excursion (re-armed when the level falls back under the square root of this). None: off."
+        ),
+    )
+    trend_warning: float = Field(
+        0.7,
+        gt=0,
+        description=(
+            "Precursor signals (max attention logit, log Z, update size): warn when the recent level "
+            "exceeds the long-run level by this much in log units (0.7: about 2x)."
+        ),
+    )
+    per_layer: bool = Field(
+        False, description="Also score each layer's grad norm (names the layer that leads a spike)."
+    )
+    score_window: int = Field(128, ge=2, description="Window of the OLMo-style spike score (steps).")
+    score_sigma: float = Field(6.0, gt=0, description="Std multiple beyond which the spike score counts a step.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SpikeConfig:
+        if self.z_spike < self.z_warning:
+            raise ValueError("z_spike must be >= z_warning")
+        return self
 
 
 #: |residual| EMA * 1.2533 estimates the standard deviation of a normal residual.

@@ -11,13 +11,39 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Literal
 
+from pydantic import Field
 from torch import Tensor, nn
 
-from stabilitykit.config import NaNTraceConfig
 from stabilitykit.engine.decision import StepDecision
 from stabilitykit.nan import NaNTracer, NonFiniteRecord, eager_if, is_compiled, replay_nonfinite
 from stabilitykit.report import StepReport
+from stabilitykit.section import Section
+
+
+class NaNTraceConfig(Section):
+    """Locating the first module whose forward output or input gradient went non-finite."""
+
+    mode: Literal["off", "always", "every_n", "on_nonfinite"] = Field(
+        "off",
+        description=(
+            "'always': hooks on every step (a Python call per module per step; on a compiled model "
+            "one graph break per module); 'every_n': on every n-th step; 'on_nonfinite': no hooks "
+            "until a step goes non-finite (the guard records the next steps; a compiled model is "
+            "never hooked: the bad batch is replayed eagerly)."
+        ),
+    )
+    every_n_steps: int = Field(100, ge=1, description="Cadence of mode 'every_n'.")
+    replay: bool = Field(
+        True,
+        description=(
+            "Mode 'on_nonfinite': replay a non-finite batch once with hooks and "
+            "torch.autograd.detect_anomaly to name the module and the forward source line "
+            "(the guard needs step(replay=...); costs one sync per step to learn of the skip)."
+        ),
+    )
+
 
 #: Steps traced after a non-finite step in mode "on_nonfinite".
 TRACE_AFTER_NONFINITE = 10

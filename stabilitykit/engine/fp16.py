@@ -5,8 +5,20 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from stabilitykit.config import Fp16Config
+from pydantic import Field
+
 from stabilitykit.events import Event
+from stabilitykit.section import Section
+
+
+class Fp16Config(Section):
+    """fp16 overflow diagnosis: warn when GradScaler skips too often or the loss scale collapses."""
+
+    window: int = Field(200, ge=10, description="Steps over which the share of overflow-skipped steps is measured.")
+    max_overflow_share: float = Field(
+        0.05, gt=0, le=1, description="Share of overflow-skipped steps in the window that triggers the warning."
+    )
+    scale_floor: float = Field(1.0, gt=0, description="A loss scale below this triggers the warning.")
 
 
 class Fp16Monitor:

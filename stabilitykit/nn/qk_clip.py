@@ -25,16 +25,42 @@ import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, cast, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import torch
 import torch.distributed as dist
+from pydantic import Field
 from torch import Tensor, nn
 
 from stabilitykit.distributed import all_reduce, is_distributed, is_dtensor, to_local
+from stabilitykit.section import Section
 
-if TYPE_CHECKING:
-    from stabilitykit.config import QKClipConfig
+
+class QKClipConfig(Section):
+    """QK-clip (MuonClip): after each optimizer step, rescale the q/k rows of heads whose max logit exceeded tau."""
+
+    enabled: bool = Field(
+        False,
+        description=(
+            "Run stabilitykit.nn.QKClip after every optimizer step that is not skipped; the model needs "
+            "attention modules implementing stabilitykit.nn.QKClipTarget."
+        ),
+    )
+    threshold: float = Field(
+        100.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="tau: the largest max pre-softmax logit a head keeps (Megatron: 100).",
+    )
+    query_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description=(
+            "Share of the rescale on the queries (the paper's alpha: eta ** query_share); keys get "
+            "eta ** (1 - query_share)."
+        ),
+    )
 
 
 @dataclass(frozen=True)
