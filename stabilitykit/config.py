@@ -1,7 +1,11 @@
-"""Pydantic models for every feature: one model per concern, unknown fields rejected.
+"""``StabilityConfig``: every feature's section in one model, read from Python, a mapping or a file.
 
-Every model uses ``extra="forbid"`` so a typo in a YAML file fails loudly with the
-field's name instead of being silently ignored.
+Each section is defined beside the module that owns what it configures (``ClipConfig`` in
+``engine/clipping.py``, ``SpikeConfig`` in ``spikes.py``, ``RecoveryConfig`` in
+``recovery/controller.py``, ...) on the base in ``section.py``: unknown fields are rejected (a typo
+in a YAML file fails loudly with the field's name) and a config is immutable. This module imports
+the owners; none of them imports this module at run time (only to annotate), so there is no
+import cycle.
 """
 
 from __future__ import annotations

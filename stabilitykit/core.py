@@ -367,13 +367,13 @@ class DriverCore:
             self.optimizer, engine.params, engine.plan.present
         )
         if decision.pending and (replay is not None or creates_state):
-            self.engine.resolve(decision)  # one sync: the replay, or state a skipped step must not create
+            engine.resolve(decision)  # one sync: the replay, or state a skipped step must not create
         if decision.pending:
             self.buffers.restore(decision.skip)  # on the device: restored where the skip flag is set
         elif decision.skipped_now:  # the host knows the skip and its reason (no read of a pending code)
-            source = self.tracing.source_of(decision.report, replay, self.engine.params)
+            source = self.tracing.source_of(decision.report, replay, engine.params)
             if source is not None:
-                self.engine.readout.source_hint = source  # named by this step's skip events
+                engine.readout.source_hint = source  # named by this step's skip events
             self.buffers.restore(True)  # after a replay's forward: its running statistics go too
         return decision
 

@@ -136,8 +136,8 @@ class PredictiveDetector:
     baseline mistakes slow wander for noise, so its residual scale widens and 3x jumps drown.
     This detector predicts ``level + phi * (last - level)``, with ``level`` an EMA of log(x) and
     ``phi`` the lag-1 autocorrelation of the deviations from it (estimated online, in [0, 0.98]).
-    The residual scale is a debiased EMA of |residual| (x1.2533, rate ``scale_alpha``, by default
-    ``alpha``); once warm, residuals are clamped to
+    The residual scale is a debiased EMA of |residual| (x1.2533, rate ``scale_rate``, by default
+    ``rate``); once warm, residuals are clamped to
     ``clamp`` scales before they update anything, and a clamped value is what ``last`` keeps, so
     one spike moves neither the baseline nor the scale nor the next prediction. NaN, Inf and
     non-positive values are never ingested: the detector is never blind after one.
@@ -145,21 +145,21 @@ class PredictiveDetector:
 
     def __init__(
         self,
-        alpha: float = 0.1,
+        rate: float = 0.1,
         warmup_steps: int = 20,
         size: int = 1,
-        slow_alpha: float = 0.02,
+        slow_rate: float = 0.02,
         clamp: float = 3.0,
-        scale_alpha: float | None = None,
+        scale_rate: float | None = None,
     ) -> None:
-        scale_alpha = alpha if scale_alpha is None else scale_alpha
-        if not 0 < alpha < 1 or not 0 < slow_alpha < 1 or not 0 < scale_alpha < 1:
+        scale_rate = rate if scale_rate is None else scale_rate
+        if not 0 < rate < 1 or not 0 < slow_rate < 1 or not 0 < scale_rate < 1:
             raise ValueError(
-                f"alpha, slow_alpha and scale_alpha must be in (0, 1), got {alpha!r}, {slow_alpha!r}, {scale_alpha!r}"
+                f"rate, slow_rate and scale_rate must be in (0, 1), got {rate!r}, {slow_rate!r}, {scale_rate!r}"
             )
-        self.alpha = alpha
-        self.slow_alpha = slow_alpha
-        self.scale_alpha = scale_alpha
+        self.rate = rate
+        self.slow_rate = slow_rate
+        self.scale_rate = scale_rate
         self.clamp = clamp
         self.warmup_steps = warmup_steps
         self.level = [0.0] * size
@@ -181,11 +181,11 @@ class PredictiveDetector:
     def scale(self, i: int = 0) -> float:
         """The current one-step-ahead residual scale of series ``i`` (log space, std units).
 
-        The EMA of |residual| starts at 0, so it is divided by ``1 - (1 - scale_alpha) ** n`` (n residuals
+        The EMA of |residual| starts at 0, so it is divided by ``1 - (1 - scale_rate) ** n`` (n residuals
         seen), as Adam debiases its moments: the scale is unbiased from the first steps on.
         """
         seen = self.count[i] - 1
-        debias = 1.0 - (1.0 - self.scale_alpha) ** seen if seen > 0 else 1.0
+        debias = 1.0 - (1.0 - self.scale_rate) ** seen if seen > 0 else 1.0
         return self.abs_dev[i] / debias * _ABS_TO_STD + _MIN_STD
 
     def update(self, values: Sequence[float]) -> list[float]:
@@ -214,11 +214,11 @@ class PredictiveDetector:
             else:
                 scores.append(0.0)
             clean = pred + resid
-            a = self.alpha
-            b = self.scale_alpha
+            a = self.rate
+            b = self.scale_rate
             self.abs_dev[i] = (1 - b) * self.abs_dev[i] + b * abs(resid)
             d_prev, d_now = last - level, clean - level
-            s = self.slow_alpha
+            s = self.slow_rate
             self.cov[i] = (1 - s) * self.cov[i] + s * d_now * d_prev
             self.var[i] = (1 - s) * self.var[i] + s * d_now * d_now
             self.level[i] = level + a * (clean - level)
@@ -250,7 +250,7 @@ class LevelReference:
 
     A z-score (``PredictiveDetector``) measures a value against its own recent past: a blow-up that
     starts before the detector is warm is never scored, and one that lasts becomes the baseline it is
-    measured against. This reference does neither. ``level`` is an EMA of log(loss) (rate ``alpha``,
+    measured against. This reference does neither. ``level`` is an EMA of log(loss) (rate ``rate``,
     about ten steps: one bad batch barely moves it); ``best`` is the lowest level held so far, so it
     never follows a climb. While the level sits within ``freeze_above`` of the best, the best relaxes
     upward at rate ``relax`` (a run whose loss settles higher for good, e.g. a new data mixture, is
@@ -259,11 +259,11 @@ class LevelReference:
     """
 
     def __init__(
-        self, alpha: float = 0.1, relax: float = _LEVEL_RELAX, freeze_above: float = 0.35, min_steps: int = 5
+        self, rate: float = 0.1, relax: float = _LEVEL_RELAX, freeze_above: float = 0.35, min_steps: int = 5
     ) -> None:
-        if not 0 < alpha < 1 or not 0 <= relax < 1:
-            raise ValueError(f"alpha must be in (0, 1) and relax in [0, 1), got {alpha!r}, {relax!r}")
-        self.alpha, self.relax, self.freeze_above, self.min_steps = alpha, relax, freeze_above, min_steps
+        if not 0 < rate < 1 or not 0 <= relax < 1:
+            raise ValueError(f"rate must be in (0, 1) and relax in [0, 1), got {rate!r}, {relax!r}")
+        self.rate, self.relax, self.freeze_above, self.min_steps = rate, relax, freeze_above, min_steps
         self.level = 0.0
         self.best = math.inf
         self.count = 0
@@ -273,7 +273,7 @@ class LevelReference:
         if not (x > 0 and math.isfinite(x)):
             return self.excess()
         y = math.log(x)
-        self.level = y if self.count == 0 else self.level + self.alpha * (y - self.level)
+        self.level = y if self.count == 0 else self.level + self.rate * (y - self.level)
         self.count += 1
         if self.level < self.best:
             self.best = self.level
@@ -307,7 +307,7 @@ class TrendDetector:
     """
 
     def __init__(self, fast: float = 0.1, slow: float = 0.01, warmup_steps: int = 50) -> None:
-        self.fast_alpha, self.slow_alpha, self.warmup_steps = fast, slow, warmup_steps
+        self.fast_rate, self.slow_rate, self.warmup_steps = fast, slow, warmup_steps
         self.fast = self.slow = 0.0
         self.count = 0
         self.first_step: int | None = None
@@ -322,8 +322,8 @@ class TrendDetector:
         if self.count == 0:
             self.fast = self.slow = y
             self.first_step = step
-        self.fast += (1.0 - (1.0 - self.fast_alpha) ** gap) * (y - self.fast)
-        self.slow += (1.0 - (1.0 - self.slow_alpha) ** gap) * (y - self.slow)
+        self.fast += (1.0 - (1.0 - self.fast_rate) ** gap) * (y - self.fast)
+        self.slow += (1.0 - (1.0 - self.slow_rate) ** gap) * (y - self.slow)
         self.count += 1
         self.last_step = step
         age = self.count if step is None or self.first_step is None else step - self.first_step + 1
@@ -507,13 +507,11 @@ class SpikeMonitor:
     def __init__(self, config: SpikeConfig, layer_names: Sequence[str]) -> None:
         self.config = config
         self.layer_names = list(layer_names)
-        alpha, warmup, scale_alpha = config.baseline_rate, config.warmup_steps, config.scale_rate
-        self.detector = PredictiveDetector(alpha, warmup, size=2, scale_alpha=scale_alpha)  # [grad norm, loss]
+        rate, warmup, scale_rate = config.baseline_rate, config.warmup_steps, config.scale_rate
+        self.detector = PredictiveDetector(rate, warmup, size=2, scale_rate=scale_rate)  # [grad norm, loss]
         per_layer = config.per_layer and bool(self.layer_names)
         self.layer_detector = (
-            PredictiveDetector(alpha, warmup, size=len(self.layer_names), scale_alpha=scale_alpha)
-            if per_layer
-            else None
+            PredictiveDetector(rate, warmup, size=len(self.layer_names), scale_rate=scale_rate) if per_layer else None
         )
         self.trends: dict[str, TrendDetector] = {}
         self.trend_high: set[str] = set()  # signals above trend_warning (a warning fires on the crossing)
