@@ -11,12 +11,23 @@ out-of-range label arrives: the data guard skips that step on the device.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 import stabilitykit as sk
 from stabilitykit.testing import char_batches, tiny_gpt
+
+
+class LatestMetrics:
+    """A sink keeping the newest value of each metric (any object with ``log_metrics`` is a sink)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {}
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self.values.update(metrics)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -34,7 +45,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         nan_trace=sk.NaNTraceConfig(mode="on_nonfinite"),
         data=sk.DataGuardConfig(mode="skip", num_classes=model.cfg.vocab_size, label_keys=[1]),
     )
-    guard = sk.StabilityGuard(model, optimizer, cfg, sinks=[sk.sinks.ConsoleSink()])
+    latest = LatestMetrics()
+    guard = sk.StabilityGuard(model, optimizer, cfg, sinks=[sk.sinks.ConsoleSink(), latest])
     events: list[sk.Event] = []
     guard.hooks.on("*", events.append)
 
@@ -60,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for event in events:
             if event.kind == kind:
                 print(" ", event)
-    metrics = guard.engine.last_host_metrics
+    metrics = latest.values
     print(
         f"log Z max {metrics['stability/logits/log_z_max']:.2f}, "
         f"max attention logit {metrics['stability/attention/max_logit']:.2f}"

@@ -30,26 +30,17 @@ from stabilitykit.compat.private import wrapped_optimizer
 from stabilitykit.compat.schedulers import hold_scheduler, release_scheduler
 from stabilitykit.config import StabilityConfig
 from stabilitykit.engine import StabilityEngine, StepDecision, StepGate, is_fused
+from stabilitykit.engine.gate import NewStateCheck
 from stabilitykit.events import Event
 from stabilitykit.hooks import HookManager
-from stabilitykit.nan import (
-    NaNTracer,
-    NonFiniteRecord,
-    batch_is_bad,
-    check_batch,
-    eager_if,
-    is_compiled,
-    replay_nonfinite,
-)
+from stabilitykit.nan import batch_is_bad, check_batch
 from stabilitykit.precision import PrecisionChoice, apply_precision_config
 from stabilitykit.recovery import Recovery
 from stabilitykit.report import StepReport
 from stabilitykit.rules import SkipRule
 from stabilitykit.run_log import RunSummary
 from stabilitykit.state import STATE_VERSION, validate_state
-
-#: Steps traced after a non-finite step in mode "on_nonfinite".
-TRACE_AFTER_NONFINITE = 10
+from stabilitykit.tracing import NaNTracing
 
 
 def coerce_config(config: Any) -> StabilityConfig:
@@ -262,8 +253,8 @@ class DriverCore:
             )
         check_supported(model, self.optimizer, params)
         self._param_count = self._count_params()
-        self._state_checked: tuple[int, tuple[bool, ...]] | None = None
-        self._state_before: tuple[int, tuple[bool, ...]] | None = None  # the key of a host-decided step
+        #: Steps a fused optimizer would create state on are decided on the host (``engine/gate.py``).
+        self.new_state = NewStateCheck()
         self.hooks = hooks or HookManager()
         self.scaler = ScalerAdapter(scaler)
         self.engine = engine_cls(
@@ -290,18 +281,12 @@ class DriverCore:
             )
         self.decision: StepDecision | None = None
         self.last_report: StepReport | None = None
-        self.last_nonfinite: NonFiniteRecord | None = None
         self._bad_batch: Tensor | None = None
         self._hold: bool | None = None
         self.held_steps = 0  # steps an LR scheduler was held for (schedule_step = steps - held_steps)
         self._log_step: int | None = None
-        self._tracing = tracing and model is not None and self.config.nan_trace.mode != "off"
-        #: A compiled model is never hooked between steps in mode "on_nonfinite": hooks would break and
-        #: recompile its graph; the bad batch is replayed eagerly instead (``_replay``).
-        self._compiled = model is not None and is_compiled(model)
-        self._warned_no_replay = False
-        self.tracer: NaNTracer | None = None
-        self._trace_left = 0
+        #: The NaN tracing policy (``config.nan_trace``): the tracer's hooks, the replay, the newest source.
+        self.tracing = NaNTracing(model, self.config.nan_trace, enabled=tracing)
         self._undo: list[Callable[[], None]] = []
         self._undo.append(self.engine.close_monitors)  # the monitors' forward hooks (config.monitors)
         self._routes: dict[int, Callable[[], None]] = {}  # optimizer id -> undo of its routed step
@@ -323,7 +308,7 @@ class DriverCore:
                 restore_guard=self._recovered,
             )
             self._undo.append(self.recovery.close)
-        self._trace_for(self.engine.step)
+        self.tracing.attach_for(self.engine.step)
 
     # ------------------------------------------------------------------ micro-batches
     def check_batch(self, batch: Any) -> None:
@@ -342,7 +327,7 @@ class DriverCore:
 
     def record_loss(self, loss: Tensor) -> None:
         """Remember one micro-batch's loss (stays on the device)."""
-        self.engine.record_loss(loss)
+        self.engine.inputs.add_loss(loss)
 
     def backward(self, loss: Tensor, **kwargs: Any) -> None:
         """Record ``loss`` and backpropagate it, scaled when a GradScaler is enabled."""
@@ -376,28 +361,20 @@ class DriverCore:
         self._hold = None
         self._log_step = log_step
         self.decision = decision
-        trace = self.config.nan_trace
-        replaying = trace.mode == "on_nonfinite" and trace.replay and replay is not None
-        creates_state = self._step_creates_state()  # asked on every step until settled (logging steps too)
-        if decision.pending and (replaying or creates_state):
-            self.engine.resolve(decision)  # one sync: the replay, or state a skipped step must not create
-        if replaying and decision.skipped_now and decision.report.reason != "bad_batch":
-            assert replay is not None
-            self._replay(replay, decision.report.step)
-        elif self._compiled and trace.mode == "on_nonfinite" and decision.skipped_now and not self._warned_no_replay:
-            self._warned_no_replay = True
-            warnings.warn(
-                "stabilitykit: a compiled model is not hooked between steps (hooks would break and recompile "
-                "its graph), so nan_trace 'on_nonfinite' names the source of a non-finite step by replaying "
-                "the batch eagerly: pass step(replay=...) and keep NaNTraceConfig(replay=True)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        replay = replay if self.tracing.replays(replay) else None
+        engine = self.engine  # a fused optimizer's step asks on every step until settled (logging steps too)
+        creates_state = engine.fused and self.new_state.creates_state(
+            self.optimizer, engine.params, engine.plan.present
+        )
+        if decision.pending and (replay is not None or creates_state):
+            engine.resolve(decision)  # one sync: the replay, or state a skipped step must not create
         if decision.pending:
             self.buffers.restore(decision.skip)  # on the device: restored where the skip flag is set
-        elif decision.skipped_now:
-            self.buffers.restore(True)
-        self._trace_source(decision)
+        elif decision.skipped_now:  # the host knows the skip and its reason (no read of a pending code)
+            source = self.tracing.source_of(decision.report, replay, engine.params)
+            if source is not None:
+                engine.readout.source_hint = source  # named by this step's skip events
+            self.buffers.restore(True)  # after a replay's forward: its running statistics go too
         return decision
 
     def _count_params(self) -> int:
@@ -415,24 +392,6 @@ class DriverCore:
             self._param_count = count
             if self.recovery is not None:
                 self.recovery.forget()
-
-    def _step_creates_state(self) -> bool:
-        """A fused step on the device would create optimizer state (a first momentum buffer) for some
-        parameter: a skipped step must not leave it behind, so the host decides this step (one sync;
-        only until every parameter with a grad has state, usually the first step). Checked again
-        only when the state or the set of parameters with grads changes. An optimizer that creates
-        no state (SGD without momentum) is settled after one applied step left the state as it was."""
-        if not self.engine.fused:
-            return False
-        state = self.optimizer.state
-        key = (len(state), self.engine.plan.present)
-        if key == self._state_checked:
-            return False
-        creates = any(p.grad is not None and not state.get(p) for p in self.engine.params)
-        if not creates:
-            self._state_checked = key
-        self._state_before = key if creates else None
-        return creates
 
     def run_optimizer_step(self, step_fn: Callable[[], Any]) -> Any:
         """Run the optimizer step for the step in flight, or skip it (no step in flight: just run it, and say so)."""
@@ -464,7 +423,8 @@ class DriverCore:
         if self.decision is None:
             return False
         if self._hold is None:
-            self._hold = self.engine.consume_scheduler_hold(self.decision)
+            # not a query: a hold for a skip learned late is paid off here, once per step
+            self._hold = self.engine.ledger.consume_scheduler_hold(self.decision.skipped_now)
             self.held_steps += int(self._hold)
         return self._hold
 
@@ -489,24 +449,16 @@ class DriverCore:
             self._start_events = []
         self.buffers.save()
         self.should_hold_scheduler()  # decided once per step even when no scheduler asks (schedule_step)
-        self._note_state_created(decision)
+        if self.engine.fused:
+            self.new_state.after_step(decision, self.optimizer, self.engine.plan.present)
         try:
             recovery = self.recovery
             self.last_report = self.engine.finish(decision, log_step=self._log_step, raise_divergence=recovery is None)
             if recovery is not None:
                 recovery.after_step(decision)
         finally:
-            self._after_step(decision)
+            self.tracing.after_step(decision, self.engine.step)
         return self.last_report
-
-    def _note_state_created(self, decision: StepDecision) -> None:
-        """After a host-decided step: an applied step that created no optimizer state settles the check."""
-        before, self._state_before = self._state_before, None
-        if before is None or decision.pending or decision.skipped_now:
-            return
-        after = (len(self.optimizer.state), self.engine.plan.present)
-        if after == before:  # applied and created nothing: it never will, so the check is settled
-            self._state_checked = after
 
     # ------------------------------------------------------------------ wrapping framework objects
     def run_closure_step(self, step_fn: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any]) -> Any:
@@ -608,71 +560,13 @@ class DriverCore:
         while self._undo:
             self._undo.pop()()
 
-    # ------------------------------------------------------------------ tracing
-    def _trace_for(self, step: int) -> None:
-        """Attach or detach the tracer's hooks for the coming step (the tracing policy)."""
-        if not self._tracing:
-            return
-        trace = self.config.nan_trace
-        if trace.mode == "always":
-            wanted = True
-        elif trace.mode == "every_n":
-            wanted = step % trace.every_n_steps == 0
-        else:  # on_nonfinite: hooks for the next steps; never on a compiled model (the replay names it)
-            wanted = self._trace_left > 0 and not self._compiled
-        if wanted:
-            if self.tracer is None:
-                assert self.model is not None
-                self.tracer = NaNTracer(self.model)
-            self.tracer.clear()
-            self.tracer.attach()
-            self.tracer.step = step
-        elif self.tracer is not None:
-            self.tracer.clear()
-            self.tracer.detach()
-
-    def _after_step(self, decision: StepDecision) -> None:
-        if self.config.nan_trace.mode == "on_nonfinite":
-            if decision.skipped_now:
-                self._trace_left = TRACE_AFTER_NONFINITE
-            else:
-                self._trace_left = max(0, self._trace_left - 1)
-        self._trace_for(self.engine.step)
-
-    def _trace_source(self, decision: StepDecision) -> None:
-        """On a skip the host saw, hand the tracer's first non-finite module to this step's events."""
-        if self.tracer is not None and self.tracer.attached and decision.skipped_now:
-            found = self.tracer.first
-            if found is not None:
-                self.last_nonfinite = found
-                self.engine.source_hint = found
-
-    def _replay(self, replay: Callable[[], Tensor], step: int) -> None:
-        """Re-run the bad batch with hooks and anomaly mode; a failing replay only warns.
-
-        Diagnostics never stop training: the step is skipped either way.
-        """
-        assert self.model is not None
-        try:
-            with eager_if(self._compiled):  # the compiled model runs as plain eager code: no recompile
-                record = replay_nonfinite(self.model, replay, self.engine.params, step=step)
-        except Exception as exc:
-            warnings.warn(
-                f"stabilitykit: replaying the non-finite batch of step {step} failed: {exc!r}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return
-        if record is not None:
-            self.last_nonfinite = record
-            self.engine.source_hint = record
-
     # ------------------------------------------------------------------ state
     def summary(self) -> RunSummary:
         """This optimizer's totals (reads the steps since the last logging step first: one sync)."""
         self.flush()
         c = self.engine.counters
-        source = str(self.last_nonfinite) if self.last_nonfinite is not None else None
+        found = self.tracing.last_nonfinite
+        source = str(found) if found is not None else None
         monitor = self.engine.monitor
         unmeasured = tuple(f"{n}: {r}" for n, r in monitor.unmeasured.items()) if monitor is not None else ()
         summary = RunSummary(
@@ -689,7 +583,7 @@ class DriverCore:
 
     def flush(self, final_row: bool = False) -> None:
         """Fold the steps since the last logging step now (one sync); ``final_row``: and log their row."""
-        rows = self.engine.flush(final_row=final_row)
+        rows = self.engine.readout.flush(self.engine.step, final_row=final_row)
         if self.recovery is not None:
             self.recovery.flush(rows)
 
@@ -705,8 +599,7 @@ class DriverCore:
             try:
                 self.flush(final_row=final_row)
             finally:
-                if self.tracer is not None:
-                    self.tracer.detach()
+                self.tracing.detach()
                 self.release()
 
     def state_dict(self) -> dict[str, Any]:
@@ -714,7 +607,7 @@ class DriverCore:
         state = {
             "version": STATE_VERSION,
             "engine": self.engine.state_dict(),
-            "trace_left": self._trace_left,
+            "trace_left": self.tracing.left,
             "held_steps": self.held_steps,
         }
         if self.recovery is not None:
@@ -725,8 +618,8 @@ class DriverCore:
         """Restore what ``state_dict`` returned: validated as a whole first, then loaded all at once."""
         validate_state(state, reference=self.state_dict())
         self.engine.load_state_dict(dict(state["engine"]))
-        self._trace_left = int(state.get("trace_left", 0))
-        self.held_steps = int(state.get("held_steps", 0))
+        self.tracing.left = int(state["trace_left"])
+        self.held_steps = int(state["held_steps"])
         if self.recovery is not None:  # a resume: snapshots from before it are dropped in any case
             self.recovery.load_state_dict(dict(state.get("recovery") or {}))
-        self._trace_for(self.engine.step)
+        self.tracing.attach_for(self.engine.step)

@@ -100,23 +100,20 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - very old torch
-        return None
-    return DTensor
+try:  # resolved once: asked per tensor on a snapshot's copy and a rollback's restore
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # pragma: no cover - very old torch
+    _DTensor = None  # type: ignore[assignment,misc]
 
 
 def is_dtensor(tensor: Any) -> bool:
     """True for a ``torch.distributed.tensor.DTensor``."""
-    dtensor = _dtensor_type()
-    return dtensor is not None and isinstance(tensor, dtensor)
+    return _DTensor is not None and isinstance(tensor, _DTensor)
 
 
 def to_local(tensor: Tensor) -> Tensor:
     """The local shard of a DTensor (a view sharing storage), or the tensor itself."""
-    if is_dtensor(tensor):
+    if _DTensor is not None and isinstance(tensor, _DTensor):
         return tensor.to_local()  # type: ignore[attr-defined,no-any-return]
     return tensor
 

@@ -10,15 +10,94 @@ returns each parameter's own global norm, reduced in the same collectives as the
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import Field, field_validator
 from torch import Tensor, nn
 
 from stabilitykit.distributed import LayoutReducer, is_distributed, is_dtensor, local_for_norm, reducer_for, to_local
+from stabilitykit.section import Section
+
+
+def _check_norm_type(value: float) -> float:
+    if value == math.inf:
+        return value
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError("norm_type must be a positive number or inf (e.g. 1, 2, 'inf')")
+    return float(value)
+
+
+def _check_patterns(patterns: list[str] | None) -> list[str] | None:
+    for pattern in patterns or []:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"invalid regular expression {pattern!r}: {exc}") from exc
+    return patterns
+
+
+class GradNormConfig(Section):
+    """How gradient norms are measured and grouped into layers."""
+
+    norm_type: float = Field(2.0, description="p of the p-norm: 1, 2, any p > 0, or inf.")
+    per_layer: bool = Field(True, description="Also compute and log one norm per layer.")
+    grouping: Literal["auto", "top", "param"] | list[str] = Field(
+        "auto",
+        description=(
+            "How parameters form layers. 'auto': each child of the largest ModuleList/Sequential "
+            "of same-type modules is a layer ('blocks.3'), other parameters group by top-level "
+            "module. 'top': by top-level module. 'param': one layer per parameter. A list of "
+            "regular expressions: the first pattern that matches a parameter name gives the "
+            "layer name (the matched text); unmatched parameters fall back to 'auto'."
+        ),
+    )
+    include: list[str] | None = Field(
+        None, description="Regexes: only layers whose name matches one are logged per layer."
+    )
+    exclude: list[str] | None = Field(
+        None, description="Regexes: layers whose name matches one are not logged per layer."
+    )
+    update_ratio: bool = Field(
+        False,
+        description=(
+            "Also log the update-to-weight ratio ||Δw|| / ||w|| and the weight norm, per layer and in total, "
+            "on logging steps (the update of the optimizer step just before). Costs a copy of the "
+            "parameters (one parameter-sized buffer, in the parameters' dtype and device) held during "
+            "one optimizer step per logging interval, and no host sync."
+        ),
+    )
+
+    @field_validator("norm_type", mode="before")
+    @classmethod
+    def _parse_inf(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in {"inf", "infinity", "+inf"}:
+            return math.inf
+        return value
+
+    @field_validator("norm_type")
+    @classmethod
+    def _valid_norm_type(cls, value: float) -> float:
+        return _check_norm_type(value)
+
+    @field_validator("grouping")
+    @classmethod
+    def _valid_grouping(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("grouping as a list needs at least one regular expression")
+            _check_patterns(value)
+        return value
+
+    @field_validator("include", "exclude")
+    @classmethod
+    def _valid_filters(cls, value: list[str] | None) -> list[str] | None:
+        return _check_patterns(value)
+
 
 #: Added to the total norm before dividing, exactly as ``torch.nn.utils.clip_grad_norm_`` does.
 CLIP_EPS = 1e-6

@@ -141,12 +141,12 @@ class StabilityGuard:
     @property
     def tracer(self) -> NaNTracer | None:
         """The NaN tracer, when ``config.nan_trace`` uses one."""
-        return self.core.tracer
+        return self.core.tracing.tracer
 
     @property
     def last_nonfinite(self) -> NonFiniteRecord | None:
         """Where the latest traced or replayed non-finite value came from."""
-        return self.core.last_nonfinite
+        return self.core.tracing.last_nonfinite
 
     # ------------------------------------------------------------------ optimizers
     def core_for(self, optimizer: Any | None = None) -> DriverCore:
@@ -201,7 +201,7 @@ class StabilityGuard:
         the loss goes to the next ``step``.
         """
         self._check_open("backward")
-        self.record_loss(loss, optimizer)
+        self.driver.record_loss(loss, optimizer)
         self.core.scaler.scale(loss).backward(**kwargs)
 
     def step(

@@ -103,7 +103,7 @@ class StabilityCallback(Callback):
     @property
     def last_nonfinite(self) -> NonFiniteRecord | None:
         """Where the latest traced or replayed non-finite value came from."""
-        return self.cores[0].last_nonfinite if self.cores else None
+        return self.cores[0].tracing.last_nonfinite if self.cores else None
 
     @property
     def precision_choice(self) -> PrecisionChoice | None:
@@ -180,8 +180,7 @@ class StabilityCallback(Callback):
         """Undo every wrapper (idempotent) and remove tracing hooks."""
         self._release()
         for core in self.cores:
-            if core.tracer is not None:
-                core.tracer.detach()
+            core.tracing.detach()
 
     def _release(self) -> None:
         self.driver.release()

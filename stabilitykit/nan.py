@@ -14,9 +14,10 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
@@ -25,6 +26,25 @@ from stabilitykit.batch_walk import walk_batch
 from stabilitykit.compat.private import dynamo_disable, is_compiled_module
 from stabilitykit.engine.layers import clean_name, unwrap_model
 from stabilitykit.events import BadBatchError
+from stabilitykit.section import Section
+
+
+class DataGuardConfig(Section):
+    """Checking batches before they are trained on: non-finite floats, out-of-range labels, empty tensors."""
+
+    mode: Literal["off", "skip", "raise"] = Field(
+        "off",
+        description=(
+            "'raise': BadBatchError naming the path and index (one sync per checked batch); "
+            "'skip': the step is skipped on the device, no sync (the event says the batch was bad)."
+        ),
+    )
+    num_classes: int | None = Field(None, ge=1, description="Labels must lie in [0, num_classes) (-100 is ignored).")
+    label_keys: list[str | int] = Field(
+        default_factory=lambda: ["labels", "label", "targets", "target", "y"],  # type: ignore[arg-type]
+        description="Mapping keys (or tuple positions, e.g. 1 for (x, y) batches) whose integer tensors are labels.",
+    )
+
 
 # Backward hooks on modules fed only integer inputs (embeddings) are expected here; torch warns about them.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect")

@@ -14,6 +14,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from pydantic import Field
+
+from stabilitykit.section import Section
+
+
+class PrecisionConfig(Section):
+    """Precision knobs the drivers apply when they start (they do not own autocast: see sk.select_precision)."""
+
+    report_choice: bool = Field(
+        False,
+        description=(
+            "Add sk.select_precision()'s advice for the model's device to the start-of-run 'precision' event "
+            "(which always says what the run uses: parameter dtypes, whether a GradScaler scales the loss)."
+        ),
+    )
+    tf32: bool = Field(False, description="Call sk.configure_tf32() (matmul precision 'high' unless already chosen).")
+    deterministic_seed: int | None = Field(None, description="Call sk.set_determinism(seed) before training.")
+
 
 log = logging.getLogger("stabilitykit")
 _LOGGED: set[str] = set()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stabilitykit.config import SpikeConfig
+from stabilitykit.spikes import SpikeConfig
 
 _MARKERS = {
     "skipped": ("x", "tab:red", "skipped"),

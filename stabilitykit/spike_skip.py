@@ -37,19 +37,19 @@ class SpikeSkipRule:
     def __init__(
         self,
         z_threshold: float = 6.0,
-        alpha: float = 0.05,
+        rate: float = 0.05,
         warmup_steps: int = 50,
         device: torch.device | str | None = None,
         use_loss: bool = True,
     ) -> None:
         if not z_threshold > 0:
             raise ValueError(f"z_threshold must be > 0, got {z_threshold!r}")
-        if not 0 < alpha < 1:
-            raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
+        if not 0 < rate < 1:
+            raise ValueError(f"rate must be in (0, 1), got {rate!r}")
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1, got {warmup_steps!r}")
         self.z_threshold = float(z_threshold)
-        self.alpha = float(alpha)
+        self.rate = float(rate)
         self.warmup_steps = int(warmup_steps)
         self.use_loss = use_loss
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -81,7 +81,7 @@ class SpikeSkipRule:
         # the statistics: the first value sets the mean; warm residuals are clamped to the bound
         clamped = torch.where(warm, torch.minimum(resid.clamp_min(-bound), bound), resid)
         first = self.count == 0
-        a = self.alpha
+        a = self.rate
         new_mean = torch.where(first, logs, self.mean + a * clamped)
         new_dev = torch.where(first, self.abs_dev, (1 - a) * self.abs_dev + a * clamped.abs())
         take = finite & active

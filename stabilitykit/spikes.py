@@ -15,12 +15,89 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from pydantic import Field, model_validator
 
 from stabilitykit.events import Event
+from stabilitykit.section import Section
 
-if TYPE_CHECKING:
-    from stabilitykit.config import SpikeConfig
+
+class SpikeConfig(Section):
+    """Early warning on the loss and the total grad norm (robust one-step-ahead baseline)."""
+
+    enabled: bool = Field(True, description="Run the spike detectors.")
+    warmup_steps: int = Field(20, ge=1, description="Steps that only collect statistics.")
+    baseline_rate: float = Field(0.1, gt=0, lt=1, description="EMA rate of the log-space baseline.")
+    scale_rate: float = Field(
+        0.1,
+        gt=0,
+        lt=1,
+        description=(
+            "EMA rate of the residual scale (debiased). Slower (0.03) gives less noisy z-scores on "
+            "stationary noise; 0.1 follows noise that changes during training (better on real runs)."
+        ),
+    )
+    z_warning: float = Field(
+        4.0, gt=0, description="Grad-norm (or layer) z-score that raises a spike_warning (dashboard only)."
+    )
+    z_spike: float = Field(6.0, gt=0, description="Robust z-score of the loss that is a loss spike.")
+    z_alert: float = Field(
+        5.0,
+        gt=0,
+        description="With no loss given: the grad-norm z-score that raises a spike_alert (the rare event that pages).",
+    )
+    z_joint: float = Field(
+        3.0, gt=0, description="With a loss: grad norm and loss both at this z-score raise a spike_alert."
+    )
+    z_loss_alert: float = Field(6.0, gt=0, description="Loss z-score that raises a spike_alert.")
+    alert_cooldown: int = Field(
+        20,
+        ge=1,
+        description=(
+            "Steps after a spike_alert during which no other is raised (after a loss-drift alert, a jump of "
+            "the loss or grad norm still alerts)."
+        ),
+    )
+    loss_drift_alert: float | None = Field(
+        4.0,
+        gt=0,
+        description=(
+            "Sequential test (CUSUM) on the loss: a spike_alert when the running sum of (loss z-score - 1), "
+            "each term clamped to 4, reaches this; catches a loss that climbs over several steps. None: off. "
+            "4 was chosen on the tuning runs of the monitors benchmark; lower is more recall for more "
+            "alerts: see the spike guide's operating points."
+        ),
+    )
+    loss_level_alert: float | None = Field(
+        2.0,
+        gt=1,
+        description=(
+            "A spike_alert when the loss's recent level (an EMA over about ten steps) reaches this many times "
+            "the best level the run has held; it scores from the fifth step on (inside warmup_steps too) and its "
+            "reference never follows a climb, so a blow-up that starts early or lasts is alerted once per "
+            "excursion (re-armed when the level falls back under the square root of this). None: off."
+        ),
+    )
+    trend_warning: float = Field(
+        0.7,
+        gt=0,
+        description=(
+            "Precursor signals (max attention logit, log Z, update size): warn when the recent level "
+            "exceeds the long-run level by this much in log units (0.7: about 2x)."
+        ),
+    )
+    per_layer: bool = Field(
+        False, description="Also score each layer's grad norm (names the layer that leads a spike)."
+    )
+    score_window: int = Field(128, ge=2, description="Window of the OLMo-style spike score (steps).")
+    score_sigma: float = Field(6.0, gt=0, description="Std multiple beyond which the spike score counts a step.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SpikeConfig:
+        if self.z_spike < self.z_warning:
+            raise ValueError("z_spike must be >= z_warning")
+        return self
 
 
 #: |residual| EMA * 1.2533 estimates the standard deviation of a normal residual.
@@ -59,8 +136,8 @@ class PredictiveDetector:
     baseline mistakes slow wander for noise, so its residual scale widens and 3x jumps drown.
     This detector predicts ``level + phi * (last - level)``, with ``level`` an EMA of log(x) and
     ``phi`` the lag-1 autocorrelation of the deviations from it (estimated online, in [0, 0.98]).
-    The residual scale is a debiased EMA of |residual| (x1.2533, rate ``scale_alpha``, by default
-    ``alpha``); once warm, residuals are clamped to
+    The residual scale is a debiased EMA of |residual| (x1.2533, rate ``scale_rate``, by default
+    ``rate``); once warm, residuals are clamped to
     ``clamp`` scales before they update anything, and a clamped value is what ``last`` keeps, so
     one spike moves neither the baseline nor the scale nor the next prediction. NaN, Inf and
     non-positive values are never ingested: the detector is never blind after one.
@@ -68,21 +145,21 @@ class PredictiveDetector:
 
     def __init__(
         self,
-        alpha: float = 0.1,
+        rate: float = 0.1,
         warmup_steps: int = 20,
         size: int = 1,
-        slow_alpha: float = 0.02,
+        slow_rate: float = 0.02,
         clamp: float = 3.0,
-        scale_alpha: float | None = None,
+        scale_rate: float | None = None,
     ) -> None:
-        scale_alpha = alpha if scale_alpha is None else scale_alpha
-        if not 0 < alpha < 1 or not 0 < slow_alpha < 1 or not 0 < scale_alpha < 1:
+        scale_rate = rate if scale_rate is None else scale_rate
+        if not 0 < rate < 1 or not 0 < slow_rate < 1 or not 0 < scale_rate < 1:
             raise ValueError(
-                f"alpha, slow_alpha and scale_alpha must be in (0, 1), got {alpha!r}, {slow_alpha!r}, {scale_alpha!r}"
+                f"rate, slow_rate and scale_rate must be in (0, 1), got {rate!r}, {slow_rate!r}, {scale_rate!r}"
             )
-        self.alpha = alpha
-        self.slow_alpha = slow_alpha
-        self.scale_alpha = scale_alpha
+        self.rate = rate
+        self.slow_rate = slow_rate
+        self.scale_rate = scale_rate
         self.clamp = clamp
         self.warmup_steps = warmup_steps
         self.level = [0.0] * size
@@ -104,11 +181,11 @@ class PredictiveDetector:
     def scale(self, i: int = 0) -> float:
         """The current one-step-ahead residual scale of series ``i`` (log space, std units).
 
-        The EMA of |residual| starts at 0, so it is divided by ``1 - (1 - scale_alpha) ** n`` (n residuals
+        The EMA of |residual| starts at 0, so it is divided by ``1 - (1 - scale_rate) ** n`` (n residuals
         seen), as Adam debiases its moments: the scale is unbiased from the first steps on.
         """
         seen = self.count[i] - 1
-        debias = 1.0 - (1.0 - self.scale_alpha) ** seen if seen > 0 else 1.0
+        debias = 1.0 - (1.0 - self.scale_rate) ** seen if seen > 0 else 1.0
         return self.abs_dev[i] / debias * _ABS_TO_STD + _MIN_STD
 
     def update(self, values: Sequence[float]) -> list[float]:
@@ -137,11 +214,11 @@ class PredictiveDetector:
             else:
                 scores.append(0.0)
             clean = pred + resid
-            a = self.alpha
-            b = self.scale_alpha
+            a = self.rate
+            b = self.scale_rate
             self.abs_dev[i] = (1 - b) * self.abs_dev[i] + b * abs(resid)
             d_prev, d_now = last - level, clean - level
-            s = self.slow_alpha
+            s = self.slow_rate
             self.cov[i] = (1 - s) * self.cov[i] + s * d_now * d_prev
             self.var[i] = (1 - s) * self.var[i] + s * d_now * d_now
             self.level[i] = level + a * (clean - level)
@@ -173,7 +250,7 @@ class LevelReference:
 
     A z-score (``PredictiveDetector``) measures a value against its own recent past: a blow-up that
     starts before the detector is warm is never scored, and one that lasts becomes the baseline it is
-    measured against. This reference does neither. ``level`` is an EMA of log(loss) (rate ``alpha``,
+    measured against. This reference does neither. ``level`` is an EMA of log(loss) (rate ``rate``,
     about ten steps: one bad batch barely moves it); ``best`` is the lowest level held so far, so it
     never follows a climb. While the level sits within ``freeze_above`` of the best, the best relaxes
     upward at rate ``relax`` (a run whose loss settles higher for good, e.g. a new data mixture, is
@@ -182,11 +259,11 @@ class LevelReference:
     """
 
     def __init__(
-        self, alpha: float = 0.1, relax: float = _LEVEL_RELAX, freeze_above: float = 0.35, min_steps: int = 5
+        self, rate: float = 0.1, relax: float = _LEVEL_RELAX, freeze_above: float = 0.35, min_steps: int = 5
     ) -> None:
-        if not 0 < alpha < 1 or not 0 <= relax < 1:
-            raise ValueError(f"alpha must be in (0, 1) and relax in [0, 1), got {alpha!r}, {relax!r}")
-        self.alpha, self.relax, self.freeze_above, self.min_steps = alpha, relax, freeze_above, min_steps
+        if not 0 < rate < 1 or not 0 <= relax < 1:
+            raise ValueError(f"rate must be in (0, 1) and relax in [0, 1), got {rate!r}, {relax!r}")
+        self.rate, self.relax, self.freeze_above, self.min_steps = rate, relax, freeze_above, min_steps
         self.level = 0.0
         self.best = math.inf
         self.count = 0
@@ -196,7 +273,7 @@ class LevelReference:
         if not (x > 0 and math.isfinite(x)):
             return self.excess()
         y = math.log(x)
-        self.level = y if self.count == 0 else self.level + self.alpha * (y - self.level)
+        self.level = y if self.count == 0 else self.level + self.rate * (y - self.level)
         self.count += 1
         if self.level < self.best:
             self.best = self.level
@@ -214,7 +291,7 @@ class LevelReference:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
-        best = state.get("best")
+        best = state["best"]
         self.level, self.count = float(state["level"]), int(state["count"])
         self.best = math.inf if best is None else float(best)
 
@@ -230,7 +307,7 @@ class TrendDetector:
     """
 
     def __init__(self, fast: float = 0.1, slow: float = 0.01, warmup_steps: int = 50) -> None:
-        self.fast_alpha, self.slow_alpha, self.warmup_steps = fast, slow, warmup_steps
+        self.fast_rate, self.slow_rate, self.warmup_steps = fast, slow, warmup_steps
         self.fast = self.slow = 0.0
         self.count = 0
         self.first_step: int | None = None
@@ -245,8 +322,8 @@ class TrendDetector:
         if self.count == 0:
             self.fast = self.slow = y
             self.first_step = step
-        self.fast += (1.0 - (1.0 - self.fast_alpha) ** gap) * (y - self.fast)
-        self.slow += (1.0 - (1.0 - self.slow_alpha) ** gap) * (y - self.slow)
+        self.fast += (1.0 - (1.0 - self.fast_rate) ** gap) * (y - self.fast)
+        self.slow += (1.0 - (1.0 - self.slow_rate) ** gap) * (y - self.slow)
         self.count += 1
         self.last_step = step
         age = self.count if step is None or self.first_step is None else step - self.first_step + 1
@@ -265,7 +342,7 @@ class TrendDetector:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
         self.fast, self.slow, self.count = float(state["fast"]), float(state["slow"]), int(state["count"])
-        self.first_step, self.last_step = state.get("first_step"), state.get("last_step")
+        self.first_step, self.last_step = state["first_step"], state["last_step"]
 
 
 class SpikeScore:
@@ -430,13 +507,11 @@ class SpikeMonitor:
     def __init__(self, config: SpikeConfig, layer_names: Sequence[str]) -> None:
         self.config = config
         self.layer_names = list(layer_names)
-        alpha, warmup, scale_alpha = config.baseline_rate, config.warmup_steps, config.scale_rate
-        self.detector = PredictiveDetector(alpha, warmup, size=2, scale_alpha=scale_alpha)  # [grad norm, loss]
+        rate, warmup, scale_rate = config.baseline_rate, config.warmup_steps, config.scale_rate
+        self.detector = PredictiveDetector(rate, warmup, size=2, scale_rate=scale_rate)  # [grad norm, loss]
         per_layer = config.per_layer and bool(self.layer_names)
         self.layer_detector = (
-            PredictiveDetector(alpha, warmup, size=len(self.layer_names), scale_alpha=scale_alpha)
-            if per_layer
-            else None
+            PredictiveDetector(rate, warmup, size=len(self.layer_names), scale_rate=scale_rate) if per_layer else None
         )
         self.trends: dict[str, TrendDetector] = {}
         self.trend_high: set[str] = set()  # signals above trend_warning (a warning fires on the crossing)
@@ -591,7 +666,6 @@ class SpikeMonitor:
     def state_dict(self) -> dict[str, Any]:
         """Detector baselines, trends, the score window, interval maxima and the alert clock (plain values)."""
         return {
-            "version": 2,
             "detector": self.detector.state_dict(),
             "layer_detector": self.layer_detector.state_dict() if self.layer_detector is not None else None,
             "trends": {name: d.state_dict() for name, d in self.trends.items()},
@@ -609,27 +683,24 @@ class SpikeMonitor:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned (a state from before version 2 restores the score window only)."""
-        if state.get("version", 1) >= 2:
-            self.detector.load_state_dict(state["detector"])
-            if self.layer_detector is not None and state.get("layer_detector") is not None:
-                self.layer_detector.load_state_dict(state["layer_detector"])
-            self.trends = {}
-            self.trend_high = set(state.get("trend_high", []))
-            for name, sub in state.get("trends", {}).items():
-                self.trends[name] = TrendDetector(warmup_steps=max(self.config.warmup_steps, 50))
-                self.trends[name].load_state_dict(sub)
-            self.last_alert_step = state.get("last_alert_step")
-            self.last_alert_drift = bool(state.get("last_alert_drift", False))
-            self.alerts = int(state.get("alerts", 0))
-            self.loss_drift = float(state.get("loss_drift", 0.0))
-            if state.get("level") is not None:
-                self.level.load_state_dict(state["level"])
-                self.level_excess = self.level.excess()
-            self.level_alerted = bool(state.get("level_alerted", False))
-            self.last_step = state.get("last_step")
+        """Restore what ``state_dict`` returned (validated by ``state.py`` first)."""
+        self.detector.load_state_dict(state["detector"])
+        if self.layer_detector is not None and state["layer_detector"] is not None:
+            self.layer_detector.load_state_dict(state["layer_detector"])
+        self.trends = {}
+        self.trend_high = set(state["trend_high"])
+        for name, sub in state["trends"].items():
+            self.trends[name] = TrendDetector(warmup_steps=max(self.config.warmup_steps, 50))
+            self.trends[name].load_state_dict(sub)
+        self.last_alert_step = state["last_alert_step"]
+        self.last_alert_drift = bool(state["last_alert_drift"])
+        self.alerts = int(state["alerts"])
+        self.loss_drift = float(state["loss_drift"])
+        self.level.load_state_dict(state["level"])
+        self.level_excess = self.level.excess()
+        self.level_alerted = bool(state["level_alerted"])
+        self.last_step = state["last_step"]
         self.spike_score.load_state_dict(state["spike_score"])
-        z = state.get("last_z", (0.0, 0.0))
+        z = state["last_z"]
         self.last_z = (float(z[0]), float(z[1]))
-        recent = [*state.get("recent", (0.0, 0.0)), 0.0]
-        self.max_z_grad_recent, self.max_z_loss_recent, self.max_trend_recent = (float(v) for v in recent[:3])
+        self.max_z_grad_recent, self.max_z_loss_recent, self.max_trend_recent = (float(v) for v in state["recent"])

@@ -25,7 +25,7 @@ from stabilitykit.engine.ledger import Counters
 from stabilitykit.recovery.record import RollbackRecord
 
 #: Version of the state a driver saves, and the only one this release reads.
-STATE_VERSION = 4
+STATE_VERSION = 5
 
 
 class _State(BaseModel):
@@ -85,13 +85,13 @@ class _Trend(_State):
     fast: float
     slow: float
     count: int = Field(ge=0)
-    first_step: int | None = None
-    last_step: int | None = None
+    first_step: int | None
+    last_step: int | None
 
 
 class _Level(_State):
     level: float
-    best: float | None = None
+    best: float | None
     count: int = Field(ge=0)
 
 
@@ -100,37 +100,33 @@ class _SpikeScore(_State):
 
 
 class _Spikes(_State):
-    """``SpikeMonitor.state_dict()``; version 1 kept the score window (and the last z-scores) only."""
+    """``SpikeMonitor.state_dict()``."""
 
-    version: int = Field(1, ge=1, le=2)
-    detector: _Detector | None = None
-    layer_detector: _Detector | None = None
-    trends: dict[str, _Trend] = Field(default_factory=dict)
-    trend_high: list[str] = Field(default_factory=list)
+    detector: _Detector
+    layer_detector: _Detector | None
+    trends: dict[str, _Trend]
+    trend_high: list[str]
     spike_score: _SpikeScore
-    last_z: list[float] = Field(default_factory=lambda: [0.0, 0.0], min_length=2, max_length=2)
-    recent: list[float] = Field(default_factory=lambda: [0.0, 0.0], min_length=2, max_length=3)
-    last_alert_step: int | None = None
-    last_alert_drift: bool = False
-    alerts: int = Field(0, ge=0)
-    loss_drift: float = 0.0
-    level: _Level | None = None
-    level_alerted: bool = False
-    last_step: int | None = None
+    last_z: list[float] = Field(min_length=2, max_length=2)
+    recent: list[float] = Field(min_length=3, max_length=3)
+    last_alert_step: int | None
+    last_alert_drift: bool
+    alerts: int = Field(ge=0)
+    loss_drift: float
+    level: _Level
+    level_alerted: bool
+    last_step: int | None
 
     @model_validator(mode="after")
-    def _detectors(self) -> _Spikes:
-        if self.version >= 2:
-            if self.detector is None:
-                raise ValueError("a version 2 spike state needs 'detector' (the grad-norm and loss baselines)")
-            if self.detector.size != 2:
-                raise ValueError(f"'detector' scores 2 series (grad norm, loss), this one holds {self.detector.size}")
+    def _two_series(self) -> _Spikes:
+        if self.detector.size != 2:
+            raise ValueError(f"'detector' scores 2 series (grad norm, loss), this one holds {self.detector.size}")
         return self
 
 
 class _Fp16(_State):
-    overflow_steps: list[int] = Field(default_factory=list)
-    warned_at: int = -(10**9)
+    overflow_steps: list[int]
+    warned_at: int
 
 
 class _Ledger(_State):
@@ -143,8 +139,8 @@ class _Ledger(_State):
 class _Journal(_State):
     rows: torch.Tensor
     infos: list[_RowInfo]  # type: ignore[valid-type]
-    metric_names: list[str] = Field(default_factory=list)
-    carried: list[_Row] = Field(default_factory=list)  # type: ignore[valid-type]  # rows decoded on the host
+    metric_names: list[str]
+    carried: list[_Row]  # type: ignore[valid-type]  # rows decoded on the host
 
     @model_validator(mode="after")
     def _one_row_per_info(self) -> _Journal:
@@ -163,8 +159,8 @@ class _Engine(_State):
     step: int = Field(ge=0)
     ledger: _Ledger
     clip: dict[str, torch.Tensor]
-    spike_rule: dict[str, torch.Tensor] | None = None
-    rules: dict[str, dict[str, Any]] = Field(default_factory=dict)  # users' skip rules' own state, by name
+    spike_rule: dict[str, torch.Tensor] | None
+    rules: dict[str, dict[str, Any]]  # users' skip rules' own state, by name
     journal: _Journal
     layer_names: list[str]
 
@@ -188,8 +184,8 @@ class _Recovery(_State):
 class _Core(_State):
     version: int = Field(ge=1)
     engine: _Engine
-    trace_left: int = Field(ge=0, default=0)
-    held_steps: int = Field(ge=0, default=0)
+    trace_left: int = Field(ge=0)
+    held_steps: int = Field(ge=0)
     recovery: _Recovery | None = None  # only with RecoveryConfig(enabled=True)
 
 

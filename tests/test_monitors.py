@@ -134,7 +134,7 @@ def test_attention_logit_equals_the_models_own_max_pre_softmax_logit(kind: str, 
     for batch in token_batches(3, seed=5):
         REFERENCE.clear()
         _train(guard, model, [batch])  # the reference is recorded during this step's forward
-        metrics = guard.cores[0].engine.last_host_metrics
+        metrics = guard.cores[0].engine.readout.last_host_metrics
         attention = "model.layers.{}.self_attn" if kind == "llama" else "transformer.h.{}.attn"
         assert sorted(REFERENCE) == [0, 1]
         for layer, reference in REFERENCE.items():
@@ -155,7 +155,7 @@ def test_zero_host_syncs_off_logging_steps_and_one_on_them_with_monitors_on() ->
             guard.zero_grad()
         counts.append(counter.count)
     assert counts == [1 if i % 4 == 0 else 0 for i in range(9)], counts
-    assert any("/monitors/" in k for k in guard.cores[0].engine.last_host_metrics)
+    assert any("/monitors/" in k for k in guard.cores[0].engine.readout.last_host_metrics)
 
 
 class _OpCount(TorchDispatchMode):
@@ -245,7 +245,7 @@ def test_a_compiled_model_does_not_recompile_every_step() -> None:
     # one graph for the sampled variant (step 0), one for the unsampled one (step 1), none after
     assert graphs == [1] + [2] * 9, graphs
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    metrics = guard.cores[0].engine.last_host_metrics
+    metrics = guard.cores[0].engine.readout.last_host_metrics
     assert metrics["stability/monitors/attn_logit_max/model.layers.0.self_attn"] > 0  # step 9 was measured
     torch._dynamo.reset()
 
@@ -404,7 +404,7 @@ def test_a_user_written_attention_with_a_fused_qkv_is_probed_too() -> None:
     x, y = next(sk.testing.char_batches(batch_size=4, block_size=16))
     guard.backward(model.loss(x, y))
     guard.step()
-    metrics = guard.engine.last_host_metrics
+    metrics = guard.engine.readout.last_host_metrics
     for i, qkv in captured.items():
         q, k, _ = (z.unflatten(-1, (4, 8)).transpose(1, 2) for z in qkv.split(32, dim=-1))
         logits = (q @ k.transpose(-2, -1)) / math.sqrt(8)
@@ -431,7 +431,7 @@ def test_sampling_more_often_than_logging_keeps_the_running_max_on_the_device() 
         ours = counter.library_sites()  # the reference itself syncs
         assert len(ours) == (1 if step % 3 == 0 else 0)  # sampled every step, read on logging steps only
         if step % 3 == 0:
-            value = guard.engine.last_host_metrics["stability/monitors/attn_logit_max/model.layers.1.self_attn"]
+            value = guard.engine.readout.last_host_metrics["stability/monitors/attn_logit_max/model.layers.1.self_attn"]
             assert value == pytest.approx(max(seen), rel=1e-5)  # the max over the steps since the last read
             seen = []
 
@@ -467,7 +467,10 @@ def test_a_compiled_model_keeps_two_graphs_with_values_waiting_between_reads(
     # a sampled and an unsampled variant, whether values of earlier forward passes wait or not
     assert counters["stats"]["unique_graphs"] == 2
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    assert guard.cores[0].engine.last_host_metrics["stability/monitors/attn_logit_max/model.layers.0.self_attn"] > 0
+    assert (
+        guard.cores[0].engine.readout.last_host_metrics["stability/monitors/attn_logit_max/model.layers.0.self_attn"]
+        > 0
+    )
     torch._dynamo.reset()
 
 

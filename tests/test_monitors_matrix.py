@@ -126,7 +126,7 @@ def _train_and_compare(model: torch.nn.Module, batches: list[dict[str, torch.Ten
         guard.backward(out.loss)
         guard.step()
         guard.zero_grad()
-        metrics = guard.engine.last_host_metrics
+        metrics = guard.engine.readout.last_host_metrics
         assert REFERENCE, "the model did not call its attention function"
         for module_id, reference in REFERENCE.items():
             value = metrics[f"stability/monitors/attn_logit_max/{names[module_id]}"]
@@ -175,9 +175,9 @@ def test_blocks_of_every_stack_are_measured_encoder_and_decoder() -> None:
     guard = _guard(model)
     guard.backward(model(**_batch(False, 0)).loss)
     guard.step()
-    logged = {k.split("/", 3)[3] for k in guard.engine.last_host_metrics if "/resid_norm/" in k}
+    logged = {k.split("/", 3)[3] for k in guard.engine.readout.last_host_metrics if "/resid_norm/" in k}
     assert logged == {"encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"}
-    attention = {k.split("/", 3)[3] for k in guard.engine.last_host_metrics if "/attn_logit_max/" in k}
+    attention = {k.split("/", 3)[3] for k in guard.engine.readout.last_host_metrics if "/attn_logit_max/" in k}
     assert "decoder.block.0.layer.1.EncDecAttention" in attention  # cross-attention too
     assert "encoder.block.0.layer.0.SelfAttention" in attention
 
@@ -239,7 +239,7 @@ def test_a_plain_sdpa_module_with_rope_and_qk_norm_is_measured_from_its_own_call
     guard.step()
     for i in range(2):
         reference = model.blocks[i]["attn"].seen[-1]
-        value = guard.engine.last_host_metrics[f"stability/monitors/attn_logit_max/blocks.{i}.attn"]
+        value = guard.engine.readout.last_host_metrics[f"stability/monitors/attn_logit_max/blocks.{i}.attn"]
         assert reference > 2.0 and value == pytest.approx(reference, rel=1e-4)
 
 
@@ -265,7 +265,7 @@ def test_multihead_attention_is_measured_on_both_of_its_paths(need_weights: bool
             references[i] = float(((q @ k.transpose(-2, -1)) / 8**0.5).amax())
     guard.step()
     for i, reference in references.items():
-        value = guard.engine.last_host_metrics[f"stability/monitors/attn_logit_max/blocks.{i}.attn"]
+        value = guard.engine.readout.last_host_metrics[f"stability/monitors/attn_logit_max/blocks.{i}.attn"]
         assert value == pytest.approx(reference, rel=1e-4)
 
 
@@ -322,7 +322,7 @@ def test_an_attention_that_cannot_be_measured_is_named_once_and_in_the_run_summa
             guard.step()
             guard.zero_grad()
     assert len([w for w in got if "not measured" in str(w.message)]) == 1
-    assert not [k for k in guard.engine.last_host_metrics if "/attn_logit_max/" in k]
+    assert not [k for k in guard.engine.readout.last_host_metrics if "/attn_logit_max/" in k]
     summary = guard.summary()
     assert [u.split(":")[0] for u in summary.unmeasured] == ["blocks.0.attn", "blocks.1.attn"]
     assert "not measured by the monitors: blocks.0.attn" in summary.line()
@@ -366,7 +366,7 @@ def test_every_cnn_stage_has_its_blocks_measured_over_channels_per_pixel() -> No
     x = torch.randn(2, 3, 8, 8)
     guard.backward(model(x).square().mean())
     guard.step()
-    metrics = guard.engine.last_host_metrics
+    metrics = guard.engine.readout.last_host_metrics
     resid = {k.split("/", 3)[3]: v for k, v in metrics.items() if "/resid_norm/" in k}
     assert sorted(resid) == ["stages.0.blocks.0", "stages.0.blocks.1", "stages.1.blocks.0", "stages.1.blocks.1"]
     for name, out in outputs.items():  # the mean over pixels of the L2 norm over channels
@@ -393,7 +393,7 @@ def test_hf_vit_attention_and_class_logits_match_its_own_forward(implementation:
     out = model(pixel_values=pixels, labels=torch.tensor([1, 3]))
     guard.backward(out.loss)
     guard.step()
-    metrics = guard.engine.last_host_metrics
+    metrics = guard.engine.readout.last_host_metrics
     assert len(REFERENCE) == 2
     for module_id, reference in REFERENCE.items():
         value = metrics[f"stability/monitors/attn_logit_max/{names[module_id]}"]
@@ -424,7 +424,7 @@ def test_torch_transformer_encoder_layers_are_measured_from_their_sdpa_call() ->
             q, k = (z.unflatten(-1, (4, 8)).transpose(1, 2) for z in (q, k))
             references[i] = float(((q @ k.transpose(-2, -1)) / 8**0.5).amax())
     guard.step()
-    metrics = guard.engine.last_host_metrics
+    metrics = guard.engine.readout.last_host_metrics
     for i, reference in references.items():
         value = metrics[f"stability/monitors/attn_logit_max/1.layers.{i}.self_attn"]
         assert value == pytest.approx(reference, rel=1e-4)

@@ -205,7 +205,7 @@ def test_repeated_fp16_overflows_recommend_bf16() -> None:
     model = sk.testing.tiny_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    cfg = sk.StabilityConfig(log_every_n_steps=10, fp16=sk.Fp16Config(window=20, max_overflow_rate=0.1))
+    cfg = sk.StabilityConfig(log_every_n_steps=10, fp16=sk.Fp16Config(window=20, max_overflow_share=0.1))
     guard = sk.StabilityGuard(model, opt, cfg, scaler=scaler)
     warnings: list[sk.Event] = []
     guard.hooks.on("fp16_warning", warnings.append)
@@ -222,7 +222,7 @@ def test_repeated_fp16_overflows_recommend_bf16() -> None:
     assert event.details["recommendation"] == "bf16" and "bf16" in event.message
     assert event.details["overflow_rate"] > 0.1
     assert guard.engine.counters.overflow_total == 5
-    assert math.isfinite(guard.engine.last_host_metrics["stability/scaler/scale"])
+    assert math.isfinite(guard.engine.readout.last_host_metrics["stability/scaler/scale"])
 
 
 def test_precision_advice_is_given_only_when_asked() -> None:

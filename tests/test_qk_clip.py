@@ -63,7 +63,7 @@ def _params(module: nn.Module) -> dict[str, Tensor]:
 @pytest.mark.parametrize(("fused", "kv_heads"), [(True, None), (False, None), (True, 2), (False, 2), (False, 1)])
 def test_rescale_matches_the_hand_computation(alpha: float, fused: bool, kv_heads: int | None) -> None:
     layer = _layer(fused, kv_heads)
-    qk = sk.nn.QKClip(layer, threshold=1.0, alpha=alpha)
+    qk = sk.nn.QKClip(layer, threshold=1.0, query_share=alpha)
     x = _x()
     layer(x)
     head_max = layer.head_max
@@ -219,8 +219,8 @@ def test_errors_name_the_culprit() -> None:
         sk.nn.QKClip(nn.Sequential(nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="qk_norm=False"):
         sk.nn.QKClip(sk.nn.QKNormAttention(16, 4))
-    with pytest.raises(ValueError, match="alpha"):
-        sk.nn.QKClip(AttnNet(), alpha=1.5)
+    with pytest.raises(ValueError, match="query_share"):
+        sk.nn.QKClip(AttnNet(), query_share=1.5)
     with pytest.raises(ValueError, match="threshold"):
         sk.nn.QKClip(AttnNet(), threshold=0.0)
 

@@ -676,10 +676,10 @@ def test_loss_drift_and_spike_alert_are_told_apart() -> None:
         guard.zero_grad()
         # alerts as the ledger hands them to the library's observers (recovery never reads the user's bus)
         if i == 9:  # an alert of another rule: no rollback
-            for observe in guard.engine.observers:
+            for observe in guard.engine.readout.observers:
                 observe(sk.Event("spike_alert", 9, "loss jumped", {"rule": "loss"}))
         if i == 14:  # the drift rule's alert, as the spike monitor raises it
-            for observe in guard.engine.observers:
+            for observe in guard.engine.readout.observers:
                 observe(sk.Event("spike_alert", 14, "loss climbed", {"rule": DRIFT_RULE}))
         if i == 16:  # the same alert on the user's event bus is output only: it triggers nothing
             guard.hooks.emit(sk.Event("spike_alert", 16, "loss climbed", {"rule": DRIFT_RULE}))

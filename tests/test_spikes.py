@@ -45,15 +45,15 @@ def test_predictive_detector_learns_autocorrelation_and_scores_a_3x_jump() -> No
 def test_predictive_detector_scale_is_debiased_from_the_first_steps_for_any_scale_alpha() -> None:
     values = _ar1(40, sigma=0.1, phi=0.0, seed=11)
     scales = {}
-    for scale_alpha in (0.1, 0.03):
-        detector = PredictiveDetector(size=1, scale_alpha=scale_alpha)
+    for scale_rate in (0.1, 0.03):
+        detector = PredictiveDetector(size=1, scale_rate=scale_rate)
         for x in values:
             detector.update([x])
-        scales[scale_alpha] = detector.scale()
+        scales[scale_rate] = detector.scale()
     # noise std 0.1 (sample: 0.12); an EMA started at 0 would sit at 1 - 0.97**39 = 70% of it at 0.03
     assert all(0.1 < s < 0.16 for s in scales.values()), scales  # undebiased: 0.085 at 0.03
-    with pytest.raises(ValueError, match="scale_alpha"):
-        PredictiveDetector(scale_alpha=1.5)
+    with pytest.raises(ValueError, match="scale_rate"):
+        PredictiveDetector(scale_rate=1.5)
 
 
 def test_predictive_detector_never_ingests_nan_or_inf_and_keeps_scoring() -> None:

@@ -210,9 +210,9 @@ def test_version_as_a_string_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"invalid stabilitykit state at 'version': must be an int.*got str '2'"):
         guard.load_state_dict(state)
     state["version"] = STATE_VERSION
-    state["optimizers"][0]["engine"]["ledger"]["spikes"]["version"] = "2"
+    state["optimizers"][0]["engine"]["ledger"]["spikes"]["alerts"] = "2"
     with pytest.raises(
-        ValueError, match=r"invalid stabilitykit state at 'optimizers\.0\.engine\.ledger\.spikes\.version'"
+        ValueError, match=r"invalid stabilitykit state at 'optimizers\.0\.engine\.ledger\.spikes\.alerts'"
     ):
         guard.load_state_dict(state)
 

@@ -160,7 +160,7 @@ def test_off_by_default_and_no_keys(tmp_path: Path) -> None:
     for x, y in batches(2):
         guard.backward(model.loss(x, y))
         guard.step()
-    assert not _logged(guard.engine.last_host_metrics)
+    assert not _logged(guard.engine.readout.last_host_metrics)
 
 
 def test_fused_adamw_syncs_zero_off_logging_steps_one_on_with_the_update_ratio() -> None:
@@ -178,7 +178,7 @@ def test_fused_adamw_syncs_zero_off_logging_steps_one_on_with_the_update_ratio()
         counts.append(counter.count)
     assert [counts[i] for i in (0, 5, 10, 15)] == [1, 1, 1, 1], counts
     assert all(counts[i] == 0 for i in range(16) if i % 5), counts  # measured steps 4, 9 and 14 included
-    assert guard.engine.last_host_metrics[f"{PREFIX}/update_ratio"] > 0
+    assert guard.engine.readout.last_host_metrics[f"{PREFIX}/update_ratio"] > 0
     assert guard.skipped_total == 1
 
 

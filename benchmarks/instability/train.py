@@ -15,7 +15,7 @@ bytes of the standard library's ``.py`` sources (on every machine, no download) 
 ``baseline`` (nothing), ``qknorm`` (sk.nn.QKNorm), ``zloss`` (sk.nn.z_loss 1e-4), ``both``,
 ``clip`` (fixed clip 1.0), ``zclip`` (the zclip package), ``adaptive`` (sk.StabilityGuard with
 adaptive clipping), ``skip`` (stabilitykit.spike_skip.SpikeSkipRule, skip-on-spike), ``qkclip``
-(sk.nn.QKClip, tau 100, alpha 0.5, after each optimizer step), ``softcap`` (sk.nn.softcap: attention
+(sk.nn.QKClip, tau 100, query_share 0.5, after each optimizer step), ``softcap`` (sk.nn.softcap: attention
 logits 50, final logits 30) and ``agc`` (sk.StabilityGuard with per-tensor adaptive clipping).
 
 Every arm skips a step whose grad norm or loss is not finite (so a run is never killed by one
@@ -199,7 +199,7 @@ def run(arm: str, lr: float, steps: int, data: np.ndarray, heldout: np.ndarray, 
     elif arm == "qkclip":
         from stabilitykit.nn import QKClip
 
-        qk_clip = QKClip(model, threshold=QK_CLIP_TAU, alpha=0.5)
+        qk_clip = QKClip(model, threshold=QK_CLIP_TAU, query_share=0.5)
     elif arm == "zclip":
         from zclip import ZClip
 

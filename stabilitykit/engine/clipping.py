@@ -10,13 +10,72 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
+from pydantic import Field, field_validator
 from torch import Tensor
 
-from stabilitykit.config import ClipConfig
 from stabilitykit.grads import NormResult, clip_coefficient
+from stabilitykit.section import Section
+
+
+class ClipConfig(Section):
+    """Gradient clipping: off, a fixed max_norm, an adaptive global threshold, or per-tensor adaptive (AdaGC)."""
+
+    @field_validator("max_norm", mode="before")
+    @classmethod
+    def _zero_means_off_elsewhere(cls, value: Any) -> Any:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+            raise ValueError(
+                "max_norm=0 is how nanoGPT and the Hugging Face Trainer say 'no clipping'; here that is "
+                "ClipConfig(mode='off')"
+            )
+        return value
+
+    mode: Literal["off", "fixed", "adaptive", "per_tensor_adaptive"] = Field(
+        "off",
+        description=(
+            "Clipping mode. 'fixed': clip the total norm to max_norm. 'adaptive': clip the total norm to "
+            "mean + z_threshold * std of its EMAs. 'per_tensor_adaptive' (AdaGC): clip each parameter tensor to "
+            "per_tensor_ratio times the EMA of its own past clipped norms."
+        ),
+    )
+    max_norm: float = Field(1.0, gt=0, description="Fixed mode: the largest total grad norm after clipping.")
+    z_threshold: float = Field(2.5, gt=0, description="Adaptive mode: clip norms above mean + z_threshold * std.")
+    ema_decay: float = Field(0.97, gt=0, lt=1, description="Adaptive mode: EMA decay of the norm mean and variance.")
+    warmup_steps: int = Field(
+        25,
+        ge=1,
+        description=(
+            "Adaptive modes: finite steps that only collect statistics before the adaptive threshold applies "
+            "(per_tensor_adaptive: finite steps the engine did not skip; each tensor's threshold starts from its "
+            "smallest clipped norm in them)."
+        ),
+    )
+    warmup_max_norm: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Adaptive modes: fixed max_norm of the total norm during warmup (None: no clipping during warmup). "
+            "per_tensor_adaptive: AdaGC's lambda_abs (1.0 is the usual choice)."
+        ),
+    )
+    per_tensor_ratio: float = Field(
+        1.05,
+        ge=1,
+        allow_inf_nan=False,
+        description=(
+            "per_tensor_adaptive (AdaGC's lambda_rel): a tensor whose norm exceeds this times its EMA is scaled "
+            "down to exactly that; at least 1 (below 1 every step is clipped and the thresholds shrink to 0)."
+        ),
+    )
+    per_tensor_decay: float = Field(
+        0.98,
+        gt=0,
+        lt=1,
+        description="per_tensor_adaptive (AdaGC's beta): EMA decay of each tensor's clipped norm.",
+    )
 
 
 class ClipStrategy(Protocol):
@@ -116,7 +175,7 @@ class PerTensorClip:
     (``warmup_steps`` accepted steps): the total norm is clipped to ``warmup_max_norm`` (when set)
     and ``gamma_i`` keeps the smallest clipped norm of tensor ``i``. Then a tensor whose norm exceeds
     ``per_tensor_ratio * gamma_i`` is scaled to exactly that, and ``gamma_i`` takes its clipped norm
-    with weight ``1 - per_tensor_beta``. Only accepted steps (finite grads and loss, not skipped by
+    with weight ``1 - per_tensor_decay``. Only accepted steps (finite grads and loss, not skipped by
     the engine) update the statistics, and only for tensors with a non-zero grad: a zero norm carries
     no scale, and a zero ``gamma`` would freeze a tensor for good (a zero-initialised LoRA ``B`` gives
     ``A`` a zero grad on its first step). A tensor without statistics yet is not clipped; its first
@@ -171,7 +230,7 @@ class PerTensorClip:
         clipped = coefs * tensor_norms
 
         update = accept & finite & present & (tensor_norms > 0)
-        beta = cfg.per_tensor_beta
+        beta = cfg.per_tensor_decay
         kept = torch.where(warm, torch.minimum(self.gamma, clipped), beta * self.gamma + (1 - beta) * clipped)
         self.gamma = torch.where(update, torch.where(had, kept, clipped), self.gamma)
         self.seen = had | update

@@ -66,7 +66,8 @@ class StepDecision:
     @property
     def skipped_now(self) -> bool:
         """The host knows this step is skipped: the optimizer step is not called, the scheduler held."""
-        return isinstance(self.outcome, Known) and self.outcome.skipped
+        outcome = self.outcome
+        return isinstance(outcome, Known) and bool(outcome.code & SKIP)  # ``Known.skipped``, without the call
 
     @property
     def pending(self) -> bool:

@@ -5,8 +5,20 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from stabilitykit.config import Fp16Config
+from pydantic import Field
+
 from stabilitykit.events import Event
+from stabilitykit.section import Section
+
+
+class Fp16Config(Section):
+    """fp16 overflow diagnosis: warn when GradScaler skips too often or the loss scale collapses."""
+
+    window: int = Field(200, ge=10, description="Steps over which the share of overflow-skipped steps is measured.")
+    max_overflow_share: float = Field(
+        0.05, gt=0, le=1, description="Share of overflow-skipped steps in the window that triggers the warning."
+    )
+    scale_floor: float = Field(1.0, gt=0, description="A loss scale below this triggers the warning.")
 
 
 class Fp16Monitor:
@@ -35,7 +47,7 @@ class Fp16Monitor:
         if step - self.warned_at < cfg.window:
             return []
         problems = []
-        if rate > cfg.max_overflow_rate and len(self.overflow_steps) >= 2:
+        if rate > cfg.max_overflow_share and len(self.overflow_steps) >= 2:
             problems.append(f"GradScaler skipped {rate:.0%} of the last {min(cfg.window, step + 1)} steps")
         if scale < cfg.scale_floor:
             problems.append(f"the loss scale fell to {scale:g} (floor {cfg.scale_floor:g})")
@@ -56,5 +68,5 @@ class Fp16Monitor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
-        self.overflow_steps = deque(int(s) for s in state.get("overflow_steps", []))
-        self.warned_at = int(state.get("warned_at", -(10**9)))
+        self.overflow_steps = deque(int(s) for s in state["overflow_steps"])
+        self.warned_at = int(state["warned_at"])

@@ -4,10 +4,14 @@
 means the step must not run; a skip still on the device is OR-ed into a fused optimizer's
 ``found_inf`` (GradScaler's own flag, when it set one, is kept and restored, so its bookkeeping
 is untouched); QK-clip rescales after a taken step and drops a skipped step's maxima.
+
+``found_inf`` stops a fused step's update but not the optimizer state the step creates, so the
+steps that would create state are decided on the host instead (``NewStateCheck``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,3 +49,39 @@ class StepGate:
         if qk_clip is not None:
             skip = self.decision.skip
             qk_clip.apply(skip=torch.ones_like(skip) if self.skip_now else skip)
+
+
+class NewStateCheck:
+    """Whether a fused optimizer's step would create optimizer state (a first momentum buffer).
+
+    A skipped step must not leave such state behind, and ``found_inf`` does not stop it, so while
+    some parameter with a grad has no state yet the host decides the step (one sync; usually the
+    first step only). Checked again only when the state or the set of parameters with grads
+    changes. An optimizer that creates no state (SGD without momentum) is settled after one
+    applied step left the state as it was.
+    """
+
+    def __init__(self) -> None:
+        self._settled: tuple[int, tuple[bool, ...]] | None = None  # the key the check last found nothing new at
+        self._before: tuple[int, tuple[bool, ...]] | None = None  # the key of a host-decided step
+
+    def creates_state(self, optimizer: Any, params: Sequence[Tensor], present: tuple[bool, ...]) -> bool:
+        """The coming step would create state for some parameter in ``params`` (``present``: which have grads)."""
+        state = optimizer.state
+        key = (len(state), present)
+        if key == self._settled:
+            return False
+        creates = any(p.grad is not None and not state.get(p) for p in params)
+        if not creates:
+            self._settled = key
+        self._before = key if creates else None
+        return creates
+
+    def after_step(self, decision: StepDecision, optimizer: Any, present: tuple[bool, ...]) -> None:
+        """After a host-decided step: an applied step that created no optimizer state settles the check."""
+        before, self._before = self._before, None
+        if before is None or decision.pending or decision.skipped_now:
+            return
+        after = (len(optimizer.state), present)
+        if after == before:  # applied and created nothing: it never will, so the check is settled
+            self._settled = after

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
 import torch
-from annotated_types import Ge
 from torch import Tensor
 
+from stabilitykit.fields import NonNegativeInt
 from stabilitykit.rules.registry import SKIP
 
 #: The built-in scalar columns of a row, in order; recorded metrics, then the per-layer norms follow.
@@ -35,7 +35,7 @@ MAX_JOURNAL_ROWS = 1024
 class RowInfo:
     """What the host knows about a row without reading the device."""
 
-    step: Annotated[int, Ge(0)]
+    step: NonNegativeInt
     has_loss: bool
     scaler_active: bool
     folded: bool = False  # the ledger has taken this row already (read at its own step)
@@ -181,10 +181,10 @@ class Journal:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore unread rows saved by ``state_dict``. Rows of another shape (a different log cadence,
         other metrics or layers) are decoded by their saved column names and carried on the host."""
-        infos = [RowInfo(**info) for info in state.get("infos", [])]
-        carried = [Row(**row) for row in state.get("carried", [])]
-        rows = state.get("rows")
-        names = list(state.get("metric_names", []))
+        infos = [RowInfo(**info) for info in state["infos"]]
+        carried = [Row(**row) for row in state["carried"]]
+        rows = state["rows"]
+        names = list(state["metric_names"])
         self.infos = []
         if infos:
             if rows is None or rows.shape[0] < len(infos):

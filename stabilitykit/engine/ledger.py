@@ -13,36 +13,34 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Any
 
-from annotated_types import Ge
-
-from stabilitykit.config import StabilityConfig
 from stabilitykit.engine.fp16 import Fp16Monitor
 from stabilitykit.engine.journal import Row
 from stabilitykit.events import Event, TrainingDivergedError
+from stabilitykit.fields import NonNegativeInt
 from stabilitykit.rules import RuleSet, SkipContext, Verdict
 from stabilitykit.spikes import SpikeMonitor
 
-#: A count (never negative): the saved state's schema reads the constraint from the field (``state.schema_of``).
-Count = Annotated[int, Ge(0)]
+if TYPE_CHECKING:  # the config module imports the sections' owners, this package among them
+    from stabilitykit.config import StabilityConfig
 
 
 @dataclass
 class Counters:
     """Totals over the run, and over the current logging interval (``*_recent``)."""
 
-    skipped_total: Count = 0
-    clipped_total: Count = 0
-    nonfinite_total: Count = 0
-    overflow_total: Count = 0
-    consecutive: Count = 0
+    skipped_total: NonNegativeInt = 0
+    clipped_total: NonNegativeInt = 0
+    nonfinite_total: NonNegativeInt = 0
+    overflow_total: NonNegativeInt = 0
+    consecutive: NonNegativeInt = 0
     max_norm: float = 0.0
     last_bad_step: int = -1
     last_bad_reason: str | None = None
     last_bad_layer: str | None = None
-    skipped_recent: Count = 0
-    clipped_recent: Count = 0
+    skipped_recent: NonNegativeInt = 0
+    clipped_recent: NonNegativeInt = 0
     max_norm_recent: float = 0.0
 
     def reset_recent(self) -> None:
@@ -233,7 +231,7 @@ class Ledger:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
         self.counters = Counters(**state["counters"])
-        self.scheduler_debt = int(state.get("scheduler_debt", 0))
-        if self.spikes is not None and state.get("spikes") is not None:
+        self.scheduler_debt = int(state["scheduler_debt"])
+        if self.spikes is not None and state["spikes"] is not None:
             self.spikes.load_state_dict(state["spikes"])
-        self.fp16.load_state_dict(state.get("fp16", {}))
+        self.fp16.load_state_dict(state["fp16"])

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from stabilitykit.config import StabilityConfig
+if TYPE_CHECKING:  # the config module imports the sections' owners, this package among them
+    from stabilitykit.config import StabilityConfig
 
 
 class MetricNames:

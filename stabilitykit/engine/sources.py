@@ -10,14 +10,16 @@ one read, so no source adds a host sync.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from stabilitykit.config import StabilityConfig
 from stabilitykit.monitors import ModelMonitor
 from stabilitykit.nn.qk_clip import QKClip
+
+if TYPE_CHECKING:  # the config module imports the sections' owners, this package among them
+    from stabilitykit.config import StabilityConfig
 
 
 class MetricSources:

@@ -3,16 +3,17 @@
 A driver (through ``stabilitykit.core.DriverCore``) calls, once per optimizer step and after the
 grads are final:
 
-1. ``record_loss(loss)`` for each micro-batch (optional),
+1. ``inputs.add_loss(loss)`` for each micro-batch (optional; ``inputs.py``),
 2. ``decision = evaluate(...)``, top to bottom: one fused norm pass (``grads.GradNormPlan``); the
    step record agreed across ranks in ONE collective (``engine/record.py``, every rank,
    every step); the decision code (``rules/registry.py``); clipping in place (``clipping.py``); one
    journal row (``journal.py``); the host reads the row now only where it must (below),
 3. ``gate = open_step(decision, optimizer)``, the optimizer step unless ``gate.skip_now``, then
    ``gate.close()`` (``gate.py``; ``apply`` does the three),
-4. ``consume_scheduler_hold(decision)`` before stepping an LR scheduler,
+4. ``ledger.consume_scheduler_hold(decision.skipped_now)`` before stepping an LR scheduler (once per step),
 5. ``finish(decision)``: rows the host read are folded into the ledger (events, counters,
-   divergence) and, on logging steps, the metrics (``metrics.py``) go to the sinks.
+   divergence) and, on logging steps, the metrics (``metrics.py``) go to the sinks; both are the
+   host side's job (``readout.py``), which also does the logging step's read.
 
 What the host knows of a step is explicit (``decision.outcome``):
 
@@ -42,26 +43,25 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from stabilitykit.compat.private import supports_amp_scaling
-from stabilitykit.config import StabilityConfig
 from stabilitykit.distributed import is_distributed, mark_collective_step, reducer_for
 from stabilitykit.engine.clipping import ClipStrategy, PerTensorClip, make_clip_strategy
 from stabilitykit.engine.decision import TAKEN, StepDecision
 from stabilitykit.engine.gate import StepGate
 from stabilitykit.engine.inputs import StepInputs
-from stabilitykit.engine.journal import MAX_JOURNAL_ROWS, Journal, Row, RowInfo
+from stabilitykit.engine.journal import MAX_JOURNAL_ROWS, Journal, RowInfo
 from stabilitykit.engine.layers import build_layer_map
-from stabilitykit.engine.ledger import Divergence, Ledger
+from stabilitykit.engine.ledger import Ledger
 from stabilitykit.engine.metrics import MetricNames
 from stabilitykit.engine.overflow import remeasure_overflow
+from stabilitykit.engine.readout import Readout
 from stabilitykit.engine.sources import MetricSources
 from stabilitykit.engine.updates import UpdateMonitor
-from stabilitykit.events import Event
 from stabilitykit.grads import GradNormPlan, NormResult, apply_clip_coefficient, clip_coefficient
 from stabilitykit.hooks import HookManager
 from stabilitykit.monitors import ModelMonitor
@@ -69,6 +69,9 @@ from stabilitykit.nn.qk_clip import QKClip
 from stabilitykit.report import StepReport
 from stabilitykit.rules import RuleSet, SkipRule, builtin_rules
 from stabilitykit.rules.spike import Spike
+
+if TYPE_CHECKING:  # the config module imports the sections' owners, this package among them
+    from stabilitykit.config import StabilityConfig
 
 
 def is_fused(optimizer: Any | None) -> bool:
@@ -106,7 +109,7 @@ class StabilityEngine:
     def __init__(
         self,
         params: Sequence[nn.Parameter | Tensor],
-        config: StabilityConfig | None = None,
+        config: StabilityConfig,
         model: nn.Module | None = None,
         hooks: HookManager | None = None,
         fused: bool = False,
@@ -114,11 +117,8 @@ class StabilityEngine:
         extra_group: Any | None = None,
         rules: Sequence[SkipRule] = (),
     ) -> None:
-        self.config = config or StabilityConfig()
+        self.config = config
         self.user_rules = list(rules)
-        #: The library's own observers of folded events (recovery's triggers): fed from the ledger in step
-        #: order, before the events go out to the user's hooks and sinks, never through them.
-        self.observers: list[Callable[[Event], None]] = []
         #: An LR scheduler is held on skipped steps (the driver says so; named in a late skip's event).
         self.has_scheduler = False
         self.hooks = hooks or HookManager()
@@ -129,15 +129,12 @@ class StabilityEngine:
         self.inputs = StepInputs(self.device)
         self.rank = torch.distributed.get_rank() if is_distributed() else None
         self.step = 0  # optimizer steps attempted so far (skipped ones included)
+        #: The host side: journal reads, rows folded into the ledger, events and metrics out (``readout.py``).
+        self.readout = Readout(self.hooks)
         self._install(self._fresh_parts())
         #: Whether anything can ever skip a step (configuration and rules only, so the same on every rank).
         self.can_skip = self.config.can_skip or bool(self.user_rules)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
-        self.last_host_metrics: dict[str, float] = {}
-        self._unlogged: Row | None = None  # the newest row a flush read without logging it (see ``flush``)
-        self._logged_step: int | None = None  # the newest row logged so far
-        #: Where a driver's tracer saw the first non-finite value; named by this step's skip events.
-        self.source_hint: Any | None = None
         #: Modules that measure themselves, QK-clip and the model monitor (``engine/sources.py``).
         self.sources = MetricSources(self.config, model, self.params)
         self._mark_measure()
@@ -177,7 +174,7 @@ class StabilityEngine:
         carries over when the layers are the same, else starts afresh (the norm's scale changed);
         per-tensor clipping state starts afresh (it is per parameter).
         """
-        self.flush()
+        self.readout.flush(self.step)
         if self._names is not None and len(self._names) != len(params):
             self._names = None  # names given for the old set: name the new one from the model
         old = _Parts(self.ledger, self.clip, self.rules, self.journal)
@@ -202,6 +199,7 @@ class StabilityEngine:
         self.ledger, self.clip = parts.ledger, parts.clip
         self.rules, self.journal = parts.rules, parts.journal
         self.spike_rule = parts.spike_rule
+        self.readout.bind(parts.ledger, parts.journal, parts.rules, self.names, self.updates, parts.clip is not None)
 
     def _fresh_parts(self) -> _Parts:
         """The stateful parts, new: the one place they are built (at construction and to load a state)."""
@@ -221,13 +219,13 @@ class StabilityEngine:
         (for ``load_state_dict`` and a rollback's ``rewind``); nothing is installed yet."""
         parts = self._fresh_parts()
         parts.ledger.load_state_dict(state["ledger"])
-        if parts.clip is not None and state.get("clip"):
+        if parts.clip is not None and state["clip"]:
             parts.clip.load_state_dict(state["clip"])
-        parts.journal.load_state_dict(state.get("journal", {}))
-        if parts.spike_rule is not None and state.get("spike_rule"):
+        parts.journal.load_state_dict(state["journal"])
+        if parts.spike_rule is not None and state["spike_rule"]:
             parts.spike_rule.load_state_dict(state["spike_rule"])
         for rule in self.user_rules:
-            saved = (state.get("rules") or {}).get(rule.name)
+            saved = state["rules"].get(rule.name)
             if saved:
                 rule.load_state_dict(saved)
         return parts
@@ -243,11 +241,6 @@ class StabilityEngine:
     def qk_clip(self) -> QKClip | None:
         """QK-clip over the attention modules this optimizer updates (``config.qk_clip``), or None."""
         return self.sources.qk_clip
-
-    @property
-    def logged_layers(self) -> list[int]:
-        """Indices of the layers whose norms are logged (``GradNormConfig.include`` / ``exclude``)."""
-        return self.names.logged_layers
 
     def is_logging_step(self, step: int | None = None) -> bool:
         """True when ``step`` (default: the coming one) copies metrics to the host."""
@@ -274,10 +267,6 @@ class StabilityEngine:
         return int(self.ledger.counters.consecutive)
 
     # ----------------------------------------------------------------------------- the step
-
-    def record_loss(self, loss: Tensor) -> None:
-        """Add one micro-batch's loss to this optimizer step's loss (``StepInputs.add_loss``; no sync)."""
-        self.inputs.add_loss(loss)
 
     def record_metric(self, name: str, value: Tensor | float, reduce: str = "mean") -> None:
         """Record a user metric for the step in flight (a 0-d device tensor; no sync).
@@ -348,7 +337,7 @@ class StabilityEngine:
         if skip_ahead:
             decision.settle(self.rules.constant("after_rollback"), "after_rollback")  # known on the host: no sync
         if decision.logging or self.journal.full:
-            self._read_journal(decision, loss_scale)
+            self.readout.read(decision, self.sources, loss_scale)
         elif self.can_skip and not self.fused:
             self.resolve(decision)  # the one sync a non-fused optimizer pays to skip
         elif not self.can_skip and not skip_ahead:
@@ -431,34 +420,6 @@ class StabilityEngine:
             decision.settle(row.code, self.reason_of(row.code))
         return decision.skipped_now
 
-    def _read_journal(self, decision: StepDecision, loss_scale: Tensor | None = None) -> None:
-        """Copy the journal rows since the last read to the host: the logging step's one sync."""
-        names: list[str] = []
-        extras: list[Tensor] = []
-        quiet: set[str] = set()  # module metrics logged only, not watched by the spike detector
-        if decision.logging:
-            metrics, quiet = self.sources.collect()
-            for key, value in metrics.items():
-                names.append(key)
-                extras.append(value)
-        if loss_scale is not None:
-            names.append("scaler/scale")
-            extras.append(loss_scale)
-        updates = self.updates if decision.logging else None
-        update = updates.values(decision.report.step) if updates is not None else None
-        if update is not None:
-            extras = [*extras, update]  # a vector: the update ratio and weight norms, read in the same copy
-        rows, tail = self.journal.read(extras, current_step=decision.report.step)
-        if updates is not None and update is not None:
-            decision.update_metrics = updates.named(tail[len(names) :], self.layer_names, self.logged_layers)
-        values = dict(zip(names, tail[: len(names)], strict=True))
-        decision.loss_scale = values.pop("scaler/scale", None)
-        decision.module_metrics = values
-        decision.signals = {k: v for k, v in values.items() if k not in quiet}
-        decision.rows.extend(rows)
-        if rows and rows[-1].step == decision.report.step and decision.pending:
-            decision.settle(rows[-1].code, self.reason_of(rows[-1].code))
-
     def _mark_measure(self) -> None:
         """Tell the metric sources about the coming step (monitors sample on their own cadence)."""
         self.sources.begin_step(self.step, self.is_logging_step())
@@ -479,117 +440,28 @@ class StabilityEngine:
         finally:
             gate.close()
 
-    def consume_scheduler_hold(self, decision: StepDecision) -> bool:
-        """Whether the LR scheduler must not advance this step (skipped now, or a skip learned late).
-
-        Not a query: a hold for a late-learned skip is paid off (call once per step).
-        """
-        return self.ledger.consume_scheduler_hold(decision.skipped_now)
-
     def finish(self, decision: StepDecision, log_step: int | None = None, raise_divergence: bool = True) -> StepReport:
         """Host-side bookkeeping after the step: the ledger, events, sinks, then the divergence check.
 
         ``log_step``: the step number sinks see (a framework's global step); default the engine's.
         ``raise_divergence=False``: a divergence is left in ``decision.divergence`` for the caller
-        (recovery) instead of being reported and raised; ``report_divergence`` does that.
+        (recovery) instead of being reported and raised; ``readout.report_divergence`` does that.
         """
         step = self.step
         self.step += 1
         if self.updates is not None:
             self.updates.measure()  # after the optimizer step: this step's update, if it was snapshotted
         self._mark_measure()
-        divergence = self._fold(decision.rows, step, decision.signals)
+        divergence = self.readout.fold(decision.rows, step, decision.signals)
         if decision.logging:
-            self._log_metrics(decision, step if log_step is None else log_step)
+            extra = [decision.module_metrics, decision.update_metrics]
+            self.readout.log(decision.rows[-1], step if log_step is None else log_step, decision.loss_scale, extra)
         if divergence is not None:
             if not raise_divergence:
                 decision.divergence = divergence
             else:
-                self.report_divergence(divergence, raise_error=True)
+                self.readout.report_divergence(divergence, raise_error=True)
         return decision.report
-
-    def _fold(self, rows: list[Row], step: int, signals: dict[str, float] | None = None) -> Divergence | None:
-        """Fold rows the ledger has not taken yet; emit their events; the first divergence among them.
-
-        ``signals``: module metrics measured at ``step`` (max attention logit, log Z), scored with its row.
-        """
-        first: Divergence | None = None
-        for row in rows:
-            if row.folded:
-                continue
-            source, row_signals = None, None
-            if row.step == step:
-                source, self.source_hint = self.source_hint, None
-                row_signals = signals
-            if row.metrics:  # recorded metrics are precursors too, at every step they were recorded
-                recorded = {self.key(f"metrics/{k}"): v for k, v in row.metrics.items() if math.isfinite(v)}
-                row_signals = {**(row_signals or {}), **recorded}
-            events, divergence = self.ledger.fold(row, source, row_signals)
-            for event in events:
-                for observe in self.observers:
-                    observe(event)  # the library's own observers (recovery's triggers), in step order
-                self.hooks.emit(event)
-            first = first or divergence
-        return first
-
-    def report_divergence(self, divergence: Divergence, raise_error: bool = True) -> None:
-        """Emit the "diverged" event; raise ``TrainingDivergedError`` when ``raise_error``."""
-        err = divergence.error()
-        details = {"consecutive": divergence.consecutive, "layer": divergence.layer, "reason": divergence.reason}
-        self.hooks.emit(Event("diverged", divergence.step, str(err), details))
-        if raise_error:
-            raise err
-
-    def flush(self, final_row: bool = False) -> list[Row]:
-        """Read and fold the journal now (one sync): counters, detectors and events catch up.
-
-        Drivers call it at the end of training and ``summary()`` relies on it. A run of skips that
-        reached ``max_consecutive`` is reported as a "diverged" event, not raised. ``final_row``:
-        the run is closing, so the steps since the last logging step also get a metrics row (at
-        the newest step's number) in every sink. Returns the rows read.
-        """
-        rows: list[Row] = []
-        divergence = None
-        if len(self.journal):
-            rows, _ = self.journal.read()
-            divergence = self._fold(rows, self.step)
-            if rows and rows[-1].step != self._logged_step:
-                self._unlogged = rows[-1]  # read without a metrics row (a summary): still owed one at the end
-        if final_row and self._unlogged is not None:
-            self._log_rows(self._unlogged, self._unlogged.step, None, [])
-        if divergence is not None:
-            self.report_divergence(divergence, raise_error=False)
-        return rows
-
-    def _log_metrics(self, decision: StepDecision, step: int) -> None:
-        """The logging step's metrics, from the rows just read, to every sink (names: ``metrics.py``)."""
-        self._log_rows(decision.rows[-1], step, decision.loss_scale, [decision.module_metrics, decision.update_metrics])
-
-    def _log_rows(self, last: Row, step: int, loss_scale: float | None, extra: list[dict[str, float]]) -> None:
-        """Metrics for the rows read up to ``last`` (the newest), logged at ``step``."""
-        self._unlogged, self._logged_step = None, last.step
-        extra_given = any(extra)
-        c = self.ledger.counters
-        scaler = None
-        if loss_scale is not None:
-            scaler = {"scaler/scale": loss_scale, "scaler/overflow_rate": self.ledger.fp16.rate(last.step)}
-            for event in self.ledger.fp16_events(last.step, loss_scale, self.source_hint):
-                self.hooks.emit(event)
-        extra = list(extra)
-        if self.ledger.spikes is not None:
-            extra.append(self.ledger.spikes.metrics())
-        if last.metrics:
-            extra.append({f"metrics/{k}": v for k, v in last.metrics.items()})
-        named = self.names.build(last, c, self.clip is not None, scaler, extra)
-        if c.clipped_recent:
-            count = c.clipped_recent
-            self.hooks.emit(
-                Event("clipped", step, f"{count} step(s) clipped since the last logging step", {"count": count})
-            )
-        c.reset_recent()
-        # a final row (no module metrics of its own) updates the last logging step's values, keeping the rest
-        self.last_host_metrics = {**self.last_host_metrics, **named} if not extra_given else dict(named)
-        self.hooks.log_metrics(named, step)
 
     # ----------------------------------------------------------------------------- state
 
@@ -611,7 +483,7 @@ class StabilityEngine:
         Everything is loaded into fresh parts first and swapped in only when all of it loaded, so
         a state that does not fit leaves the engine exactly as it was.
         """
-        saved_layers = list(state.get("layer_names", self.layer_names))
+        saved_layers = list(state["layer_names"])
         if saved_layers != self.layer_names:
             raise ValueError(
                 "engine state was saved for other layers: "
@@ -635,7 +507,7 @@ class StabilityEngine:
         rows that a fused optimizer's scheduler stepped past. Costs one or two syncs; rollbacks are rare.
         """
         rows, _ = self.journal.read()
-        self._fold(rows, self.step)  # count them; a divergence among them is the one being rolled back
+        self.readout.fold(rows, self.step)  # count them; a divergence among them is the one being rolled back
         counters = self.ledger.counters
         parts = self._parts_from(state)
         parts.ledger.counters = counters
@@ -644,7 +516,7 @@ class StabilityEngine:
         if self.fused:
             parts.ledger.scheduler_debt += sum(1 for r in unread if r.skipped and not r.on_time)
         self._install(parts)
-        self.source_hint = None
+        self.readout.source_hint = None
         if self.updates is not None:
             self.updates.reset()
         self.sources.discard()  # values measured on the undone steps are not the restored model's

@@ -20,15 +20,96 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import Field, field_validator
 from torch import Tensor, nn
 
-from stabilitykit.config import MonitorConfig
 from stabilitykit.monitors.attention import AttentionCapture, attention_modules
 from stabilitykit.monitors.select import MonitorTargets, select_targets
 from stabilitykit.monitors.stats import activation_stats, first_tensor, logit_stats
+from stabilitykit.section import Section
+
+
+class MonitorConfig(Section):
+    """Sampled activation, attention-logit and output-logit monitors for any model.
+
+    Off unless ``StabilityConfig(monitors=MonitorConfig(...))`` is given; hooks are installed once,
+    when the driver starts.
+
+    On a sampled step, forward hooks measure on the device: the output RMS and max |x| of the
+    selected modules, the residual-stream norm after each block of every stack, the largest
+    attention logit of each attention module, taken at the call that computes the attention
+    (``F.scaled_dot_product_attention`` with the model's mask, window and scale, or the input of the
+    eager path's softmax, after mask, window and soft-cap), and the max and log Z of the model's own
+    output logits over real (unpadded) positions. The values are read with the logging step's one
+    device-to-host copy; on other steps every hook returns at once. A measurement that fails
+    disables itself with one warning; modules that cannot be measured are named once and in the
+    run summary.
+    """
+
+    every: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Measure on every n-th optimizer step (None: on logging steps). Values measured between "
+            "logging steps stay on the device until the next logging read (maxima are kept as running maxima)."
+        ),
+    )
+    modules: list[str] | None = Field(
+        None,
+        description=(
+            "Modules whose output RMS and max |x| are measured, as clean names or globs "
+            "('model.layers.*', 'lm_head'). None: each transformer block, the embeddings and the final norm."
+        ),
+    )
+    activations: bool = Field(True, description="Output RMS and max |x| of the selected modules.")
+    attention: bool = Field(
+        True, description="Largest attention logit of each attention module, at its attention call."
+    )
+    logits: bool = Field(
+        True, description="Max |logit| and mean log Z of the model's output logits (after any final soft-cap)."
+    )
+    residual: bool = Field(True, description="Residual-stream norm (mean L2 norm per token) after each block.")
+    causal: bool | None = Field(
+        None,
+        description=(
+            "Deprecated, no effect: the attention logits are measured with the mask the model itself "
+            "hands its attention call (causal or not, padding, sliding window)."
+        ),
+    )
+    log_z_positions: int | None = Field(
+        256,
+        ge=1,
+        description=(
+            "Token positions (spread evenly over the whole batch, padding left out) whose log Z is averaged: "
+            "a log-sum-exp over the whole vocabulary at every position costs about as much as the LM head's "
+            "own matmul. None: all positions."
+        ),
+    )
+    precursors: list[Literal["attn_logit_max", "logits_max", "log_z", "act_max", "act_rms", "resid_norm"]] = Field(
+        default_factory=lambda: ["attn_logit_max", "logits_max", "log_z"],  # type: ignore[arg-type]
+        description=(
+            "Signals fed to the spike detector's trend warnings (SpikeConfig.trend_warning); the others are "
+            "logged only."
+        ),
+    )
+
+    @field_validator("causal")
+    @classmethod
+    def _causal_is_read_from_the_model(cls, value: bool | None) -> bool | None:
+        if value is not None:
+            import warnings
+
+            warnings.warn(
+                "MonitorConfig.causal has no effect: attention logits are measured with the mask the model "
+                "hands its attention call",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        return value
+
 
 LOGGER = logging.getLogger("stabilitykit")
 

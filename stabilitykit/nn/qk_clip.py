@@ -2,8 +2,8 @@
 whenever its largest pre-softmax attention logit exceeded a threshold ``tau``.
 
 For a head whose max logit ``S`` this step exceeded ``tau``, with ``eta = tau / S``, the rows of
-its query projection are multiplied by ``eta ** alpha`` and the rows of its key projection by
-``eta ** (1 - alpha)``: its logits scale by ``eta`` and the max becomes ``tau``. Other heads are
+its query projection are multiplied by ``eta ** query_share`` (the paper's alpha) and the rows of its key
+projection by ``eta ** (1 - query_share)``: its logits scale by ``eta`` and the max becomes ``tau``. Other heads are
 untouched (factor exactly 1, so bitwise unchanged). Megatron-LM ships it as
 ``qk_clip_threshold=100``, ``qk_clip_alpha=0.5``.
 
@@ -15,8 +15,8 @@ hook, and ``apply()`` rescales on the device: a few vectorised ops per module, o
 
 Grouped-query attention (fewer key heads than query heads) follows Megatron-LM: the query heads
 sharing a key head form a group, the group's max logit is the max over its query heads, and the
-group's ``eta`` scales all of its query heads (``eta ** alpha``) and its key head
-(``eta ** (1 - alpha)``). A group under ``tau`` is untouched.
+group's ``eta`` scales all of its query heads (``eta ** query_share``) and its key head
+(``eta ** (1 - query_share)``). A group under ``tau`` is untouched.
 """
 
 from __future__ import annotations
@@ -25,16 +25,42 @@ import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, cast, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import torch
 import torch.distributed as dist
+from pydantic import Field
 from torch import Tensor, nn
 
 from stabilitykit.distributed import all_reduce, is_distributed, is_dtensor, to_local
+from stabilitykit.section import Section
 
-if TYPE_CHECKING:
-    from stabilitykit.config import QKClipConfig
+
+class QKClipConfig(Section):
+    """QK-clip (MuonClip): after each optimizer step, rescale the q/k rows of heads whose max logit exceeded tau."""
+
+    enabled: bool = Field(
+        False,
+        description=(
+            "Run stabilitykit.nn.QKClip after every optimizer step that is not skipped; the model needs "
+            "attention modules implementing stabilitykit.nn.QKClipTarget."
+        ),
+    )
+    threshold: float = Field(
+        100.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="tau: the largest max pre-softmax logit a head keeps (Megatron: 100).",
+    )
+    query_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description=(
+            "Share of the rescale on the queries (the paper's alpha: eta ** query_share); keys get "
+            "eta ** (1 - query_share)."
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -135,7 +161,7 @@ class _Entry:
 class QKClip:
     """QK-clip over every ``QKClipTarget`` module of ``model``: ``opt.step(); qk.apply()``.
 
-    ``threshold``: tau, the largest max logit a head keeps. ``alpha``: the share of the rescale
+    ``threshold``: tau, the largest max logit a head keeps. ``query_share``: the share of the rescale
     put on the queries (0.5: split evenly). ``params``: only modules whose query weight is among
     these are clipped (the driver passes its optimizer's parameters, so two optimizers never clip
     twice). ``group``: ranks whose forwards saw different data of the same heads; their per-head
@@ -149,16 +175,16 @@ class QKClip:
         self,
         model: nn.Module,
         threshold: float = 100.0,
-        alpha: float = 0.5,
+        query_share: float = 0.5,
         params: Iterable[Tensor] | None = None,
         group: Any = "auto",
     ) -> None:
         if isinstance(threshold, bool) or not math.isfinite(threshold) or threshold <= 0:
             raise ValueError(f"QKClip: threshold must be a finite number > 0, got {threshold!r}")
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"QKClip: alpha must lie in [0, 1], got {alpha!r}")
+        if not 0.0 <= query_share <= 1.0:
+            raise ValueError(f"QKClip: query_share must lie in [0, 1], got {query_share!r}")
         self.threshold = float(threshold)
-        self.alpha = float(alpha)
+        self.query_share = float(query_share)
         self.group = group
         self.entries = [_Entry(n, m) for n, m in model.named_modules() if is_qk_clip_target(m)]
         if not self.entries:
@@ -303,8 +329,8 @@ class QKClip:
             if skip is not None:
                 over = over & ~skip
             eta = torch.where(over, torch.full_like(group_max, self.threshold) / group_max, 1.0)
-            rows_q = eta.pow(self.alpha).repeat_interleave(group_size * lay.head_dim)
-            rows_k = eta.pow(1.0 - self.alpha).repeat_interleave(lay.head_dim)
+            rows_q = eta.pow(self.query_share).repeat_interleave(group_size * lay.head_dim)
+            rows_k = eta.pow(1.0 - self.query_share).repeat_interleave(lay.head_dim)
             for tensor, factor in self._row_factors(lay, mode, rows_q, rows_k):
                 tensors.append(tensor)
                 factors.append(factor)
@@ -372,4 +398,4 @@ class QKClip:
 
     def __repr__(self) -> str:
         names = ", ".join(e.name for e in self.entries[:3]) + (", ..." if len(self.entries) > 3 else "")
-        return f"QKClip(threshold={self.threshold}, alpha={self.alpha}, modules=[{names}])"
+        return f"QKClip(threshold={self.threshold}, query_share={self.query_share}, modules=[{names}])"

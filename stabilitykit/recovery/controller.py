@@ -32,12 +32,12 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field
 from torch import nn
 
 from stabilitykit.compat.grad_scaler import ScalerAdapter
-from stabilitykit.config import RecoveryConfig
 from stabilitykit.distributed import is_distributed
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.engine.decision import StepDecision
@@ -51,7 +51,103 @@ from stabilitykit.recovery.host_copy import HostCopier
 from stabilitykit.recovery.record import RollbackLog, RollbackRecord
 from stabilitykit.recovery.snapshot import Snapshot, TrainingObjects, restore_snapshot, take_snapshot
 from stabilitykit.recovery.store import SnapshotStore
+from stabilitykit.section import Section
 from stabilitykit.spikes import DRIFT_RULE, SpikeMonitor
+
+
+class RecoveryConfig(Section):
+    """Rollback past a divergence: a ring of healthy snapshots, restored when a trigger fires, then training goes on.
+
+    On by being given: ``StabilityConfig(recovery=RecoveryConfig(...))`` turns it on without ``enabled=True``
+    (as a ``MonitorConfig`` given is on); ``enabled=False`` turns a given one off, and a
+    ``StabilityConfig`` given none has it off. See the recovery guide for what is restored, what is
+    skipped and what it costs.
+    """
+
+    enabled: bool = Field(
+        False,
+        description=(
+            "Take snapshots and roll back on a trigger. Set to True when this config is given to "
+            "StabilityConfig(recovery=...) without enabled; enabled=False keeps a given config off."
+        ),
+    )
+    snapshot_every: int = Field(
+        100, ge=1, description="Optimizer steps between snapshots (a snapshot is kept only if its step was taken)."
+    )
+    keep: int = Field(2, ge=1, description="Healthy snapshots kept (the ring's depth).")
+    trigger: list[Literal["diverged", "spike_alert", "loss_drift"]] = Field(
+        default_factory=lambda: ["diverged"],  # type: ignore[arg-type]
+        min_length=1,
+        description=(
+            "What rolls back. 'diverged': a run of SkipConfig.max_consecutive skipped steps (instead of raising "
+            "TrainingDivergedError); 'spike_alert': a spike_alert for a jump of the loss or grad norm, or for a "
+            "loss far above its best level (SpikeConfig.loss_level_alert); "
+            "'loss_drift': a spike_alert of the loss-drift rule (SpikeConfig.loss_drift_alert)."
+        ),
+    )
+    min_lookback: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Restore the newest snapshot taken at least this many steps before the onset (the first skipped "
+            "step of a divergence, the step of an alert)."
+        ),
+    )
+    lr_scale: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="After a rollback, the optimizer steps with its learning rates times this for cooldown_steps.",
+    )
+    cooldown_steps: int = Field(0, ge=0, description="Steps after a rollback that use lr_scale (0: none).")
+    skip_after: int = Field(
+        0,
+        ge=0,
+        description=(
+            "After a rollback, also skip this many of the following batches (measured and logged, never "
+            "trained on; the LR schedule waits): the large-run recipe of restarting before a spike and "
+            "skipping the next batches, for bad data that goes on past the trigger. 0: none."
+        ),
+    )
+    max_rollbacks: int = Field(
+        3, ge=1, description="Rollbacks allowed within `window` steps; one more trigger raises TrainingDivergedError."
+    )
+    window: int = Field(1000, ge=1, description="Steps over which max_rollbacks is counted.")
+    storage: str = Field(
+        "memory",
+        min_length=1,
+        description="'memory': snapshots in host memory; any other value: a directory that holds them as files.",
+    )
+    record_dir: str | None = Field(
+        None,
+        description=(
+            "Directory of skipped_batches.json (the step ranges each rollback skipped). None: the storage "
+            "directory with disk storage, no file with memory storage."
+        ),
+    )
+    restore_rng: bool = Field(
+        False,
+        description=(
+            "Also put back the random generators (torch, CUDA, random, numpy) saved with the snapshot. Off by "
+            "default: a loop that draws its batches from them would then replay the batches it skipped."
+        ),
+    )
+
+    @classmethod
+    def preset(cls, name: Literal["bad_data", "blow_up"], **overrides: Any) -> RecoveryConfig:
+        """A named recipe from the recovery guide (its benchmark rows say what each did), on, with ``overrides``.
+
+        ``"bad_data"``: roll back on a divergence or a ``spike_alert`` and skip the next 50 batches (a burst
+        of bad data goes on past the trigger). ``"blow_up"``: roll back on a divergence or a ``spike_alert``
+        and train on every batch after it (a finite blow-up: a learning-rate or optimizer accident).
+        """
+        recipes: dict[str, dict[str, Any]] = {
+            "bad_data": {"trigger": ["diverged", "spike_alert"], "skip_after": 50},
+            "blow_up": {"trigger": ["diverged", "spike_alert"], "skip_after": 0},
+        }
+        if name not in recipes:
+            raise ValueError(f"unknown recovery preset {name!r}; the presets are {sorted(recipes)}")
+        return cls(**{"enabled": True, **recipes[name], **overrides})
 
 
 def refuse_several_optimizers(config: RecoveryConfig, count: int) -> None:
@@ -128,7 +224,7 @@ class Recovery:
             )
         self._listening = any(t in config.trigger for t in ("spike_alert", "loss_drift"))
         if self._listening:
-            engine.observers.append(self._on_alert)  # the ledger's events in step order, not the user's bus
+            engine.readout.observers.append(self._on_alert)  # the ledger's events in step order, not the user's bus
 
     # ------------------------------------------------------------------ what the driver core calls
     def track_scheduler(self, scheduler: Any) -> None:
@@ -159,7 +255,7 @@ class Recovery:
     def close(self) -> None:
         """Stop listening for alerts and drop every snapshot (the driver is done)."""
         if self._listening:
-            self.engine.observers.remove(self._on_alert)
+            self.engine.readout.observers.remove(self._on_alert)
             self._listening = False
         self.store.close()
 
@@ -288,7 +384,7 @@ class Recovery:
         divergence = decision.divergence
         if divergence is not None:
             if "diverged" not in self.config.trigger:
-                self.engine.report_divergence(divergence)  # raises, as without recovery
+                self.engine.readout.report_divergence(divergence)  # raises, as without recovery
             found.append(("diverged", divergence.step, divergence.step - divergence.consecutive + 1))
         if self._alert is not None:
             trigger, step = self._alert
@@ -321,7 +417,7 @@ class Recovery:
         found = self._load_newest(onset - cfg.min_lookback, at_step, trigger)
         if found is None:
             if divergence is not None:
-                self.engine.report_divergence(divergence)  # nothing to go back to: raise as before
+                self.engine.readout.report_divergence(divergence)  # nothing to go back to: raise as before
             return False  # an alert with no snapshot before it stays an alert
         snapshot, tree = found
         self._restore_guard(restore_snapshot(self.objects, tree, rng=cfg.restore_rng))

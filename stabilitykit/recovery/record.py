@@ -14,28 +14,26 @@ import json
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from annotated_types import Ge
+from stabilitykit.fields import NonNegativeInt
 
 #: The file name of the skipped ranges in ``RecoveryConfig.record_dir``.
 SKIPPED_FILE = "skipped_batches.json"
-#: An optimizer step (never negative): the saved state's schema reads the constraint from the field.
-Step = Annotated[int, Ge(0)]
 
 
 @dataclass(frozen=True)
 class RollbackRecord:
     """One rollback: what fired, where it began, and the step range whose batches were skipped."""
 
-    at_step: Step  # the step whose end rolled back
+    at_step: NonNegativeInt  # the step whose end rolled back
     trigger: str  # "diverged", "spike_alert" or "loss_drift"
-    trigger_step: Step  # the step the trigger was raised for
+    trigger_step: NonNegativeInt  # the step the trigger was raised for
     onset: int  # the first step of the bad stretch (the first skipped step of a divergence, an alert's step)
-    restored_step: Step  # the snapshot's step: training went on from the state before it
-    skipped_from: Step  # first step undone (== restored_step)
-    skipped_to: Step  # last step undone (== at_step)
-    skip_ahead_to: Step | None = None  # last step of the batches skipped after the rollback (``skip_after``)
+    restored_step: NonNegativeInt  # the snapshot's step: training went on from the state before it
+    skipped_from: NonNegativeInt  # first step undone (== restored_step)
+    skipped_to: NonNegativeInt  # last step undone (== at_step)
+    skip_ahead_to: NonNegativeInt | None = None  # last step of the batches skipped after the rollback (``skip_after``)
 
     @property
     def skipped_steps(self) -> int:

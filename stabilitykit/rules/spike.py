@@ -19,8 +19,8 @@ class Spike(SkipRule):
     name = "spike"
     event_kind = "spike_warning"
 
-    def __init__(self, z: float, alpha: float, warmup: int, device: torch.device, on_loss: bool) -> None:
-        self.detector = SpikeSkipRule(z, alpha, warmup, device, on_loss)
+    def __init__(self, z: float, rate: float, warmup: int, device: torch.device, on_loss: bool) -> None:
+        self.detector = SpikeSkipRule(z, rate, warmup, device, on_loss)
 
     def flag(self, values: StepValues) -> Tensor:
         finite = values["grads_finite"] & values["loss_finite"]
