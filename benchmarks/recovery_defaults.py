@@ -356,9 +356,9 @@ def summary(runs: dict[tuple[str, str, str, int], Run], seeds: set[int]) -> str:
     """Per arm over every model and the given seeds: wrecked runs (every scenario but ``clean``) that end
     healthy, clean runs rolled back, runs that gave up, and the mean and worst gap to the clean run."""
     lines = [
-        "| arm | wrecked runs ending healthy | clean runs rolled back | gave up | mean gap (wrecked) "
-        "| worst gap (wrecked) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| arm | wrecked runs ending healthy | clean runs rolled back | gave up | most rollbacks in a run "
+        "| mean gap (wrecked) | worst gap (wrecked) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     clean = {(k[0], k[3]): r["final"] for k, r in runs.items() if k[1] == "clean" and k[2] == "none"}
     for arm in dict.fromkeys(k[2] for k in runs):
@@ -370,7 +370,7 @@ def summary(runs: dict[tuple[str, str, str, int], Run], seeds: set[int]) -> str:
         healthy = sum(1 for g in gaps if g <= HEALTHY_GAP)
         lines.append(
             f"| {arm} | {healthy}/{len(gaps)} | {sum(1 for r in calm if r['rollbacks'])}/{len(calm)} | "
-            f"{sum(r['gave_up'] for r in mine.values())} | "
+            f"{sum(r['gave_up'] for r in mine.values())} | {max((r['rollbacks'] for r in mine.values()), default=0)} | "
             + (f"{statistics.mean(finite):+.3f} | {max(gaps):+.3f} |" if finite else "- | - |")
         )
     return "\n".join(lines)

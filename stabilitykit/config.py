@@ -508,7 +508,7 @@ class RecoveryConfig(_Strict):
         50, ge=0, description="Steps after a rollback (and after its skip_after) that use lr_scale (0: none)."
     )
     skip_after: int = Field(
-        20,
+        50,
         ge=0,
         description=(
             "After a rollback, also skip this many of the following batches (measured and logged, never "
@@ -544,13 +544,13 @@ class RecoveryConfig(_Strict):
     def preset(cls, name: Literal["bad_data", "blow_up"], **overrides: Any) -> RecoveryConfig:
         """A named recipe from the recovery guide (its benchmark rows say what each did), on, with ``overrides``.
 
-        Each is the defaults with one change. ``"bad_data"``: skip the next 50 batches after a rollback
-        (the default skips 20): a long burst of bad data that goes on past the trigger.
+        Each is the defaults with one change. ``"bad_data"``: skip the next 100 batches after a rollback
+        (the default skips 50): a long burst of bad data that goes on past the trigger.
         ``"blow_up"``: skip none and train on every batch after the rollback: a finite blow-up with good
         data (a learning-rate or optimizer accident). Both roll back on a divergence or a ``spike_alert``.
         """
         recipes: dict[str, dict[str, Any]] = {
-            "bad_data": {"trigger": ["diverged", "spike_alert"], "skip_after": 50},
+            "bad_data": {"trigger": ["diverged", "spike_alert"], "skip_after": 100},
             "blow_up": {"trigger": ["diverged", "spike_alert"], "skip_after": 0},
         }
         if name not in recipes:

@@ -100,7 +100,7 @@ def test_without_spike_detection_snapshots_are_taken_on_their_cadence() -> None:
 
 def test_presets_are_named_recipes_that_are_on_and_take_overrides() -> None:
     bad = sk.RecoveryConfig.preset("bad_data")
-    assert bad.enabled and bad.trigger == ["diverged", "spike_alert"] and bad.skip_after == 50
+    assert bad.enabled and bad.trigger == ["diverged", "spike_alert"] and bad.skip_after == 100
     blow = sk.RecoveryConfig.preset("blow_up", keep=3)
     assert blow.enabled and blow.trigger == ["diverged", "spike_alert"] and blow.skip_after == 0 and blow.keep == 3
     try:
@@ -112,7 +112,7 @@ def test_presets_are_named_recipes_that_are_on_and_take_overrides() -> None:
 
 
 def test_bad_data_preset_rolls_back_a_burst_of_bad_labels_and_skips_past_it() -> None:
-    """Targets 30x off for steps 60-79: the bad_data preset rolls back once and skips the next 50 batches."""
+    """Targets 30x off for steps 60-79: the bad_data preset rolls back once and skips the next 100 batches."""
     model, batches = _problem()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     guard = sk.StabilityGuard(
@@ -129,7 +129,7 @@ def test_bad_data_preset_rolls_back_a_burst_of_bad_labels_and_skips_past_it() ->
     assert len(rollbacks) == 1
     details = rollbacks[0].details
     assert details["trigger"] == "spike_alert" and 60 <= details["trigger_step"] < 65
-    assert details["restored_step"] <= 60 and details["skip_ahead_to"] == details["at_step"] + 50
+    assert details["restored_step"] <= 60 and details["skip_ahead_to"] == details["at_step"] + 100
 
 
 # ---------------------------------------------------------------------------------------------- the defaults
