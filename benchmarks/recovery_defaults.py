@@ -1,36 +1,49 @@
 """Do recovery's defaults and presets act on a wrecked run, and stay quiet on a healthy one?
 
-    python benchmarks/recovery_defaults.py [--models byte_gpt,gpt2] [--seeds 0,1,2] [--steps 200]
+    python benchmarks/recovery_defaults.py [--models byte_gpt,hf_gpt2,hf_llama] [--seeds 0,1,2]
+        [--arms none,defaults,...] [--out runs.jsonl] [--table]
 
-A plain loop (``sk.StabilityGuard``) trains one of two model families on the instability benchmark's
-byte corpus (AdamW, warm-up then cosine decay to a peak LR of 0.1, as a ``LambdaLR`` given to the
-guard), in three scenarios, on the same data order per seed:
+Four model families on the instability benchmark's byte corpus, 200 steps (AdamW, warm-up then
+cosine decay to a peak LR of 0.1), the same data order per seed, driven two ways:
 
-* ``byte_gpt``: the instability benchmark's 4-block byte-level GPT (``instability/train.py``);
-* ``gpt2``: Hugging Face ``GPT2LMHeadModel``, random init, 2 blocks of width 64 over the 256 byte values
-  (a model this project did not write);
+* this project's plain loop (``sk.StabilityGuard``, the schedule a ``LambdaLR`` given to the guard):
+  ``byte_gpt``, the instability benchmark's 4-block byte-level GPT (``instability/train.py``), and
+  ``gpt2``, Hugging Face ``GPT2LMHeadModel``, random init, 2 blocks of width 64 over the 256 byte values;
+* the Hugging Face ``Trainer`` (an adopted third-party trainer, with its own defaults: fused AdamW,
+  ``max_grad_norm=1.0``, its ``cosine_with_min_lr`` schedule) guarded by
+  ``stabilize(trainer, cfg)``: ``hf_gpt2`` (the same GPT-2) and ``hf_llama``
+  (``LlamaForCausalLM``, random init, 2 blocks of width 64). The faults come from a
+  ``TrainerCallback`` (the LR) and from an iterable dataset in a fixed order (the data).
 
-* ``clean``: nothing goes wrong (a rollback here is a false alarm);
+Scenarios:
+
+* ``clean``: nothing goes wrong (a rollback here acts on a run that needed nothing);
 * ``lr_x1000``: the learning rate is 1000 times the schedule's for two steps at half the run (a
   finite blow-up: no non-finite step, so no streak of skips);
-* ``garbled``: 30 steps of random tokens from half the run (bad data).
+* ``garbled``: 30 steps of random bytes from half the run (bad data); ``garbled_long``: 60 steps.
 
-Arms: ``none`` (the library's defaults without recovery: non-finite steps skipped), ``clip`` (the same
-with ``ClipConfig(mode="fixed", max_norm=1.0)``), ``defaults`` (``RecoveryConfig()`` given: trigger
-``["diverged"]``, ``skip_after=0``), and the presets ``blow_up`` and ``bad_data``
-(``RecoveryConfig.preset``). Per model, scenario and arm over the seeds: the final held-out loss, its
-gap to the clean run without recovery, rollbacks per run, runs that gave up, and runs that end healthy
-(within 0.15 nats of the clean run of the same seed). Seeds listed in ``--held-out`` are marked in the
-per-seed lines. Prints a markdown table.
+Arms: ``none`` (the library's defaults without recovery: non-finite steps skipped; on the Trainer
+its ``max_grad_norm=1.0`` clips, so there ``none`` is the clipping arm), ``clip`` (plain loop:
+``ClipConfig(mode="fixed", max_norm=1.0)``), ``defaults`` (``RecoveryConfig()`` given),
+``old_defaults`` (the defaults before this benchmark: trigger ``["diverged"]``, ``skip_after=0``, the
+learning rate unchanged after a rollback), the presets ``blow_up`` and ``bad_data``, and candidates
+``alert_s<N>[_lr<x>_c<n>]`` (see ``recovery_for``). Per model, scenario and arm over the seeds: the
+final held-out loss, its gap to the clean run without recovery, rollbacks per run (held-out seeds
+starred), runs that gave up, and runs that end healthy (within 0.15 nats of the clean run of the same
+seed). ``--out`` appends each run (with its train-loss trace, every 10 steps) to a JSONL file and
+skips the runs already there; a run that equals one already made to the bit (``same_run``) is not
+trained again. Prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,52 +52,111 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent
 sys.path[:0] = [str(ROOT), str(ROOT / "instability")]
 
-from train import CONTEXT, ByteGPT, batch, corpus, lr_at  # noqa: E402
+from train import BATCH, CONTEXT, ByteGPT, batch, corpus, lr_at  # noqa: E402
 
 import stabilitykit as sk  # noqa: E402
 
-SCENARIOS = ("clean", "lr_x1000", "garbled")
-ARMS = ("none", "clip", "defaults", "blow_up", "bad_data")
-MODELS = ("byte_gpt", "gpt2")
+SCENARIOS = ("clean", "lr_x1000", "garbled", "garbled_long")
+ARMS = ("none", "clip", "old_defaults", "defaults", "blow_up", "bad_data")
+MODELS = ("byte_gpt", "gpt2", "hf_gpt2", "hf_llama")
 PEAK_LR = 0.1
 HEALTHY_GAP = 0.15  # nats above the clean run of the same seed that still count as ending healthy
+BURSTS = {"garbled": 30, "garbled_long": 60}  # steps of random bytes
+
+
+def recovery_for(arm: str) -> sk.RecoveryConfig | None:
+    """The arm's ``RecoveryConfig``, as a user writes it (None: recovery off).
+
+    ``defaults``: ``RecoveryConfig()``; ``old_defaults``: the defaults before this benchmark (trigger
+    ``["diverged"]``, nothing skipped after a rollback, the learning rate unchanged); ``bad_data``,
+    ``blow_up``: the presets. ``alert_s<N>[_lr<x>_c<n>]``: triggers ``["diverged", "spike_alert"]``,
+    ``skip_after=N``, and ``lr_scale=x`` for ``cooldown_steps=n`` (1.0 and 0 when not named): the
+    candidates for the defaults.
+    """
+    if arm in ("none", "clip"):
+        return None
+    if arm == "defaults":
+        return sk.RecoveryConfig()
+    if arm == "old_defaults":
+        return sk.RecoveryConfig(trigger=["diverged"], skip_after=0, lr_scale=1.0, cooldown_steps=0)
+    if arm.startswith("alert_s"):
+        skip, *rest = arm.removeprefix("alert_s").split("_")
+        extra: dict[str, Any] = {"lr_scale": 1.0, "cooldown_steps": 0}
+        for part in rest:
+            if part.startswith("lr"):
+                extra["lr_scale"] = float(part[2:])
+            elif part.startswith("c"):
+                extra["cooldown_steps"] = int(part[1:])
+        return sk.RecoveryConfig(trigger=["diverged", "spike_alert"], skip_after=int(skip), **extra)
+    return sk.RecoveryConfig.preset(arm)  # type: ignore[arg-type]
 
 
 def config_for(arm: str) -> sk.StabilityConfig:
     """The arm's configuration, as a user writes it."""
-    if arm == "none":
-        return sk.StabilityConfig()
-    if arm == "clip":
-        return sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0))
-    if arm == "defaults":
-        return sk.StabilityConfig(recovery=sk.RecoveryConfig())
-    return sk.StabilityConfig(recovery=sk.RecoveryConfig.preset(arm))  # type: ignore[arg-type]
+    recovery = recovery_for(arm)
+    clip = sk.ClipConfig(mode="fixed", max_norm=1.0) if arm == "clip" else sk.ClipConfig()
+    if recovery is None:
+        return sk.StabilityConfig(clip=clip)
+    return sk.StabilityConfig(clip=clip, recovery=recovery)
 
 
 def build_model(name: str) -> torch.nn.Module:
-    """A fresh model of family ``name`` (seeded by the caller)."""
+    """A fresh model of family ``name`` (seeded by the caller): the byte GPT, or a Hugging Face model."""
     if name == "byte_gpt":
         return ByteGPT(False)
+    if name.endswith("llama"):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        llama = LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=CONTEXT,
+        )
+        return LlamaForCausalLM(llama)
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=256, n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=4)
-    hf = GPT2LMHeadModel(config)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=4))
 
-    class Logits(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.hf = hf
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.hf(input_ids=x).logits
+def logits_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x) if isinstance(model, ByteGPT) else model(input_ids=x)
+    return out if isinstance(out, torch.Tensor) else out.logits
 
-    return Logits()
+
+def held_out_loss(model: torch.nn.Module, heldout: np.ndarray) -> float:
+    """Mean next-byte loss over 16 fixed held-out batches."""
+    model.eval()
+    eval_gen = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        held = [
+            F.cross_entropy(logits_of(model, xe).flatten(0, 1), ye.flatten())
+            for xe, ye in (batch(heldout, eval_gen) for _ in range(16))
+        ]
+    return float(torch.stack(held).mean())
+
+
+def data_at(step: int, scenario: str, data: np.ndarray, gen: torch.Generator, noise: torch.Generator, middle: int):  # type: ignore[no-untyped-def]
+    """The batch at data position ``step`` (random bytes inside the garbled burst)."""
+    x, y = batch(data, gen)
+    if middle <= step < middle + BURSTS.get(scenario, 0):
+        tokens = torch.randint(0, 256, (x.shape[0], x.shape[1] + 1), generator=noise)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+    return x, y
+
+
+Run = dict[str, Any]
 
 
 def train(
     model_name: str, arm: str, scenario: str, seed: int, steps: int, data: np.ndarray, heldout: np.ndarray
-) -> tuple[float, int, bool]:
-    """(final held-out loss, rollbacks, gave up) of one run."""
+) -> Run:
+    """One run: final held-out loss (NaN when it gave up), rollbacks, gave up, the train-loss trace."""
+    if model_name.startswith("hf_"):
+        return train_hf_trainer(model_name, arm, scenario, seed, steps, data, heldout)
     torch.manual_seed(seed)
     model = build_model(model_name)
     opt = torch.optim.AdamW(model.parameters(), lr=PEAK_LR, betas=(0.9, 0.99), weight_decay=0.1)
@@ -96,16 +168,15 @@ def train(
     noise = torch.Generator().manual_seed(5000 + seed)
     middle = steps // 2
     gave_up = False
+    trace: list[float] = []
     for step in range(steps):  # the data position: batches of undone steps are not replayed
-        x, y = batch(data, gen)
-        if scenario == "garbled" and middle <= step < middle + 30:
-            tokens = torch.randint(0, 256, (x.shape[0], x.shape[1] + 1), generator=noise)
-            x, y = tokens[:, :-1], tokens[:, 1:]
+        model.train()
+        x, y = data_at(step, scenario, data, gen, noise, middle)
         blow_up = scenario == "lr_x1000" and middle <= step < middle + 2
         if blow_up:
             for group in opt.param_groups:
                 group["lr"] *= 1000.0
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss = F.cross_entropy(logits_of(model, x).flatten(0, 1), y.flatten())
         guard.backward(loss)
         try:
             guard.step()
@@ -116,16 +187,98 @@ def train(
             for group, lr in zip(opt.param_groups, scheduler.get_last_lr(), strict=True):
                 group["lr"] = lr
         guard.zero_grad()
+        if step % 10 == 9:
+            trace.append(float(loss.detach()))
+    skipped = guard.summary().skipped
     guard.close()
-    model.eval()
-    eval_gen = torch.Generator().manual_seed(99)
-    with torch.no_grad():
-        held = [
-            F.cross_entropy(model(xe).flatten(0, 1), ye.flatten())
-            for xe, ye in (batch(heldout, eval_gen) for _ in range(16))
-        ]
-    final = float(torch.stack(held).mean())
-    return (final if not gave_up else math.nan), len(rollbacks), gave_up
+    final = held_out_loss(model, heldout)
+    return _result(final, rollbacks, gave_up, trace, skipped)
+
+
+def _result(final: float, rollbacks: list[sk.Event], gave_up: bool, trace: list[float], skipped: int) -> Run:
+    return {
+        "skipped": skipped,
+        "final": final if not gave_up else math.nan,
+        "rollbacks": len(rollbacks),
+        "gave_up": gave_up,
+        "at": [(e.details["trigger"], e.details["trigger_step"], e.details["restored_step"]) for e in rollbacks],
+        "trace": trace,
+    }
+
+
+def train_hf_trainer(
+    model_name: str, arm: str, scenario: str, seed: int, steps: int, data: np.ndarray, heldout: np.ndarray
+) -> Run:
+    """One run through the Hugging Face ``Trainer`` (its defaults: fused AdamW, ``max_grad_norm=1.0``),
+    guarded by ``stabilize(trainer, cfg)``. The LR blow-up comes from a ``TrainerCallback`` at global
+    steps ``middle`` and ``middle + 1`` (the global step goes on after a rollback, so it does not
+    repeat); the data from an iterable dataset in a fixed order (the loader's position goes on too)."""
+    import tempfile
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.trainer_callback import PrinterCallback
+
+    from stabilitykit.integrations import stabilize
+
+    middle = steps // 2
+
+    class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            gen = torch.Generator().manual_seed(1000 + seed)
+            noise = torch.Generator().manual_seed(5000 + seed)
+            for position in range(steps):
+                x, y = data_at(position, scenario, data, gen, noise, middle)
+                # the model shifts the labels itself: the window's bytes are input and label
+                tokens = torch.cat([x, y[:, -1:]], dim=1)
+                for row in tokens:
+                    yield {"input_ids": row[:-1], "labels": row[:-1]}
+
+    class BlowUp(TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, args, state, control, optimizer=None, **kwargs):  # type: ignore[no-untyped-def]
+            if scenario == "lr_x1000" and middle <= state.global_step < middle + 2:
+                for group in optimizer.param_groups:
+                    group["lr"] *= 1000.0
+
+        def on_step_end(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):  # type: ignore[no-untyped-def]
+            for group, lr in zip(optimizer.param_groups, lr_scheduler.get_last_lr(), strict=True):
+                group["lr"] = lr  # the schedule's value (a held scheduler did not set it)
+
+    torch.manual_seed(seed)
+    model = build_model(model_name)
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out,
+            use_cpu=True,
+            report_to=[],
+            per_device_train_batch_size=BATCH,
+            max_steps=steps,
+            learning_rate=PEAK_LR,
+            warmup_steps=min(100, steps // 2),
+            lr_scheduler_type="cosine_with_min_lr",
+            lr_scheduler_kwargs={"min_lr_rate": 0.1},
+            weight_decay=0.1,
+            adam_beta2=0.99,
+            logging_steps=10,
+            save_strategy="no",
+            seed=seed,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=Stream(), callbacks=[BlowUp()])
+        recovery = recovery_for(arm)
+        cfg = sk.StabilityConfig() if recovery is None else sk.StabilityConfig(recovery=recovery)
+        trainer.remove_callback(PrinterCallback)  # the benchmark prints its own lines
+        callback = stabilize(trainer, cfg)
+        rollbacks: list[sk.Event] = []
+        callback.hooks.on("rollback", rollbacks.append)
+        gave_up = False
+        try:
+            trainer.train()
+        except sk.TrainingDivergedError:
+            gave_up = True
+        summary = callback.summary()
+    trace = [float(e["loss"]) for e in trainer.state.log_history if "loss" in e]
+    return _result(held_out_loss(model, heldout), rollbacks, gave_up, trace, summary.skipped if summary else 0)
 
 
 def _mean(values: list[float]) -> str:
@@ -136,55 +289,140 @@ def _mean(values: list[float]) -> str:
     return f"{statistics.mean(finite):.3f}{spread}"
 
 
+def _triggers(arm: str) -> tuple[str, ...] | None:
+    recovery = recovery_for(arm)
+    if recovery is None:
+        return None
+    dump = recovery.model_dump(exclude={"skip_after", "lr_scale", "cooldown_steps", "enabled"})
+    return tuple(f"{k}={v}" for k, v in sorted(dump.items()))
+
+
+def same_run(runs: dict[tuple[str, str, str, int], Run], model: str, scenario: str, arm: str, seed: int) -> Run | None:
+    """A run already made that this arm's run equals to the bit, or None.
+
+    Recovery that never rolls back leaves the run bitwise the run without it (``tests/test_recovery.py``),
+    and until its first rollback an arm's ``skip_after``, ``lr_scale`` and ``cooldown_steps`` change
+    nothing. So an arm equals a run of the same model, scenario and seed whose triggers and snapshot
+    settings are its own and that never rolled back; and an arm whose only trigger is ``"diverged"`` equals
+    ``none`` when ``none`` skipped fewer steps in all than a streak needs (``SkipConfig.max_consecutive``).
+    """
+    mine = _triggers(arm)
+    if mine is None or arm == "clip":
+        return None
+    streak = sk.SkipConfig().max_consecutive or 0
+    for (m, sc, other, sd), run in runs.items():
+        if (m, sc, sd) != (model, scenario, seed):
+            continue
+        if other != "clip" and recovery_for(other) == recovery_for(arm):  # the same configuration
+            return {**run, "same_as": other}
+        if run["rollbacks"] or run["gave_up"]:
+            continue
+        same_triggers = other != "clip" and _triggers(other) == mine
+        plain = other == "none" and recovery_for(arm).trigger == ["diverged"] and run["skipped"] < streak  # type: ignore[union-attr]
+        if same_triggers or plain:
+            return {**run, "same_as": other}
+    return None
+
+
+def table(runs: dict[tuple[str, str, str, int], Run], held: set[int]) -> str:
+    """The markdown table: per model, scenario and arm over the seeds run (held-out seeds marked)."""
+    lines = [
+        f"| model | scenario | arm | final held-out loss | gap to clean | ends healthy (<= +{HEALTHY_GAP}) "
+        "| rollbacks per seed | gave up |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    models = list(dict.fromkeys(k[0] for k in runs))
+    scenarios = [s for s in SCENARIOS if any(k[1] == s for k in runs)]
+    arms = list(dict.fromkeys(k[2] for k in runs))
+    for model in models:
+        clean = {k[3]: r["final"] for k, r in runs.items() if k[:3] == (model, "clean", "none")}
+        for scenario in scenarios:
+            for arm in arms:
+                rows = {k[3]: r for k, r in sorted(runs.items()) if k[:3] == (model, scenario, arm)}
+                if not rows:
+                    continue
+                gaps = {s: r["final"] - clean[s] for s, r in rows.items() if math.isfinite(r["final"]) and s in clean}
+                gap = f"{statistics.mean(gaps.values()):+.3f}" if gaps else "-"
+                healthy = sum(1 for g in gaps.values() if g <= HEALTHY_GAP)
+                per_seed = ", ".join(f"{r['rollbacks']}{'*' if s in held else ''}" for s, r in rows.items())
+                lines.append(
+                    f"| {model} | {scenario} | {arm} | {_mean([r['final'] for r in rows.values()])} | {gap} | "
+                    f"{healthy}/{len(rows)} | {per_seed} | {sum(r['gave_up'] for r in rows.values())} |"
+                )
+    return "\n".join(lines)
+
+
+def summary(runs: dict[tuple[str, str, str, int], Run], seeds: set[int]) -> str:
+    """Per arm over every model and the given seeds: wrecked runs (every scenario but ``clean``) that end
+    healthy, clean runs rolled back, runs that gave up, and the mean and worst gap to the clean run."""
+    lines = [
+        "| arm | wrecked runs ending healthy | clean runs rolled back | gave up | most rollbacks in a run "
+        "| mean gap (wrecked) | worst gap (wrecked) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    clean = {(k[0], k[3]): r["final"] for k, r in runs.items() if k[1] == "clean" and k[2] == "none"}
+    for arm in dict.fromkeys(k[2] for k in runs):
+        mine = {k: r for k, r in runs.items() if k[2] == arm and k[3] in seeds and (k[0], k[3]) in clean}
+        wrecked = {k: r for k, r in mine.items() if k[1] != "clean"}
+        calm = [r for k, r in mine.items() if k[1] == "clean"]
+        gaps = [r["final"] - clean[k[0], k[3]] if not r["gave_up"] else math.inf for k, r in wrecked.items()]
+        finite = [g for g in gaps if math.isfinite(g)]
+        healthy = sum(1 for g in gaps if g <= HEALTHY_GAP)
+        lines.append(
+            f"| {arm} | {healthy}/{len(gaps)} | {sum(1 for r in calm if r['rollbacks'])}/{len(calm)} | "
+            f"{sum(r['gave_up'] for r in mine.values())} | {max((r['rollbacks'] for r in mine.values()), default=0)} | "
+            + (f"{statistics.mean(finite):+.3f} | {max(gaps):+.3f} |" if finite else "- | - |")
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--held-out", default="2", help="seeds not looked at when the presets were chosen")
+    parser.add_argument("--held-out", default="2", help="seeds not looked at when the defaults were chosen")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--out", help="append each run to this JSONL file (and read the runs already there)")
+    parser.add_argument("--table", action="store_true", help="only print the table of the runs in --out")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    data = corpus()
-    cut = int(len(data) * 0.95)
-    train_data, heldout = data[:cut], data[cut:]
-    seeds = [int(s) for s in args.seeds.split(",")]
     held = {int(s) for s in args.held_out.split(",") if s}
-    models, scenarios, arms = args.models.split(","), args.scenarios.split(","), args.arms.split(",")
-    runs: dict[tuple[str, str, str, int], tuple[float, int, bool]] = {}
-    for model in models:
-        for seed in seeds:
-            for scenario in scenarios:
-                for arm in arms:
-                    runs[model, scenario, arm, seed] = run = train(
-                        model, arm, scenario, seed, args.steps, train_data, heldout
-                    )
-                    tag = " (held out)" if seed in held else ""
-                    print(
-                        f"run {model} {scenario} {arm} seed {seed}{tag}: final {run[0]:.3f}, rollbacks {run[1]}, "
-                        f"gave up {run[2]}",
-                        flush=True,
-                    )
-    print(
-        f"\n| model | scenario | arm | final held-out loss | gap to clean | ends healthy (<= +{HEALTHY_GAP}) "
-        "| rollbacks per seed | gave up |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for model in models:
-        clean = {s: runs[model, "clean", "none", s][0] for s in seeds if (model, "clean", "none", s) in runs}
-        for scenario in scenarios:
-            for arm in arms:
-                rows = {seed: runs[model, scenario, arm, seed] for seed in seeds}
-                gaps = {s: r[0] - clean[s] for s, r in rows.items() if math.isfinite(r[0]) and s in clean}
-                gap = f"{statistics.mean(gaps.values()):+.3f}" if gaps else "-"
-                healthy = sum(1 for g in gaps.values() if g <= HEALTHY_GAP)
-                per_seed = ", ".join(str(r[1]) for r in rows.values())
-                print(
-                    f"| {model} | {scenario} | {arm} | {_mean([r[0] for r in rows.values()])} | {gap} | "
-                    f"{healthy}/{len(rows)} | {per_seed} | {sum(r[2] for r in rows.values())} |",
-                    flush=True,
-                )
+    runs: dict[tuple[str, str, str, int], Run] = {}
+    if args.out and Path(args.out).exists():
+        for line in Path(args.out).read_text().splitlines():
+            row = json.loads(line)
+            runs[row["model"], row["scenario"], row["arm"], row["seed"]] = row
+    if not args.table:
+        data = corpus()
+        cut = int(len(data) * 0.95)
+        train_data, heldout = data[:cut], data[cut:]
+        for model in args.models.split(","):
+            for seed in (int(s) for s in args.seeds.split(",")):
+                for scenario in args.scenarios.split(","):
+                    for arm in args.arms.split(","):
+                        if (model, scenario, arm, seed) in runs:
+                            continue
+                        run = same_run(runs, model, scenario, arm, seed) or train(
+                            model, arm, scenario, seed, args.steps, train_data, heldout
+                        )
+                        run.update(model=model, scenario=scenario, arm=arm, seed=seed)
+                        runs[model, scenario, arm, seed] = run
+                        if args.out:
+                            with open(args.out, "a") as f:
+                                f.write(json.dumps(run) + "\n")
+                        tag = " (held out)" if seed in held else ""
+                        print(
+                            f"run {model} {scenario} {arm} seed {seed}{tag}: final {run['final']:.3f}, "
+                            f"rollbacks {run['rollbacks']} {run['at']}, gave up {run['gave_up']}",
+                            flush=True,
+                        )
+    print("\n" + table(runs, held) + "\n\n(* held-out seed)")
+    tuning = {k[3] for k in runs} - held
+    for name, seeds in (("tuning", tuning), ("held-out", held)):
+        if any(k[3] in seeds for k in runs):
+            print(f"\nEvery model, {name} seeds {sorted(seeds)}:\n\n" + summary(runs, seeds))
 
 
 if __name__ == "__main__":

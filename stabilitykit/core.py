@@ -126,7 +126,8 @@ def _recovery_contradictions(config: StabilityConfig) -> list[str]:
             "stabilitykit: RecoveryConfig(trigger=['diverged', ...]) never fires without skipped steps and "
             "SkipConfig(max_consecutive=...): nothing can diverge. Set SkipConfig(max_consecutive=10) (the default)"
         )
-    if any(t in triggers for t in ("spike_alert", "loss_drift")) and not config.spikes.enabled:
+    chosen = "trigger" in recovery.model_fields_set  # the default's spike_alert just rests with spikes off
+    if chosen and any(t in triggers for t in ("spike_alert", "loss_drift")) and not config.spikes.enabled:
         found.append(
             "stabilitykit: RecoveryConfig(trigger=['spike_alert' or 'loss_drift']) never fires with "
             "SpikeConfig(enabled=False): no spike_alert is raised"

@@ -124,7 +124,9 @@ def run(kind: str, fault: str, rank: int, storage: str = "memory") -> dict[str, 
         log_every_n_steps=2,
         skip=sk.SkipConfig(max_consecutive=3),
         nan_trace=sk.NaNTraceConfig(mode="off"),
-        recovery=sk.RecoveryConfig(enabled=True, snapshot_every=4, keep=3, trigger=trigger, storage=storage),
+        recovery=sk.RecoveryConfig(
+            enabled=True, snapshot_every=4, keep=3, trigger=trigger, storage=storage, skip_after=0, cooldown_steps=0
+        ),
     )
     guard = sk.StabilityGuard(model, opt, cfg)
     alerts: list[int] = []

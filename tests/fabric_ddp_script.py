@@ -43,7 +43,9 @@ def recovery_run(fabric: Fabric, rank: int) -> dict:
     model.mark_forward_method("loss")
     config = sk.StabilityConfig(
         log_every_n_steps=2,
-        recovery=sk.RecoveryConfig(enabled=True, snapshot_every=2, keep=3, trigger=["spike_alert"]),
+        recovery=sk.RecoveryConfig(
+            enabled=True, snapshot_every=2, keep=3, trigger=["spike_alert"], skip_after=0, cooldown_steps=0
+        ),
         spikes=sk.SpikeConfig(warmup_steps=5),
     )
     guard = FabricGuard(fabric, model, optimizer, config)

@@ -65,7 +65,9 @@ def main() -> None:
     trainer = JumpTrainer(model=tiny_llama(), args=args, train_dataset=rows)
     cfg = sk.StabilityConfig(
         spikes=sk.SpikeConfig(warmup_steps=5),
-        recovery=sk.RecoveryConfig(enabled=True, snapshot_every=2, keep=3, trigger=["spike_alert"]),
+        recovery=sk.RecoveryConfig(
+            enabled=True, snapshot_every=2, keep=3, trigger=["spike_alert"], skip_after=0, cooldown_steps=0
+        ),
     )
     sums: set[float] = set()
     skipped: list[list] = []

@@ -57,7 +57,9 @@ def main() -> None:
         cfg = sk.StabilityConfig(
             clip=sk.ClipConfig(mode="fixed", max_norm=1.0),
             skip=sk.SkipConfig(max_consecutive=3),
-            recovery=sk.RecoveryConfig(enabled=True, snapshot_every=2, keep=2),
+            recovery=sk.RecoveryConfig(
+                enabled=True, snapshot_every=2, keep=2, trigger=["diverged"], skip_after=0, cooldown_steps=0
+            ),
         )
         poison = {5: float("nan"), 6: float("nan"), 7: float("nan")}
     rule = os.environ.get("SK_RULE") == "1"

@@ -67,7 +67,15 @@ def _mlp_batches(n: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 def _config(**recovery: Any) -> sk.StabilityConfig:
-    settings: dict[str, Any] = {"enabled": True, "snapshot_every": 4, "keep": 2, **recovery}
+    settings: dict[str, Any] = {
+        "enabled": True,
+        "snapshot_every": 4,
+        "keep": 2,
+        "trigger": ["diverged"],
+        "skip_after": 0,
+        "cooldown_steps": 0,
+        **recovery,
+    }
     return sk.StabilityConfig(
         log_every_n_steps=5,
         skip=sk.SkipConfig(max_consecutive=3),
@@ -439,7 +447,14 @@ def test_lightning_rollback_then_checkpoint_then_resume(tmp_path: Path, fused: b
     cfg = sk.StabilityConfig(
         log_every_n_steps=5,
         skip=sk.SkipConfig(max_consecutive=3),
-        recovery=sk.RecoveryConfig(enabled=True, snapshot_every=5, record_dir=str(tmp_path / "records")),
+        recovery=sk.RecoveryConfig(
+            enabled=True,
+            snapshot_every=5,
+            trigger=["diverged"],
+            skip_after=0,
+            cooldown_steps=0,
+            record_dir=str(tmp_path / "records"),
+        ),
     )
 
     def trainer(max_steps: int, callbacks: list[Any]) -> pl.Trainer:
@@ -495,7 +510,9 @@ def test_lightning_rollback_then_checkpoint_then_resume(tmp_path: Path, fused: b
             "loss_drift_alert",
         ),
         (
-            sk.StabilityConfig(skip=sk.SkipConfig(max_consecutive=None), recovery=sk.RecoveryConfig(enabled=True)),
+            sk.StabilityConfig(
+                skip=sk.SkipConfig(max_consecutive=None), recovery=sk.RecoveryConfig(enabled=True, trigger=["diverged"])
+            ),
             "nothing can diverge",
         ),
         (
@@ -562,7 +579,9 @@ def test_hf_trainer_rollback_then_checkpoint_then_resume(tmp_path: Path, optim: 
         trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[Poison(model)])
         cfg = sk.StabilityConfig(
             skip=sk.SkipConfig(max_consecutive=3),
-            recovery=sk.RecoveryConfig(enabled=True, snapshot_every=3),
+            recovery=sk.RecoveryConfig(
+                enabled=True, snapshot_every=3, trigger=["diverged"], skip_after=0, cooldown_steps=0
+            ),
         )
         callback = stabilize(trainer, cfg)
 
@@ -626,7 +645,9 @@ def test_grad_scaler_and_rng_come_back_with_the_snapshot() -> None:
         log_every_n_steps=5,
         skip=sk.SkipConfig(max_consecutive=3),
         data=sk.DataGuardConfig(mode="skip"),
-        recovery=sk.RecoveryConfig(enabled=True, snapshot_every=4, restore_rng=True),
+        recovery=sk.RecoveryConfig(
+            enabled=True, snapshot_every=4, trigger=["diverged"], skip_after=0, cooldown_steps=0, restore_rng=True
+        ),
     )
     guard = sk.StabilityGuard(model, opt, cfg, scaler=scaler)
     saved: dict[int, tuple[float, int, torch.Tensor]] = {}

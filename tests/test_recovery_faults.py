@@ -36,7 +36,15 @@ def _batches(n: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 def _config(**recovery: Any) -> sk.StabilityConfig:
-    settings: dict[str, Any] = {"enabled": True, "snapshot_every": 4, "keep": 2, **recovery}
+    settings: dict[str, Any] = {
+        "enabled": True,
+        "snapshot_every": 4,
+        "keep": 2,
+        "trigger": ["diverged"],
+        "skip_after": 0,
+        "cooldown_steps": 0,
+        **recovery,
+    }
     return sk.StabilityConfig(
         log_every_n_steps=5,
         skip=sk.SkipConfig(max_consecutive=3),

@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 import stabilitykit as sk
+from tests.hf_models import SEQ, VOCAB, tiny_llama
 
 
-def _problem(seed: int = 0) -> tuple[nn.Linear, list[tuple[torch.Tensor, torch.Tensor]]]:
+def _problem(seed: int = 0, steps: int = 120) -> tuple[nn.Linear, list[tuple[torch.Tensor, torch.Tensor]]]:
     """A linear regression the model learns in a few dozen steps, and its batches."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     w = torch.randn(16, 1, generator=gen)
     batches = []
-    for _ in range(120):
+    for _ in range(steps):
         x = torch.randn(32, 16, generator=gen)
         batches.append((x, x @ w + 0.3 * torch.randn(32, 1, generator=gen)))
     return nn.Linear(16, 1), batches
@@ -98,7 +100,7 @@ def test_without_spike_detection_snapshots_are_taken_on_their_cadence() -> None:
 
 def test_presets_are_named_recipes_that_are_on_and_take_overrides() -> None:
     bad = sk.RecoveryConfig.preset("bad_data")
-    assert bad.enabled and bad.trigger == ["diverged", "spike_alert"] and bad.skip_after == 50
+    assert bad.enabled and bad.trigger == ["diverged", "spike_alert"] and bad.skip_after == 100
     blow = sk.RecoveryConfig.preset("blow_up", keep=3)
     assert blow.enabled and blow.trigger == ["diverged", "spike_alert"] and blow.skip_after == 0 and blow.keep == 3
     try:
@@ -110,7 +112,7 @@ def test_presets_are_named_recipes_that_are_on_and_take_overrides() -> None:
 
 
 def test_bad_data_preset_rolls_back_a_burst_of_bad_labels_and_skips_past_it() -> None:
-    """Targets 30x off for steps 60-79: the bad_data preset rolls back once and skips the next 50 batches."""
+    """Targets 30x off for steps 60-79: the bad_data preset rolls back once and skips the next 100 batches."""
     model, batches = _problem()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     guard = sk.StabilityGuard(
@@ -127,4 +129,109 @@ def test_bad_data_preset_rolls_back_a_burst_of_bad_labels_and_skips_past_it() ->
     assert len(rollbacks) == 1
     details = rollbacks[0].details
     assert details["trigger"] == "spike_alert" and 60 <= details["trigger_step"] < 65
-    assert details["restored_step"] <= 60 and details["skip_ahead_to"] == details["at_step"] + 50
+    assert details["restored_step"] <= 60 and details["skip_ahead_to"] == details["at_step"] + 100
+
+
+# ---------------------------------------------------------------------------------------------- the defaults
+
+
+def _train(config: sk.StabilityConfig, lr_boost: range = range(0), bad_labels: range = range(0)) -> tuple[int, float]:
+    """The regression under ``config`` with the LR 1000x at the steps of ``lr_boost`` and targets 30x off at
+    those of ``bad_labels``: (rollbacks, the final loss on the true targets of the last 20 batches)."""
+    model, batches = _problem(steps=250)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    guard = sk.StabilityGuard(model, opt, config)
+    rollbacks: list[sk.Event] = []
+    guard.hooks.on("rollback", rollbacks.append)
+    for step, (x, y) in enumerate(batches):
+        scale = 1000.0 if step in lr_boost else 1.0
+        for group in opt.param_groups:
+            group["lr"] = 0.05 * scale
+        guard.backward(nn.functional.mse_loss(model(x), y * 30.0 if step in bad_labels else y))
+        guard.step()
+        guard.zero_grad()
+    guard.close()
+    with torch.no_grad():
+        final = torch.stack([nn.functional.mse_loss(model(x), y) for x, y in batches[-20:]]).mean()
+    return len(rollbacks), float(final)
+
+
+def test_a_recovery_config_given_with_nothing_set_rolls_back_a_wrecked_run_and_leaves_a_healthy_one_alone() -> None:
+    """``RecoveryConfig()`` and nothing else: two steps at 1000x the LR (a finite blow-up: nothing is
+    non-finite) and 20 steps of targets 30x off (bad data) are rolled back and end near the healthy run; the
+    healthy run is never rolled back. Before the defaults changed (trigger ``["diverged"]``, ``skip_after=0``)
+    neither wrecked run was rolled back."""
+    given = sk.StabilityConfig(recovery=sk.RecoveryConfig())
+    healthy_rollbacks, healthy = _train(given)
+    assert healthy_rollbacks == 0
+    _, wrecked = _train(sk.StabilityConfig(), lr_boost=range(150, 152))
+    assert wrecked > 100 * healthy, (wrecked, healthy)  # without recovery the blow-up stays
+    for wreck in ({"lr_boost": range(150, 152)}, {"bad_labels": range(150, 170)}):
+        rollbacks, final = _train(given, **wreck)
+        assert 1 <= rollbacks <= 2 and final < 1.5 * healthy, (wreck, rollbacks, final, healthy)
+    old = sk.StabilityConfig(recovery=sk.RecoveryConfig(trigger=["diverged"], skip_after=0))
+    assert _train(old, lr_boost=range(150, 152))[0] == 0
+
+
+def test_the_default_trigger_rests_quietly_with_spike_detection_off() -> None:
+    """The default trigger holds "spike_alert"; with SpikeConfig(enabled=False) only an explicit alert trigger
+    warns that it cannot fire (tests/test_recovery.py), the default does not."""
+    import warnings
+
+    model, _ = _problem()
+    config = sk.StabilityConfig(spikes=sk.SpikeConfig(enabled=False), recovery=sk.RecoveryConfig())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sk.StabilityGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), config).close()
+
+
+def test_the_defaults_roll_back_a_blow_up_under_the_hugging_face_trainer_and_not_a_healthy_stretch(
+    tmp_path: Path,
+) -> None:
+    """The real ``Trainer`` (its defaults: fused AdamW, ``max_grad_norm=1.0``) guarded by ``stabilize`` with
+    ``RecoveryConfig()`` and nothing else, on a tiny random-init Llama learning a counting pattern: 110 healthy
+    steps fire nothing; then the LR 1000x for two steps (the Trainer's clipping does not save it) is rolled
+    back once, to the snapshot of step 100, and the batches after it are measured at the healthy loss."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from stabilitykit.integrations import stabilize
+
+    gen = torch.Generator().manual_seed(0)
+    counting = [(s + torch.arange(SEQ)) % VOCAB for s in torch.randint(0, VOCAB, (130 * 8,), generator=gen)]
+
+    class BlowUp(TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, args, state, control, optimizer=None, **kwargs):  # type: ignore[no-untyped-def]
+            if state.global_step in (110, 111):
+                for group in optimizer.param_groups:
+                    group["lr"] *= 1000.0
+
+        def on_step_end(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):  # type: ignore[no-untyped-def]
+            for group, lr in zip(optimizer.param_groups, lr_scheduler.get_last_lr(), strict=True):
+                group["lr"] = lr  # the schedule's again
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=8,
+        max_steps=130,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        logging_steps=10,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    rows = [{"input_ids": ids, "labels": ids} for ids in counting]
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=rows, callbacks=[BlowUp()])
+    rollbacks: list[sk.Event] = []
+    stabilize(trainer, sk.StabilityConfig(recovery=sk.RecoveryConfig())).hooks.on("rollback", rollbacks.append)
+    trainer.train()
+    loss = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+    assert loss[110] < 0.5 and loss[120] > 100 * loss[110], loss  # learnt, then wrecked
+    assert len(rollbacks) == 1, rollbacks  # none in the healthy steps 0-109
+    details = rollbacks[0].details
+    assert details["trigger"] == "spike_alert" and details["trigger_step"] in (110, 111), details
+    assert details["restored_step"] == 100 and details["skip_ahead_to"] > 130
+    assert loss[130] < 2 * loss[110], loss  # the batches after it, measured on the restored state

@@ -204,7 +204,7 @@ def test_report_shades_what_a_rollback_undid_and_skipped_ahead(tmp_path: Path, c
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    recovery = sk.RecoveryConfig(enabled=True, snapshot_every=4, keep=2, skip_after=3)
+    recovery = sk.RecoveryConfig(enabled=True, snapshot_every=4, keep=2, trigger=["diverged"], skip_after=3)
     cfg = sk.StabilityConfig(log_every_n_steps=5, skip=sk.SkipConfig(max_consecutive=3), recovery=recovery)
     log = tmp_path / "run.jsonl"
     guard = sk.StabilityGuard(model, opt, cfg, sinks=[sk.sinks.JsonlSink(log)])

@@ -109,7 +109,7 @@ def test_the_summary_counts_a_rollback_its_undone_steps_and_skipped_ahead_batche
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    recovery = sk.RecoveryConfig(enabled=True, snapshot_every=4, keep=2, skip_after=3)
+    recovery = sk.RecoveryConfig(enabled=True, snapshot_every=4, keep=2, trigger=["diverged"], skip_after=3)
     cfg = sk.StabilityConfig(log_every_n_steps=5, skip=sk.SkipConfig(max_consecutive=3), recovery=recovery)
     guard = sk.StabilityGuard(model, opt, cfg)
     gen = torch.Generator().manual_seed(0)

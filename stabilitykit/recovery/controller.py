@@ -76,13 +76,15 @@ class RecoveryConfig(Section):
     )
     keep: int = Field(2, ge=1, description="Healthy snapshots kept (the ring's depth).")
     trigger: list[Literal["diverged", "spike_alert", "loss_drift"]] = Field(
-        default_factory=lambda: ["diverged"],  # type: ignore[arg-type]
+        default_factory=lambda: ["diverged", "spike_alert"],  # type: ignore[arg-type]
         min_length=1,
         description=(
             "What rolls back. 'diverged': a run of SkipConfig.max_consecutive skipped steps (instead of raising "
             "TrainingDivergedError); 'spike_alert': a spike_alert for a jump of the loss or grad norm, or for a "
             "loss far above its best level (SpikeConfig.loss_level_alert); "
-            "'loss_drift': a spike_alert of the loss-drift rule (SpikeConfig.loss_drift_alert)."
+            "'loss_drift': a spike_alert of the loss-drift rule (SpikeConfig.loss_drift_alert). The default "
+            "(both of the first two) rolls back a finite blow-up and a burst of bad data as well as a divergence "
+            "(the recovery benchmarks)."
         ),
     )
     min_lookback: int = Field(
@@ -94,14 +96,19 @@ class RecoveryConfig(Section):
         ),
     )
     lr_scale: float = Field(
-        1.0,
+        0.5,
         gt=0,
         allow_inf_nan=False,
-        description="After a rollback, the optimizer steps with its learning rates times this for cooldown_steps.",
+        description=(
+            "After a rollback, the optimizer steps with its learning rates times this for cooldown_steps "
+            "(1.0: unchanged)."
+        ),
     )
-    cooldown_steps: int = Field(0, ge=0, description="Steps after a rollback that use lr_scale (0: none).")
+    cooldown_steps: int = Field(
+        50, ge=0, description="Steps after a rollback (and after its skip_after) that use lr_scale (0: none)."
+    )
     skip_after: int = Field(
-        0,
+        50,
         ge=0,
         description=(
             "After a rollback, also skip this many of the following batches (measured and logged, never "
@@ -137,12 +144,13 @@ class RecoveryConfig(Section):
     def preset(cls, name: Literal["bad_data", "blow_up"], **overrides: Any) -> RecoveryConfig:
         """A named recipe from the recovery guide (its benchmark rows say what each did), on, with ``overrides``.
 
-        ``"bad_data"``: roll back on a divergence or a ``spike_alert`` and skip the next 50 batches (a burst
-        of bad data goes on past the trigger). ``"blow_up"``: roll back on a divergence or a ``spike_alert``
-        and train on every batch after it (a finite blow-up: a learning-rate or optimizer accident).
+        Each is the defaults with one change. ``"bad_data"``: skip the next 100 batches after a rollback
+        (the default skips 50): a long burst of bad data that goes on past the trigger.
+        ``"blow_up"``: skip none and train on every batch after the rollback: a finite blow-up with good
+        data (a learning-rate or optimizer accident). Both roll back on a divergence or a ``spike_alert``.
         """
         recipes: dict[str, dict[str, Any]] = {
-            "bad_data": {"trigger": ["diverged", "spike_alert"], "skip_after": 50},
+            "bad_data": {"trigger": ["diverged", "spike_alert"], "skip_after": 100},
             "blow_up": {"trigger": ["diverged", "spike_alert"], "skip_after": 0},
         }
         if name not in recipes:

@@ -24,7 +24,9 @@ def _config(**recovery: Any) -> sk.StabilityConfig:
     return sk.StabilityConfig(
         log_every_n_steps=5,
         skip=sk.SkipConfig(max_consecutive=3),
-        recovery=sk.RecoveryConfig(enabled=True, snapshot_every=4, **recovery),
+        recovery=sk.RecoveryConfig(
+            enabled=True, snapshot_every=4, **{"trigger": ["diverged"], "skip_after": 0, **recovery}
+        ),
     )
 
 
