@@ -65,8 +65,10 @@ def train(rank: int, port: int, steps: int, stage: int, out: Path) -> None:
         log_every_n_steps=5,
         clip=sk.ClipConfig(mode="fixed", max_norm=1.0),
         skip=sk.SkipConfig(max_consecutive=2),
-        # snapshots of each rank's own partitions every 4 steps; a divergence rolls every rank back together
-        recovery=sk.RecoveryConfig(enabled=True, snapshot_every=4, keep=2, trigger=["diverged"]),
+        # snapshots of each rank's own partitions every 4 steps; a divergence rolls every rank back
+        # together and training goes on at once (the defaults would also skip the next 50 batches and
+        # halve the LR for 50 steps, for a burst of bad data or a blow-up)
+        recovery=sk.RecoveryConfig(snapshot_every=4, keep=2, trigger=["diverged"], skip_after=0, cooldown_steps=0),
     )
     guard = DeepSpeedGuard(engine, config=cfg, sinks=[sk.sinks.JsonlSink(out / f"rank{rank}.jsonl")])
     rollbacks: list[tuple[int, int]] = []

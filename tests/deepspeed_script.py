@@ -227,7 +227,8 @@ def _rollback(engine: Any, rank: int, dtype: torch.dtype) -> dict[str, Any]:
     from stabilitykit.integrations.deepspeed import DeepSpeedGuard
 
     recovery = sk.RecoveryConfig(
-        enabled=True, snapshot_every=2, keep=2, trigger=["diverged"], min_lookback=0, skip_after=0
+        enabled=True, snapshot_every=2, keep=2, trigger=["diverged"], min_lookback=0, skip_after=0,
+        cooldown_steps=0,
     )
     cfg = sk.StabilityConfig(
         log_every_n_steps=1, skip=sk.SkipConfig(nonfinite=True, max_consecutive=2), recovery=recovery
@@ -448,7 +449,8 @@ def _fp16(stage: int, rank: int) -> dict[str, Any]:
                 ref_norms.append(_ds_norm(reference, None))
     engine = _fp16_engine(stage)
     recovery = sk.RecoveryConfig(
-        enabled=True, snapshot_every=2, keep=2, trigger=["diverged"], min_lookback=0, skip_after=0
+        enabled=True, snapshot_every=2, keep=2, trigger=["diverged"], min_lookback=0, skip_after=0,
+        cooldown_steps=0,
     )
     cfg = sk.StabilityConfig(log_every_n_steps=1, skip=sk.SkipConfig(max_consecutive=2), recovery=recovery)
     guard = DeepSpeedGuard(engine, config=cfg)
