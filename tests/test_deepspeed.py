@@ -247,7 +247,7 @@ def test_hf_trainer_fault_on_one_rank(hf_ranks: list[dict[str, Any]], cell: str)
     on every rank. NaN and Inf: that step skipped on both ranks with the state (partitions, fp32 masters,
     moments, LR scheduler, DeepSpeed's counters) bitwise unchanged, the run ending bitwise where the Trainer
     without the guard ends over the batches without that step, each clean norm DeepSpeed's own there. Huge:
-    not skipped, clipped, its norm DeepSpeed's, the parameters where DeepSpeed's gradient_clipping puts them."""
+    not skipped, clipped, its norm DeepSpeed's, the state after it where DeepSpeed's gradient_clipping puts it."""
     got = [rank["cells"][cell] for rank in hf_ranks]
     fault = cell.rsplit("-", 1)[1]
     for mine in got:
