@@ -1,6 +1,8 @@
 """DeepSpeedGuard on 2 real gloo processes: ZeRO stages 0-3 x (fp32, bf16) x (NaN on one rank, Inf on
 one rank, a huge finite grad on one rank). One process group runs every case (tests/deepspeed_script.py);
-each test reads its case from both ranks' results.
+each test reads its case from both ranks' results. The HF Trainer with ``deepspeed=`` runs in one torchrun
+launch (tests/hf_deepspeed_script.py): its resume, a covering set of its fault cells and a rollback
+(every cell with STABILITYKIT_FULL_MATRIX=1).
 """
 
 from __future__ import annotations
