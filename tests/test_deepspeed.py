@@ -1,12 +1,15 @@
 """DeepSpeedGuard on 2 real gloo processes: ZeRO stages 0-3 x (fp32, bf16) x (NaN on one rank, Inf on
 one rank, a huge finite grad on one rank). One process group runs every case (tests/deepspeed_script.py);
-each test reads its case from both ranks' results.
+each test reads its case from both ranks' results. The HF Trainer with ``deepspeed=`` runs in one torchrun
+launch (tests/hf_deepspeed_script.py): its resume, a covering set of its fault cells and a rollback
+(every cell with STABILITYKIT_FULL_MATRIX=1).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,17 @@ pytestmark = pytest.mark.skipif(
 SCRIPT = Path(__file__).parent / "deepspeed_script.py"
 CASES = [f"stage{s}-{p}" for s in (0, 1, 2, 3) for p in ("fp32", "bf16")]
 PLAN_FAULTS = ["clean", "clean", "nan", "clean", "inf", "clean"]  # tests/deepspeed_script.py PLAN
+
+FULL = os.environ.get("STABILITYKIT_FULL_MATRIX") == "1"
+#: The HF Trainer's fault cells (stage, precision, fault): a covering set (every stage, every fault, both
+#: precisions), every cell with STABILITYKIT_FULL_MATRIX=1. All run in the one torchrun launch.
+HF_CELLS = (
+    [f"stage{s}-{p}-{f}" for s in (0, 1, 2, 3) for p in ("fp32", "bf16") for f in ("nan", "inf", "huge")]
+    if FULL
+    else ["stage0-fp32-nan", "stage1-bf16-inf", "stage2-bf16-huge", "stage3-fp32-nan"]
+)
+HF_RECOVERY = [f"stage{s}-{p}" for s in (0, 1, 2, 3) for p in ("fp32", "bf16")] if FULL else ["stage3-bf16"]
+HF_CELL_STEPS, HF_FAULT_STEP = 4, 1  # tests/hf_deepspeed_script.py
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +207,20 @@ def test_two_clippers_are_refused(ranks: list[dict[str, Any]]) -> None:
     assert "gradient_clipping" in message and "ClipConfig(mode='off')" in message
 
 
-def test_hf_trainer_with_deepspeed_is_stabilized(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def hf_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One torchrun launch of tests/hf_deepspeed_script.py: the ZeRO-2 run with its resumes, then every cell."""
+    script = Path(__file__).parent / "hf_deepspeed_script.py"
+    out = tmp_path_factory.mktemp("hf_deepspeed")
+    env = {"DS_ACCELERATOR": "cpu", "SK_HF_CELLS": ",".join(HF_CELLS), "SK_HF_RECOVERY": ",".join(HF_RECOVERY)}
+    return run_torchrun(script, 2, out, timeout=1500 if FULL else 280, **env)
+
+
+_HF_TIMEOUT = pytest.mark.timeout(1800 if FULL else 300)  # the first test to use hf_ranks waits for the launch
+
+
+@_HF_TIMEOUT
+def test_hf_trainer_with_deepspeed_is_stabilized(hf_ranks: list[dict[str, Any]]) -> None:
     """``stabilize(trainer, cfg)`` on the real HF Trainer with ``deepspeed=`` (ZeRO-2, 2 processes under
     ``torchrun``): rank 1's NaN step is skipped on both ranks (DeepSpeed's engine does not count it),
     the replicas end finite and identical, the guard's rows are in ``log_history``, and two clippers
@@ -201,8 +228,7 @@ def test_hf_trainer_with_deepspeed_is_stabilized(tmp_path: Path) -> None:
     step-4 checkpoint (``resume_from_checkpoint``) ends bitwise where the first ended, with every rank's
     own guard state back (the skip before the checkpoint counted) and equal to the first run's at the end;
     with ``restore_callback_states_from_checkpoint=True`` the attached callback gets the state step 8 saved."""
-    script = Path(__file__).parent / "hf_deepspeed_script.py"
-    ranks = run_torchrun(script, 2, tmp_path, DS_ACCELERATOR="cpu")
+    ranks = hf_ranks
     for rank in ranks:
         assert rank["callback"] == "DeepSpeedTrainerCallback"
         assert rank["skipped"] == [3]
@@ -213,6 +239,50 @@ def test_hf_trainer_with_deepspeed_is_stabilized(tmp_path: Path) -> None:
         assert rank["restored_into_attached"] and rank["restored_state"]
     assert ranks[0]["digest"] == ranks[1]["digest"]
     assert "max_grad_norm=0" in ranks[0]["refused"]
+
+
+@_HF_TIMEOUT
+@pytest.mark.parametrize("cell", HF_CELLS)
+def test_hf_trainer_fault_on_one_rank(hf_ranks: list[dict[str, Any]], cell: str) -> None:
+    """The HF Trainer with ``deepspeed=`` and ``stabilize``, a fault on one rank only at the second of 4 steps
+    (NaN loss on rank 1, Inf loss on rank 0, a huge finite grad on rank 1): the same decision and the same norm
+    on every rank. NaN and Inf: that step skipped on both ranks with the state (partitions, fp32 masters,
+    moments, LR scheduler, DeepSpeed's counters) bitwise unchanged, the run ending bitwise where the Trainer
+    without the guard ends over the batches without that step, each clean norm DeepSpeed's own there. Huge:
+    not skipped, clipped, its norm DeepSpeed's, the state after it where DeepSpeed's gradient_clipping puts it."""
+    got = [rank["cells"][cell] for rank in hf_ranks]
+    fault = cell.rsplit("-", 1)[1]
+    for mine in got:
+        assert len(mine["skipped"]) == HF_CELL_STEPS
+        assert mine["skipped"] == [fault != "huge" and k == HF_FAULT_STEP for k in range(HF_CELL_STEPS)]
+        if fault == "huge":
+            assert mine["clipped"] and mine["params_close"] and mine["global_steps"] == HF_CELL_STEPS
+            compared = list(zip(mine["norms"][: HF_FAULT_STEP + 1], mine["ds_norms"], strict=False))
+        else:
+            assert mine["unchanged_by_skip"] == [True], mine["diff"]
+            assert mine["end_equals_reference"], mine.get("end_diff")
+            assert mine["global_steps"] == HF_CELL_STEPS - 1
+            clean = [n for k, n in enumerate(mine["norms"]) if k != HF_FAULT_STEP]
+            compared = list(zip(clean, mine["ds_norms"], strict=True))
+        for ours, theirs in compared:  # stage 0 in fp32: DeepSpeed computes no norm
+            assert theirs is None or _rel(ours, theirs) < 2e-6, (ours, theirs)
+    assert got[0]["skipped"] == got[1]["skipped"] and got[0]["norms"] == got[1]["norms"]
+    assert got[0]["digest"] == got[1]["digest"]
+
+
+@_HF_TIMEOUT
+@pytest.mark.parametrize("cell", HF_RECOVERY)
+def test_hf_trainer_rollback_on_every_rank(hf_ranks: list[dict[str, Any]], cell: str) -> None:
+    """Recovery under the HF Trainer with ``deepspeed=``: a NaN loss on rank 1 only at two steps in a row
+    (diverged). Every rank rolls back once, at the same step, to the same snapshot, its state bitwise the
+    snapshot's; the Trainer runs on to its last step, every rank's parameters finite and equal."""
+    got = [rank["recovery"][cell] for rank in hf_ranks]
+    for mine in got:
+        assert mine["rollbacks"] == 1 and mine["restored"]
+        assert mine["skipped"] == [False, False, False, True, True, False, False, False]
+        assert mine["global_step"] == 8 and mine["finite"]
+    assert got[0]["at_step"] == got[1]["at_step"] and got[0]["restored_step"] == got[1]["restored_step"]
+    assert got[0]["digest"] == got[1]["digest"]
 
 
 def _tiny_module(bad_step: int | None = None) -> Any:
