@@ -16,6 +16,7 @@ import stabilitykit as sk
 from stabilitykit.recovery import SKIPPED_FILE
 from stabilitykit.testing.syncs import count_host_syncs
 from tests.hf_models import tiny_llama, token_batches
+from tests.recovery_setups import diverged_only_config, mlp, mlp_batches
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -54,33 +55,6 @@ def _assert_bitwise(expected: dict[str, Any], model: nn.Module, opt: torch.optim
 
 def _llama_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**batch).loss
-
-
-def _mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
-
-
-def _mlp_batches(n: int, seed: int = 0) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(16, 8, generator=gen) for _ in range(n)]
-
-
-def _config(**recovery: Any) -> sk.StabilityConfig:
-    settings: dict[str, Any] = {
-        "enabled": True,
-        "snapshot_every": 4,
-        "keep": 2,
-        "trigger": ["diverged"],
-        "skip_after": 0,
-        "cooldown_steps": 0,
-        **recovery,
-    }
-    return sk.StabilityConfig(
-        log_every_n_steps=5,
-        skip=sk.SkipConfig(max_consecutive=3),
-        recovery=sk.RecoveryConfig(**settings),
-    )
 
 
 class Recorder:
@@ -127,7 +101,7 @@ def _run_llama(fused: bool, cfg: sk.StabilityConfig, poison: range, steps: int =
 
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw_fused"])
 def test_nan_streak_rolls_back_bitwise_and_training_goes_on(fused: bool) -> None:
-    guard, recorder, reports = _run_llama(fused, _config(), poison=range(10, 14))
+    guard, recorder, reports = _run_llama(fused, diverged_only_config(), poison=range(10, 14))
     assert len(recorder.rollbacks) == 1
     event = recorder.rollbacks[0]
     d = event.details
@@ -145,7 +119,7 @@ def test_nan_streak_rolls_back_bitwise_and_training_goes_on(fused: bool) -> None
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw_fused"])
 def test_snapshots_of_skipped_steps_are_never_used(fused: bool) -> None:
     """Snapshots every step: those taken after a skipped step are dropped (pending ones at the next read)."""
-    cfg = _config(snapshot_every=1, keep=50)
+    cfg = diverged_only_config(snapshot_every=1, keep=50)
     guard, recorder, reports = _run_llama(fused, cfg, poison=range(10, 14), steps=20)
     skipped = {r.step for r in reports if bool(r.skipped)}
     assert skipped >= {10, 11, 12}
@@ -160,13 +134,13 @@ def test_snapshots_of_skipped_steps_are_never_used(fused: bool) -> None:
 
 
 def test_rollback_limit_raises_training_diverged() -> None:
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    guard = sk.StabilityGuard(model, opt, _config(max_rollbacks=2, window=100))
+    guard = sk.StabilityGuard(model, opt, diverged_only_config(max_rollbacks=2, window=100))
     events: list[sk.Event] = []
     guard.hooks.on("rollback", events.append)
     with pytest.raises(sk.TrainingDivergedError) as info:
-        for i, x in enumerate(_mlp_batches(60)):
+        for i, x in enumerate(mlp_batches(60)):
             loss = model(x).pow(2).mean()
             if i >= 10:
                 loss = loss * float("nan")  # the run never recovers
@@ -181,11 +155,11 @@ def test_rollback_limit_raises_training_diverged() -> None:
 def test_rollback_without_a_snapshot_raises_as_before() -> None:
     """A run that diverges from its first step has no healthy state (the first snapshot comes after the first
     step taken): the divergence raises as without recovery."""
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    guard = sk.StabilityGuard(model, opt, _config(snapshot_every=50))
+    guard = sk.StabilityGuard(model, opt, diverged_only_config(snapshot_every=50))
     with pytest.raises(sk.TrainingDivergedError) as info:
-        for x in _mlp_batches(20):
+        for x in mlp_batches(20):
             loss = model(x).pow(2).mean() * float("nan")
             guard.backward(loss)
             guard.step()
@@ -195,13 +169,13 @@ def test_rollback_without_a_snapshot_raises_as_before() -> None:
 
 
 def test_rollback_is_recorded_in_jsonl_file_and_state(tmp_path: Path) -> None:
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
-    cfg = _config(record_dir=str(tmp_path / "records"))
+    cfg = diverged_only_config(record_dir=str(tmp_path / "records"))
     sink = sk.sinks.JsonlSink(tmp_path / "run.jsonl")
     guard = sk.StabilityGuard(model, opt, cfg, scheduler=sched, sinks=[sink])
-    for i, x in enumerate(_mlp_batches(25)):
+    for i, x in enumerate(mlp_batches(25)):
         loss = model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0)
         guard.backward(loss)
         guard.step()
@@ -219,7 +193,7 @@ def test_rollback_is_recorded_in_jsonl_file_and_state(tmp_path: Path) -> None:
     assert saved["rollbacks"][0]["skipped_to"] == row["skipped_to"]
     # the rollback count and ranges round-trip through state_dict / load_state_dict
     assert state["optimizers"][0]["recovery"]["rollbacks"][0]["restored_step"] == 8
-    model2 = _mlp()
+    model2 = mlp()
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2, fused=True)
     guard2 = sk.StabilityGuard(model2, opt2, cfg)
     guard2.load_state_dict(state)
@@ -228,11 +202,11 @@ def test_rollback_is_recorded_in_jsonl_file_and_state(tmp_path: Path) -> None:
 
 
 def test_disk_storage_rolls_back_bitwise(tmp_path: Path) -> None:
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    guard = sk.StabilityGuard(model, opt, _config(storage=str(tmp_path / "snaps")))
+    guard = sk.StabilityGuard(model, opt, diverged_only_config(storage=str(tmp_path / "snaps")))
     recorder = Recorder(guard, model, opt)
-    for i, x in enumerate(_mlp_batches(25)):
+    for i, x in enumerate(mlp_batches(25)):
         if i == 10:
             guard.summary()  # a flush waits for the files: their host copies are freed, the rollback reads a file
         loss = model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0)
@@ -253,18 +227,20 @@ def test_a_snapshot_that_cannot_be_written_warns_and_training_goes_on(tmp_path: 
     warning naming the snapshot, the run keeps training, and the divergence then raises as without recovery."""
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the snapshot directory should be")
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    guard = sk.StabilityGuard(model, opt, _config(storage=str(blocker / "snaps"), record_dir=str(tmp_path / "records")))
+    guard = sk.StabilityGuard(
+        model, opt, diverged_only_config(storage=str(blocker / "snaps"), record_dir=str(tmp_path / "records"))
+    )
     with pytest.warns(RuntimeWarning, match=r"could not write the recovery snapshot of step \d+"):
-        for x in _mlp_batches(9):
+        for x in mlp_batches(9):
             guard.backward(model(x).pow(2).mean())
             guard.step()
             guard.zero_grad()
         guard.summary()  # waits for the writes: their failures are reported
     assert guard.core.recovery is not None and guard.core.recovery.store.confirmed == []
     with pytest.raises(sk.TrainingDivergedError):  # nothing to roll back to: raised as before
-        for x in _mlp_batches(6):
+        for x in mlp_batches(6):
             guard.backward(model(x).pow(2).mean() * float("nan"))
             guard.step()
             guard.zero_grad()
@@ -275,12 +251,12 @@ def test_a_reload_drops_the_old_snapshots_and_snapshots_after_its_first_step() -
     """Loading an earlier state into the same guard (``fabric.load``, an in-process resume): snapshots of
     the run before the load are another trajectory and are dropped; the first step after the load takes
     one, so a divergence right after it rolls back there, bitwise, instead of raising."""
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    guard = sk.StabilityGuard(model, opt, _config(snapshot_every=4, keep=2))
+    guard = sk.StabilityGuard(model, opt, diverged_only_config(snapshot_every=4, keep=2))
     recorder = Recorder(guard, model, opt)
     saved: dict[str, Any] = {}
-    for i, x in enumerate(_mlp_batches(14)):
+    for i, x in enumerate(mlp_batches(14)):
         if i == 10:
             saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "guard": guard.state_dict()})
         guard.backward(model(x).pow(2).mean())
@@ -289,7 +265,7 @@ def test_a_reload_drops_the_old_snapshots_and_snapshots_after_its_first_step() -
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     guard.load_state_dict(saved["guard"])
-    for i, x in enumerate(_mlp_batches(8, seed=5), start=10):  # other batches than the first pass's
+    for i, x in enumerate(mlp_batches(8, seed=5), start=10):  # other batches than the first pass's
         bad = 11 <= i < 14
         guard.backward(model(x).pow(2).mean() * (float("nan") if bad else 1.0))
         recorder.record(guard, guard.step())
@@ -312,11 +288,11 @@ class SpySGD(torch.optim.SGD):
 
 
 def test_lr_is_scaled_during_the_cooldown_only() -> None:
-    model = _mlp()
+    model = mlp()
     opt = SpySGD(model.parameters(), lr=0.1)
-    guard = sk.StabilityGuard(model, opt, _config(lr_scale=0.5, cooldown_steps=3))
+    guard = sk.StabilityGuard(model, opt, diverged_only_config(lr_scale=0.5, cooldown_steps=3))
     ran: dict[int, float] = {}
-    for i, x in enumerate(_mlp_batches(25)):
+    for i, x in enumerate(mlp_batches(25)):
         loss = model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0)
         guard.backward(loss)
         report = guard.step()
@@ -332,7 +308,7 @@ def test_lr_is_scaled_during_the_cooldown_only() -> None:
 
 
 def test_spike_alert_trigger_rolls_back() -> None:
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = sk.StabilityConfig(
         log_every_n_steps=1,
@@ -342,7 +318,7 @@ def test_spike_alert_trigger_rolls_back() -> None:
     guard = sk.StabilityGuard(model, opt, cfg)
     events: list[sk.Event] = []
     guard.hooks.on("rollback", events.append)
-    for i, x in enumerate(_mlp_batches(40)):
+    for i, x in enumerate(mlp_batches(40)):
         loss = model(x).pow(2).mean() * (1e4 if i == 30 else 1.0)
         guard.backward(loss)
         guard.step()
@@ -356,10 +332,10 @@ def test_spike_alert_trigger_rolls_back() -> None:
 
 def test_snapshot_step_adds_no_host_sync() -> None:
     """A fused optimizer between logging steps: taking a (pending) snapshot reads nothing from the device."""
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    guard = sk.StabilityGuard(model, opt, _config(snapshot_every=4))
-    data = _mlp_batches(10)
+    guard = sk.StabilityGuard(model, opt, diverged_only_config(snapshot_every=4))
+    data = mlp_batches(10)
     for x in data[:3]:  # the first step creates optimizer state (a one-time read); step 2 is not a logging step
         guard.backward(model(x).pow(2).mean())
         guard.step()
@@ -383,12 +359,12 @@ def test_snapshot_step_adds_no_host_sync() -> None:
 
 
 def test_recovery_off_keeps_state_and_divergence_as_before() -> None:
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(skip=sk.SkipConfig(max_consecutive=3)))
     assert guard.core.recovery is None and "recovery" not in guard.state_dict()["optimizers"][0]
     with pytest.raises(sk.TrainingDivergedError):
-        for x in _mlp_batches(10):
+        for x in mlp_batches(10):
             guard.backward(model(x).pow(2).mean() * float("nan"))
             guard.step()
             guard.zero_grad()
@@ -396,10 +372,10 @@ def test_recovery_off_keeps_state_and_divergence_as_before() -> None:
 
 
 def test_several_optimizers_are_refused() -> None:
-    model = _mlp()
+    model = mlp()
     opts = [torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[3].parameters(), lr=0.1)]
     with pytest.raises(ValueError, match="one optimizer"):
-        sk.StabilityGuard(model, opts, _config())
+        sk.StabilityGuard(model, opts, diverged_only_config())
 
 
 def test_config_is_strict_and_off_by_default() -> None:
@@ -525,7 +501,7 @@ def test_lightning_rollback_then_checkpoint_then_resume(tmp_path: Path, fused: b
     ],
 )
 def test_triggers_that_cannot_fire_warn(config: sk.StabilityConfig, words: str) -> None:
-    model = _mlp()
+    model = mlp()
     with pytest.warns(UserWarning, match=words):
         sk.StabilityGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), config).close()
 
@@ -614,11 +590,11 @@ def test_rollback_is_a_warning_log_line_and_a_wandb_alert(tmp_path: Path, caplog
     from stabilitykit.sinks import WandbRunFile, WandbSink
 
     run = wandb.init(project="stabilitykit-tests", dir=str(tmp_path), mode="offline", reinit="create_new")
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    guard = sk.StabilityGuard(model, opt, _config(), sinks=[WandbSink(run)])
+    guard = sk.StabilityGuard(model, opt, diverged_only_config(), sinks=[WandbSink(run)])
     with caplog.at_level(logging.WARNING, logger="stabilitykit"):
-        for i, x in enumerate(_mlp_batches(20)):
+        for i, x in enumerate(mlp_batches(20)):
             loss = model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0)
             guard.backward(loss)
             guard.step()
@@ -638,7 +614,7 @@ def test_rollback_is_a_warning_log_line_and_a_wandb_alert(tmp_path: Path, caplog
 def test_grad_scaler_and_rng_come_back_with_the_snapshot() -> None:
     """A streak of bad batches (data guard, mode "skip") under a GradScaler: the scale, its growth
     tracker and (restore_rng=True) the torch generator are the snapshot's after the rollback."""
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     cfg = sk.StabilityConfig(
@@ -657,7 +633,7 @@ def test_grad_scaler_and_rng_come_back_with_the_snapshot() -> None:
         seen.append((event, scaler.get_scale(), scaler.state_dict()["_growth_tracker"], torch.get_rng_state()))
 
     guard.hooks.on("rollback", on_rollback)
-    for i, x in enumerate(_mlp_batches(20)):
+    for i, x in enumerate(mlp_batches(20)):
         if 10 <= i < 13:
             x = x * float("nan")  # a bad batch: skipped by the data guard before its forward
         guard.check_batch(x)
@@ -681,7 +657,7 @@ def test_loss_drift_and_spike_alert_are_told_apart() -> None:
     """Only the alerts of the configured rule roll back (the drift rule is named in the alert's details)."""
     from stabilitykit.spikes import DRIFT_RULE
 
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cfg = sk.StabilityConfig(
         log_every_n_steps=1,
@@ -691,7 +667,7 @@ def test_loss_drift_and_spike_alert_are_told_apart() -> None:
     guard = sk.StabilityGuard(model, opt, cfg)
     events: list[sk.Event] = []
     guard.hooks.on("rollback", events.append)
-    for i, x in enumerate(_mlp_batches(20)):
+    for i, x in enumerate(mlp_batches(20)):
         guard.backward(model(x).pow(2).mean())
         guard.step()
         guard.zero_grad()
@@ -712,13 +688,13 @@ def test_loss_drift_and_spike_alert_are_told_apart() -> None:
 
 def test_schedule_step_follows_the_restored_scheduler() -> None:
     """``guard.schedule_step`` (for an LR set by hand) is the restored scheduler's count after a rollback."""
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
-    guard = sk.StabilityGuard(model, opt, _config(), scheduler=sched)
+    guard = sk.StabilityGuard(model, opt, diverged_only_config(), scheduler=sched)
     at_rollback: list[tuple[int, int, int]] = []
     guard.hooks.on("rollback", lambda e: at_rollback.append((guard.step_count, guard.schedule_step, sched.last_epoch)))
-    for i, x in enumerate(_mlp_batches(20)):
+    for i, x in enumerate(mlp_batches(20)):
         guard.backward(model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0))
         guard.step()
         guard.zero_grad()
@@ -746,7 +722,7 @@ def test_accelerate_guard_rolls_back_with_accumulation() -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-        guard = AccelerateGuard(accelerator, model, optimizer, _config(), scheduler=scheduler)
+        guard = AccelerateGuard(accelerator, model, optimizer, diverged_only_config(), scheduler=scheduler)
         inner = optimizer.optimizer
         recorder = Recorder(guard, model, inner)
         for i, batch in enumerate(token_batches(40, batch_size=2, seed=1)):
@@ -773,13 +749,13 @@ def test_fabric_guard_rolls_back() -> None:
     from stabilitykit.integrations import FabricGuard
 
     fabric = Fabric(accelerator="cpu", devices=1)
-    model = _mlp()
+    model = mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = fabric.setup(model, optimizer)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer.optimizer, step_size=2, gamma=0.9)
-    guard = FabricGuard(fabric, model, optimizer, _config(), scheduler=scheduler)
+    guard = FabricGuard(fabric, model, optimizer, diverged_only_config(), scheduler=scheduler)
     recorder = Recorder(guard, model, optimizer.optimizer)
-    for i, x in enumerate(_mlp_batches(20)):
+    for i, x in enumerate(mlp_batches(20)):
         guard.backward(model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0))
         recorder.record(guard, guard.step())
         guard.zero_grad()
@@ -790,13 +766,13 @@ def test_fabric_guard_rolls_back() -> None:
 
 def test_snapshots_and_host_buffers_stay_bounded_over_a_long_run() -> None:
     """Nothing grows per step: ``keep`` snapshots, a few pending, and a pool of reused host buffers."""
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    guard = sk.StabilityGuard(model, opt, _config(snapshot_every=2, keep=2))
+    guard = sk.StabilityGuard(model, opt, diverged_only_config(snapshot_every=2, keep=2))
     recovery = guard.core.recovery
     assert recovery is not None
     held, pooled = [], []
-    data = _mlp_batches(8)
+    data = mlp_batches(8)
     for i in range(400):
         guard.backward(model(data[i % 8]).pow(2).mean())
         guard.step()
@@ -827,13 +803,13 @@ def test_a_rollback_is_never_left_out_by_the_log_rate_limit(caplog: pytest.LogCa
 def test_a_param_group_added_mid_run_drops_the_old_snapshots() -> None:
     """Fine-tuning style: the head trains first, the body joins at step 9. The snapshots of steps 4 and
     8 hold the old set of parameters, so a divergence right after has nothing to go back to."""
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model[3].parameters(), lr=1e-2)
-    guard = sk.StabilityGuard(model, opt, _config())
+    guard = sk.StabilityGuard(model, opt, diverged_only_config())
     recovery = guard.core.recovery
     assert recovery is not None
     with pytest.raises(sk.TrainingDivergedError) as info:
-        for i, x in enumerate(_mlp_batches(30)):
+        for i, x in enumerate(mlp_batches(30)):
             if i == 9:
                 assert [s.step for s in recovery.store.snapshots] == [4, 8]
                 opt.add_param_group({"params": list(model[0].parameters()), "lr": 1e-3})
@@ -846,11 +822,11 @@ def test_a_param_group_added_mid_run_drops_the_old_snapshots() -> None:
 
 
 def test_a_param_group_added_mid_run_is_restored_with_the_new_set() -> None:
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model[3].parameters(), lr=1e-2)
-    guard = sk.StabilityGuard(model, opt, _config())
+    guard = sk.StabilityGuard(model, opt, diverged_only_config())
     recorder = Recorder(guard, model, opt)
-    for i, x in enumerate(_mlp_batches(30)):
+    for i, x in enumerate(mlp_batches(30)):
         if i == 9:
             opt.add_param_group({"params": list(model[0].parameters()), "lr": 1e-3})
         guard.backward(model(x).pow(2).mean() * (float("nan") if 14 <= i < 17 else 1.0))
@@ -865,7 +841,7 @@ def test_skip_after_skips_the_next_batches_without_a_sync_or_a_streak(fused: boo
     """``skip_after=5``: after the rollback the next five batches are measured, not trained on
     (parameters and optimizer state unchanged across them, the scheduler held), with no host
     sync and no divergence streak; then training resumes. Recorded in the event and the state."""
-    cfg = _config(skip_after=5)
+    cfg = diverged_only_config(skip_after=5)
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, fused=fused)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))

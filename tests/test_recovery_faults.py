@@ -21,35 +21,9 @@ from torch import nn
 
 import stabilitykit as sk
 from stabilitykit.recovery.files import owner_tag
+from tests.recovery_setups import diverged_only_config, mlp, mlp_batches
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
-
-
-def _batches(n: int, seed: int = 0) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(16, 8, generator=gen) for _ in range(n)]
-
-
-def _config(**recovery: Any) -> sk.StabilityConfig:
-    settings: dict[str, Any] = {
-        "enabled": True,
-        "snapshot_every": 4,
-        "keep": 2,
-        "trigger": ["diverged"],
-        "skip_after": 0,
-        "cooldown_steps": 0,
-        **recovery,
-    }
-    return sk.StabilityConfig(
-        log_every_n_steps=5,
-        skip=sk.SkipConfig(max_consecutive=3),
-        recovery=sk.RecoveryConfig(**settings),
-    )
 
 
 def _params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -93,15 +67,17 @@ def test_a_snapshot_folder_that_becomes_unusable_never_stops_training(tmp_path: 
     """The snapshot folder is replaced by a file mid-run (writes and removes of its files fail for any user,
     root included): each failure is a warning, guard.step() and guard.close() go on."""
     snaps = tmp_path / "snaps"
-    model = _mlp()
-    guard = sk.StabilityGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _config(storage=str(snaps)))
-    _train(guard, model, _batches(9))
+    model = mlp()
+    guard = sk.StabilityGuard(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), diverged_only_config(storage=str(snaps))
+    )
+    _train(guard, model, mlp_batches(9))
     guard.summary()  # the files of steps 4 and 8 are on disk
     assert len(list(snaps.glob("snapshot-*.pt"))) == 2
     shutil.rmtree(snaps)
     snaps.write_text("a file where the snapshot folder was")
     with pytest.warns(RuntimeWarning) as caught:
-        _train(guard, model, _batches(12, seed=1))  # writes of 12, 16, 20 fail; 4 and 8 cannot be removed
+        _train(guard, model, mlp_batches(12, seed=1))  # writes of 12, 16, 20 fail; 4 and 8 cannot be removed
         guard.summary()
         guard.close()
     messages = " ".join(str(w.message) for w in caught)
@@ -117,12 +93,14 @@ def test_a_full_disk_under_the_records_warns_after_a_whole_rollback(tmp_path: Pa
     records = tmp_path / "records"
     records.mkdir()
     (records / "skipped_batches.json.tmp").symlink_to("/dev/full")
-    model = _mlp()
-    guard = sk.StabilityGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _config(record_dir=str(records)))
+    model = mlp()
+    guard = sk.StabilityGuard(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), diverged_only_config(record_dir=str(records))
+    )
     seen = _ByStep(guard, model)
-    seen.train(guard, _batches(10))
+    seen.train(guard, mlp_batches(10))
     with pytest.warns(RuntimeWarning, match="could not write the rollback records.*No space left"):
-        seen.train(guard, _batches(3, seed=1), nan=True)
+        seen.train(guard, mlp_batches(3, seed=1), nan=True)
     assert [e.details["restored_step"] for e in seen.rollbacks] == [8]
     assert _same(_params(model), seen.params[8])
     recovery = guard.core.recovery
@@ -136,15 +114,17 @@ def test_a_full_disk_under_a_snapshot_file_warns_and_drops_it(tmp_path: Path) ->
     snaps = tmp_path / "snaps"
     snaps.mkdir()
     (snaps / f"snapshot-8.{owner_tag()}.pt.tmp").symlink_to("/dev/full")
-    model = _mlp()
-    guard = sk.StabilityGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _config(storage=str(snaps)))
+    model = mlp()
+    guard = sk.StabilityGuard(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), diverged_only_config(storage=str(snaps))
+    )
     seen = _ByStep(guard, model)
     with pytest.warns(RuntimeWarning, match="snapshot of step 8.*No space left"):
-        seen.train(guard, _batches(10))
+        seen.train(guard, mlp_batches(10))
         guard.summary()
     recovery = guard.core.recovery
     assert recovery is not None and [s.step for s in recovery.store.confirmed] == [4]
-    seen.train(guard, _batches(3, seed=1), nan=True)
+    seen.train(guard, mlp_batches(3, seed=1), nan=True)
     assert [e.details["restored_step"] for e in seen.rollbacks] == [4]
     guard.close()
 
@@ -179,12 +159,12 @@ DAMAGES = ["deleted", "truncated", "emptied", "garbage", "bit_flip"]
 
 
 def _disk_run(tmp_path: Path) -> tuple[sk.StabilityGuard, nn.Module, _ByStep, dict[int, Path]]:
-    model = _mlp()
+    model = mlp()
     guard = sk.StabilityGuard(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-2), _config(storage=str(tmp_path / "snaps"))
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), diverged_only_config(storage=str(tmp_path / "snaps"))
     )
     seen = _ByStep(guard, model)
-    seen.train(guard, _batches(10))
+    seen.train(guard, mlp_batches(10))
     guard.summary()  # the writes are done: the host copies are freed, a rollback reads the files
     recovery = guard.core.recovery
     assert recovery is not None
@@ -198,7 +178,7 @@ def test_a_damaged_snapshot_file_falls_back_to_the_next_older_one(tmp_path: Path
     guard, model, seen, files = _disk_run(tmp_path)
     _damage(files[8], how)
     with pytest.warns(RuntimeWarning, match=f"recovery snapshot {files[8]}.*falls back to an older snapshot"):
-        seen.train(guard, _batches(3, seed=1), nan=True)
+        seen.train(guard, mlp_batches(3, seed=1), nan=True)
     assert [e.details["restored_step"] for e in seen.rollbacks] == [4]
     assert _same(_params(model), seen.params[4])  # bitwise the healthy state, never the damaged one
     guard.close()
@@ -210,7 +190,7 @@ def test_no_readable_snapshot_raises_naming_the_files_and_restores_nothing(tmp_p
     for path in files.values():
         _damage(path, how)
     with pytest.warns(RuntimeWarning), pytest.raises(sk.SnapshotUnavailableError) as info:
-        seen.train(guard, _batches(3, seed=1), nan=True)
+        seen.train(guard, mlp_batches(3, seed=1), nan=True)
     assert isinstance(info.value, sk.TrainingDivergedError)
     assert str(files[8]) in str(info.value) and str(files[4]) in str(info.value)
     assert seen.rollbacks == []
@@ -222,27 +202,27 @@ def test_no_readable_snapshot_raises_naming_the_files_and_restores_nothing(tmp_p
 
 
 def test_a_step_after_close_is_refused_and_applies_nothing() -> None:
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    guard = sk.StabilityGuard(model, opt, _config())
-    _train(guard, model, _batches(3))
+    guard = sk.StabilityGuard(model, opt, diverged_only_config())
+    _train(guard, model, mlp_batches(3))
     guard.close()
     before = _params(model)
     with pytest.raises(RuntimeError, match=r"guard.backward\(\) after guard.close\(\)"):
-        guard.backward(model(_batches(1)[0]).pow(2).mean() * float("nan"))
-    (model(_batches(1)[0]).pow(2).mean() * float("nan")).backward()
+        guard.backward(model(mlp_batches(1)[0]).pow(2).mean() * float("nan"))
+    (model(mlp_batches(1)[0]).pow(2).mean() * float("nan")).backward()
     with pytest.raises(RuntimeError, match=r"guard.step\(\) after guard.close\(\)"):
         guard.step()
     assert _same(_params(model), before)
 
 
 def test_an_optimizer_stepped_behind_the_guards_back_is_named() -> None:
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    guard = sk.StabilityGuard(model, opt, _config())
-    _train(guard, model, _batches(2))
+    guard = sk.StabilityGuard(model, opt, diverged_only_config())
+    _train(guard, model, mlp_batches(2))
     with pytest.warns(RuntimeWarning, match=r"AdamW.step\(\) was called directly, behind the guard's back") as caught:
-        for x in _batches(15, seed=1):
+        for x in mlp_batches(15, seed=1):
             model(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
@@ -250,29 +230,29 @@ def test_an_optimizer_stepped_behind_the_guards_back_is_named() -> None:
     assert guard.core.unguarded_steps == 15 and guard.step_count == 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _train(guard, model, _batches(2))  # the guarded steps say nothing
+        _train(guard, model, mlp_batches(2))  # the guarded steps say nothing
     guard.close()
 
 
 def test_a_scheduler_not_given_to_recovery_is_named() -> None:
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    guard = sk.StabilityGuard(model, opt, _config())
+    guard = sk.StabilityGuard(model, opt, diverged_only_config())
     with pytest.warns(UserWarning, match=r"an LR scheduler drives AdamW.*scheduler=scheduler"):
-        for x in _batches(5):
+        for x in mlp_batches(5):
             guard.backward(model(x).pow(2).mean())
             guard.step()
             guard.zero_grad()
             sched.step()
     guard.close()
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    guard = sk.StabilityGuard(model, opt, _config(), scheduler=sched)
+    guard = sk.StabilityGuard(model, opt, diverged_only_config(), scheduler=sched)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _train(guard, model, _batches(5))  # given: nothing to say
+        _train(guard, model, mlp_batches(5))  # given: nothing to say
     guard.close()
 
 
@@ -332,9 +312,9 @@ def _equal_trees(a: Any, b: Any) -> bool:
 
 
 def test_an_optimizers_own_state_dict_keys_and_python_state_round_trip_in_place() -> None:
-    model = _mlp()
+    model = mlp()
     opt = WarmupMomentum(model.parameters())
-    guard = sk.StabilityGuard(model, opt, _config())
+    guard = sk.StabilityGuard(model, opt, diverged_only_config())
     saved: dict[int, dict[str, Any]] = {}
     checked: list[int] = []
     momentum = {}
@@ -346,7 +326,7 @@ def test_an_optimizers_own_state_dict_keys_and_python_state_round_trip_in_place(
         checked.append(restored)
 
     guard.hooks.on("rollback", on_rollback)
-    for i, x in enumerate(_batches(20)):
+    for i, x in enumerate(mlp_batches(20)):
         loss = model(x).pow(2).mean()
         guard.backward(loss * float("nan") if 10 <= i < 13 else loss)
         guard.step()
@@ -364,7 +344,7 @@ def test_an_optimizers_own_state_dict_keys_and_python_state_round_trip_in_place(
 
 def _give_up(guard: sk.StabilityGuard, model: nn.Module) -> sk.RollbackLimitError:
     with pytest.raises(sk.RollbackLimitError) as info:
-        for i, x in enumerate(_batches(60)):
+        for i, x in enumerate(mlp_batches(60)):
             loss = model(x).pow(2).mean()
             guard.backward(loss * float("nan") if i >= 10 else loss)  # the run never recovers
             guard.step()
@@ -374,9 +354,9 @@ def _give_up(guard: sk.StabilityGuard, model: nn.Module) -> sk.RollbackLimitErro
 
 @pytest.mark.parametrize("storage", ["disk", "memory"])
 def test_the_last_good_state_outlives_the_rollback_limit(tmp_path: Path, storage: str) -> None:
-    model = _mlp()
+    model = mlp()
     place = {"storage": str(tmp_path / "snaps")} if storage == "disk" else {"record_dir": str(tmp_path / "records")}
-    cfg = _config(max_rollbacks=2, window=100, **place)
+    cfg = diverged_only_config(max_rollbacks=2, window=100, **place)
     cfg = cfg.model_copy(update={"clip": sk.ClipConfig(mode="fixed", max_norm=1.0)})
     guard = sk.StabilityGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg)
     states: dict[int, dict[str, torch.Tensor]] = {}
@@ -397,8 +377,10 @@ def test_the_last_good_state_outlives_the_rollback_limit(tmp_path: Path, storage
 
 
 def test_the_rollback_limit_says_enable_clipping_only_when_it_is_off() -> None:
-    model = _mlp()
-    guard = sk.StabilityGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _config(max_rollbacks=1))
+    model = mlp()
+    guard = sk.StabilityGuard(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), diverged_only_config(max_rollbacks=1)
+    )
     error = _give_up(guard, model)
     assert "enable clipping" in str(error) and error.last_good_path is None  # memory storage, no record_dir
     assert guard.restore_last_good() == 8  # still in memory before close()
@@ -435,8 +417,10 @@ def test_snapshot_files_of_a_killed_process_are_removed_at_start(tmp_path: Path)
     alive.write_bytes(b"another run's snapshot")
     other_host = snaps / "snapshot-4.elsewhere-1.pt"
     other_host.write_bytes(b"a run on another machine")
-    model = _mlp()
-    guard = sk.StabilityGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _config(storage=str(snaps)))
+    model = mlp()
+    guard = sk.StabilityGuard(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), diverged_only_config(storage=str(snaps))
+    )
     assert sorted(p.name for p in snaps.glob("snapshot-*.pt")) == sorted([alive.name, other_host.name])
     guard.close()
 
@@ -451,10 +435,10 @@ def test_a_recovery_config_given_is_on_and_enabled_false_keeps_it_off() -> None:
     assert not sk.StabilityConfig().recovery.enabled
     assert sk.StabilityConfig.from_mapping({"recovery": {"snapshot_every": 4}}).recovery.enabled
     assert not sk.StabilityConfig.from_mapping(sk.StabilityConfig().model_dump()).recovery.enabled  # round trip
-    model = _mlp()
+    model = mlp()
     guard = sk.StabilityGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), given)
     seen = _ByStep(guard, model)
-    seen.train(guard, _batches(10))
-    seen.train(guard, _batches(3, seed=1), nan=True)  # a wrecked run: rolled back, not raised
+    seen.train(guard, mlp_batches(10))
+    seen.train(guard, mlp_batches(3, seed=1), nan=True)  # a wrecked run: rolled back, not raised
     assert [e.details["restored_step"] for e in seen.rollbacks] == [8]
     guard.close()
