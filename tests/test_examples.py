@@ -10,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 import stabilitykit as sk
 
@@ -212,3 +213,34 @@ def test_deepspeed_example_skips_one_ranks_nan_on_every_rank(tmp_path) -> None:
     assert "global norm equal to DeepSpeed's own: True" in proc.stdout
     # 18 steps: 11 applied before the snapshot, then 14-15 undone by the rollback, 16-17 applied
     assert "[13, 13]" in proc.stdout
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="deepspeed is not installed: pip install 'stabilitykit[deepspeed]' (bash scripts/setup.sh installs it)",
+)
+def test_deepspeed_hf_trainer_example_skips_one_ranks_nan_on_every_rank(tmp_path) -> None:
+    """The Trainer with deepspeed= (ZeRO-2) under torchrun on 2 CPU processes, started by the example itself."""
+    script = Path(__file__).parent.parent / "examples" / "deepspeed_hf_trainer.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--steps", "6", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # 6 optimizer steps, step 2 skipped on both ranks: DeepSpeed's engine counts 5
+    assert "rank 0: skipped steps [2], engine steps 5" in proc.stdout
+    assert "rank 1: skipped steps [2], engine steps 5" in proc.stdout
+    assert "every rank skipped step 2 (NaN on rank 1 only): True" in proc.stdout
+    assert "parameters finite and identical on every rank: True" in proc.stdout
+    assert "guard: 6 steps, 1 skipped" in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: tests/cuda runs the example for real")
+def test_deepspeed_lightning_example_says_it_needs_cuda(capsys) -> None:
+    """Without CUDA the example runs nothing and says why in one line (tests/cuda runs it on a GPU)."""
+    assert _load("deepspeed_lightning").main([]) is None
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    assert "Lightning's DeepSpeed strategy needs CUDA GPUs" in out and "nothing was run" in out

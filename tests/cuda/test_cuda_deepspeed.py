@@ -50,3 +50,21 @@ def test_lightning_deepspeed_skips_a_nan_step(tmp_path: Path, strategy: str) -> 
     assert skipped == [3]
     assert engine.global_steps == 5
     assert all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in engine.module.parameters())
+
+
+def test_deepspeed_lightning_example_skips_the_nan_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/deepspeed_lightning.py on one GPU: ZeRO-2, the NaN at step 5 skipped, DeepSpeed not counting it."""
+    import importlib.util as util
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    path = Path(__file__).resolve().parents[2] / "examples" / "deepspeed_lightning.py"
+    spec = util.spec_from_file_location("deepspeed_lightning_example", path)
+    assert spec and spec.loader
+    example = util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    result = example.main(["--steps", "10", "--out", str(tmp_path)])
+    assert result == {"skipped": [example.BAD_STEP], "global_steps": 9, "finite": True}
+    out = capsys.readouterr().out
+    assert "skipped steps [5]" in out and "guard: 10 steps, 1 skipped" in out
