@@ -357,6 +357,7 @@ class DriverCore:
             force_skip=self._bad_batch,
             skip_ahead=self.recovery is not None and self.recovery.skips_batch(self.engine.step),
             request=self.recovery.request(self.engine.step) if self.recovery is not None else 0,
+            verdict=self.recovery.verdict(self.engine.step) if self.recovery is not None else 0,
         )
         self._bad_batch = None
         self._hold = None

@@ -20,7 +20,7 @@ from typing import Annotated, Any, get_type_hints
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from stabilitykit.engine.journal import Row, RowInfo
+from stabilitykit.engine.journal import LEGACY_COLUMNS, Row, RowInfo
 from stabilitykit.engine.ledger import Counters
 from stabilitykit.recovery.record import RollbackRecord
 
@@ -140,6 +140,7 @@ class _Journal(_State):
     rows: torch.Tensor
     infos: list[_RowInfo]  # type: ignore[valid-type]
     metric_names: list[str]
+    columns: list[str] | None = None  # the built-in columns (absent: saved before ``verdict`` was added)
     carried: list[_Row]  # type: ignore[valid-type]  # rows decoded on the host
 
     @model_validator(mode="after")
@@ -261,7 +262,8 @@ def _match_reference(saved: Mapping[str, Any], ours: Mapping[str, Any]) -> None:
     for section in ("clip", "spike_rule"):
         _match_tensors(section, saved.get(section), ours.get(section))
     saved_rows = saved["journal"]["rows"]
-    width = 6 + len(saved["journal"].get("metric_names", []))
+    columns = saved["journal"].get("columns") or LEGACY_COLUMNS
+    width = len(columns) + len(saved["journal"].get("metric_names", []))
     if saved["journal"]["infos"] and saved_rows.shape[1] < width:
         raise _Invalid(
             "journal.rows",

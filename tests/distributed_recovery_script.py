@@ -16,6 +16,10 @@ The fault is on **rank 1 only**:
 * ``nan``: rank 1's loss is NaN at steps 30-34; every rank skips them (the skip is agreed) and the
   run of 3 skips is a divergence; trigger ``diverged``; fused AdamW (its skips stay on the device
   until a logging step).
+* ``climb`` (DDP): rank 1's recorded loss is 50x at steps 30-37 (finite; the grads are unchanged), so
+  only rank 1's detectors are unsettled there, then NaN at steps 38-40 (a divergence, onset 38);
+  trigger ``diverged``. The snapshots due inside the climb (steps 32 and 36) must be dropped on both
+  ranks, so the rollback restores step 28's on both, not step 36's.
 
 Each rank records, after every step, a copy of its local parameters (its shard under FSDP2) and
 optimizer state, and reports: its own alerts, every rollback event, whether the state right after
@@ -40,6 +44,8 @@ from tests.distributed_script_runner import launch
 STEPS = 48
 FAULT = 30
 NAN_STEPS = range(FAULT, FAULT + 5)
+CLIMB_STEPS = range(FAULT, FAULT + 8)  # the climb of ``climb``, then its NaN steps
+CLIMB_NAN_STEPS = range(FAULT + 8, FAULT + 11)
 
 
 #: Tensor parallel over both ranks: attention and MLP projections split Megatron-style.
@@ -120,6 +126,7 @@ def run(kind: str, fault: str, rank: int, storage: str = "memory") -> dict[str, 
     model = make_model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=fault == "nan")
     trigger = ["spike_alert"] if fault == "alert" else ["diverged"]
+    held: dict[int, list[int]] = {}  # the snapshot steps held after each step
     cfg = sk.StabilityConfig(
         log_every_n_steps=2,
         skip=sk.SkipConfig(max_consecutive=3),
@@ -145,6 +152,10 @@ def run(kind: str, fault: str, rank: int, storage: str = "memory") -> dict[str, 
             loss = loss + 1000.0 * loss.detach()  # the loss the detector sees jumps; the grads do not change
         if rank == 1 and fault == "nan" and step in NAN_STEPS:
             loss = loss * float("nan")
+        if rank == 1 and fault == "climb" and step in CLIMB_STEPS:
+            loss = loss + 49.0 * loss.detach()  # 50x, finite: only rank 1's detectors see it
+        if rank == 1 and fault == "climb" and step in CLIMB_NAN_STEPS:
+            loss = loss * float("nan")
         before = len(rollbacks)
         guard.backward(loss)
         guard.step()
@@ -153,6 +164,9 @@ def run(kind: str, fault: str, rank: int, storage: str = "memory") -> dict[str, 
             restored = int(rollbacks[-1]["restored_step"])
             restored_equal.append(equal(state_copy(model, opt), copies[restored]))
         copies[step + 1] = state_copy(model, opt)
+        recovery = guard.core.recovery
+        assert recovery is not None
+        held[step] = [s.step for s in recovery.store.snapshots]
     if storage != "memory":
         guard.summary()  # the files being written are on disk
     files = sorted(p.name for p in Path(storage).iterdir()) if storage != "memory" else []
@@ -167,6 +181,7 @@ def run(kind: str, fault: str, rank: int, storage: str = "memory") -> dict[str, 
         "restored_equal": restored_equal,
         "digest": digest(model),
         "files": files,  # the storage directory before close (which removes the snapshots)
+        "held": {FAULT + 9: held[FAULT + 9]},  # the snapshots held at step 39 (before the climb's rollback)
         "finite": all(bool(torch.isfinite(p).all()) for p in params),
         "norm": math.sqrt(sum(float(p.double().square().sum()) for p in params)),
     }
@@ -175,6 +190,7 @@ def run(kind: str, fault: str, rank: int, storage: str = "memory") -> dict[str, 
 def worker(rank: int, world: int) -> dict[str, Any]:
     results = {f"{kind}-{fault}": run(kind, fault, rank) for kind in ("ddp", "fsdp2") for fault in ("alert", "nan")}
     results["fsdp1-alert"] = run("fsdp1", "alert", rank)
+    results["ddp-climb"] = run("ddp", "climb", rank)
     results["tp-alert"] = run("tp", "alert", rank)
     with tempfile.TemporaryDirectory() as directory:  # each rank writes its own shard's snapshots
         results["fsdp2-alert-disk"] = run("fsdp2", "alert", rank, storage=directory)

@@ -1,9 +1,9 @@
 """Recovery under torch.distributed: a fault on one rank rolls every rank back, at the same step, to the same snapshot.
 
 Real gloo processes (``distributed_recovery_script.py``), a tiny HF Llama under DDP, FSDP2, FSDP1 and
-tensor parallel, and
+tensor parallel (and a climb on one rank whose snapshots every rank drops), and
 the real HF Trainer under ``torchrun`` (``hf_ddp_recovery_script.py``); the request encoding of
-``recovery/agreement.py`` is checked here directly.
+``recovery/agreement.py`` and the verdict encoding of ``recovery/vetting.py`` are checked here directly.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from stabilitykit.engine.journal import Row
 from stabilitykit.hooks import HookManager
 from stabilitykit.recovery import Recovery
 from stabilitykit.recovery.agreement import Agreement, decode_request, encode_request
+from stabilitykit.recovery.vetting import Verdicts, decode_verdict, encode_verdict
 from tests.distributed_script_runner import run_torchrun, run_world
 
 SCRIPT = Path(__file__).parent / "distributed_recovery_script.py"
@@ -74,6 +75,22 @@ def test_fsdp2_shards_round_trip_through_disk_snapshots(ranks: list[dict]) -> No
         assert any(name.startswith("snapshot-") for name in files)
     assert ranks[0]["fsdp2-alert-disk"]["rollbacks"] == ranks[0]["fsdp2-alert"]["rollbacks"]
     assert ranks[0]["fsdp2-alert-disk"]["digest"] == ranks[0]["fsdp2-alert"]["digest"]  # same run, from disk
+
+
+def test_a_snapshot_inside_one_ranks_climb_is_dropped_on_every_rank(ranks: list[dict]) -> None:
+    """Rank 1 alone climbs (50x its loss at steps 30-37, finite), then diverges (NaN at 38-40). The snapshots
+    due inside the climb (steps 32 and 36) are dropped on both ranks by the verdict agreed in the step record,
+    so both restore step 28's, bitwise, and the replicas stay identical. Before, each rank ignored its
+    detectors under torch.distributed and both restored step 36's, from inside the climb."""
+    first, second = ranks[0]["ddp-climb"], ranks[1]["ddp-climb"]
+    assert first["alerts"] == [] and second["alerts"] == [30]  # only rank 1's detectors saw the climb
+    assert first["held"] == second["held"] == {"39": [20, 24, 28]}  # before the rollback: no climb snapshot
+    assert len(first["rollbacks"]) == 1 and first["rollbacks"] == second["rollbacks"]
+    rollback = first["rollbacks"][0]
+    assert rollback["trigger"] == "diverged" and rollback["onset"] == 38
+    assert rollback["restored_step"] == 28
+    assert first["restored_equal"] == second["restored_equal"] == [True]
+    assert first["digest"] == second["digest"] and first["finite"]
 
 
 def test_hf_trainer_ddp_ranks_roll_back_together_on_one_ranks_alert(tmp_path: Path) -> None:
@@ -140,3 +157,16 @@ def test_an_agreement_sends_once_and_acts_on_the_earliest_onset() -> None:
     agreement.read([_row(10, value), _row(12, encode_request("spike_alert", 11, 12)), _row(13, 0)])
     assert agreement.take() == ("diverged", 7)
     assert agreement.take() is None
+
+
+def test_a_verdict_carries_its_snapshot_and_any_ranks_unsettled_wins() -> None:
+    for unsettled in (False, True):
+        assert decode_verdict(encode_verdict(36, unsettled, 41), 41) == (36, unsettled)
+    assert max(encode_verdict(36, False, 41), encode_verdict(36, True, 41)) == encode_verdict(36, True, 41)
+    verdicts = Verdicts()
+    verdicts.judge(32, True)
+    verdicts.judge(36, False)
+    verdicts.judge(32, False)  # judged once
+    assert decode_verdict(verdicts.send(40), 40) == (32, True)  # one a step, oldest first
+    verdicts.forget_after(28)  # a rollback past both
+    assert verdicts.send(41) == 0

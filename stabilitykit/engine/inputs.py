@@ -3,7 +3,7 @@
 Between two optimizer steps a driver hands in the losses backpropagated into the grads (one per
 micro-batch) and users record metrics (``sk.record``). At ``evaluate`` they are taken, and with the
 step's norms they make the step record (``engine/record.py``): the norm, finiteness, each rule's
-flag on this rank, the rollback request and the recorded metrics, each with its cross-rank
+flag on this rank, the rollback request, the snapshot verdict and the recorded metrics, each with its cross-rank
 reduction. Everything stays on the device: nothing here syncs.
 """
 
@@ -81,6 +81,7 @@ class StepInputs:
         skip_ahead: bool = False,
         request: int = 0,
         scaler_active: bool = False,
+        verdict: int = 0,
     ) -> StepRecord:
         """The step record, each value with its cross-rank reduction (agreed in one collective).
 
@@ -108,6 +109,8 @@ class StepInputs:
             record.put(f"rule/{rule.name}", rule_flag(rule, view), "any")
         asked = self._no_request if request == 0 else torch.full((), float(request), device=self.device)
         record.put("request", asked, "max")
+        judged = self._no_request if verdict == 0 else torch.full((), float(verdict), device=self.device)
+        record.put("verdict", judged, "max")
         for name, value in metrics.items():
             record.put(f"metric/{name}", value, self.layout.columns[name])
         return record

@@ -3,7 +3,8 @@
 A row holds ``total`` (pre-clip norm), ``loss``, ``code`` (the step's decision code: 0 taken, else
 why it was skipped, decoded by ``rules/registry.py``), ``coef`` (clip coefficient), ``threshold``,
 ``request`` (a rollback request agreed across ranks in this step's collective, 0 for none:
-``recovery/agreement.py``), then one column per metric a user records (``metric_names``), then one
+``recovery/agreement.py``), ``verdict`` (the detectors' verdict on a snapshot's step, agreed the same
+way, 0 for none: ``recovery/vetting.py``), then one column per metric a user records (``metric_names``), then one
 norm per layer. Rows stay on the device until a logging step (or a step whose decision the host
 must know now) reads them.
 
@@ -25,8 +26,10 @@ from stabilitykit.fields import NonNegativeInt
 from stabilitykit.rules.registry import SKIP
 
 #: The built-in scalar columns of a row, in order; recorded metrics, then the per-layer norms follow.
-COLUMNS = ("total", "loss", "code", "coef", "threshold", "request")
-TOTAL, LOSS, CODE, COEF, THRESHOLD, REQUEST = range(len(COLUMNS))
+COLUMNS = ("total", "loss", "code", "coef", "threshold", "request", "verdict")
+TOTAL, LOSS, CODE, COEF, THRESHOLD, REQUEST, VERDICT = range(len(COLUMNS))
+#: The built-in columns of a journal saved before ``verdict`` was added (a resume from such a state).
+LEGACY_COLUMNS = COLUMNS[:VERDICT]
 #: Rows kept on the device between reads. A log cadence above this reads the journal early (one sync).
 MAX_JOURNAL_ROWS = 1024
 
@@ -53,6 +56,7 @@ class Row:
     code: int  # the decision code (0: taken), see rules/registry.py
     layers: list[float] = field(default_factory=list)
     request: int = 0  # the rollback request agreed in this step's collective (0: none)
+    verdict: int = 0  # the snapshot verdict agreed in this step's collective (0: none)
     on_time: bool = False  # read before its own optimizer and scheduler step (so the skip was applied there)
     folded: bool = False
     metrics: dict[str, float] = field(default_factory=dict)  # recorded metrics, agreed across ranks
@@ -63,8 +67,10 @@ class Row:
         return bool(self.code & SKIP)
 
 
-def _decode(values: Sequence[float], info: RowInfo, metric_names: Sequence[str]) -> Row:
-    width = len(COLUMNS) + len(metric_names)
+def _decode(
+    values: Sequence[float], info: RowInfo, metric_names: Sequence[str], columns: Sequence[str] = COLUMNS
+) -> Row:
+    width = len(columns) + len(metric_names)
     return Row(
         info.step,
         values[TOTAL],
@@ -74,8 +80,9 @@ def _decode(values: Sequence[float], info: RowInfo, metric_names: Sequence[str])
         round(values[CODE]),
         list(values[width:]),
         request=round(values[REQUEST]),
+        verdict=round(values[VERDICT]) if len(columns) > VERDICT else 0,
         folded=info.folded,
-        metrics={name: values[len(COLUMNS) + i] for i, name in enumerate(metric_names)},
+        metrics={name: values[len(columns) + i] for i, name in enumerate(metric_names)},
     )
 
 
@@ -175,6 +182,7 @@ class Journal:
             "rows": self.buffer[: len(self.infos)].clone(),
             "infos": [vars(i).copy() for i in self.infos],
             "metric_names": list(self.metric_names),
+            "columns": list(COLUMNS),
             "carried": carried,
         }
 
@@ -185,15 +193,21 @@ class Journal:
         carried = [Row(**row) for row in state["carried"]]
         rows = state["rows"]
         names = list(state["metric_names"])
+        columns = list(state.get("columns") or LEGACY_COLUMNS)  # absent or None: saved before ``verdict``
         self.infos = []
         if infos:
             if rows is None or rows.shape[0] < len(infos):
                 raise ValueError("engine state holds journal notes without their rows")
-            fits = len(infos) < self.capacity and names == self.metric_names and rows.shape[1] == self.width
+            fits = (
+                len(infos) < self.capacity
+                and names == self.metric_names
+                and columns == list(COLUMNS)
+                and rows.shape[1] == self.width
+            )
             if fits:
                 self.buffer[: len(infos)].copy_(rows.to(self.buffer))
                 self.infos = infos
             else:
                 flat = rows[: len(infos)].double().tolist()
-                carried += [_decode(values, info, names) for values, info in zip(flat, infos, strict=True)]
+                carried += [_decode(values, info, names, columns) for values, info in zip(flat, infos, strict=True)]
         self.carried = carried

@@ -285,6 +285,7 @@ class StabilityEngine:
         force_skip: Tensor | None = None,
         skip_ahead: bool = False,
         request: int = 0,
+        verdict: int = 0,
     ) -> StepDecision:
         """Measure, agree, decide, clip and record this step; the host reads it now only where it must.
 
@@ -296,6 +297,8 @@ class StabilityEngine:
         never trained on; known on the host at once (the same on every rank), so it costs no sync.
         ``request``: a rollback request of this rank (a non-negative integer, ``recovery/agreement.py``),
         agreed in this step's collective and written to its row (the largest any rank sent).
+        ``verdict``: this rank's verdict on a snapshot's step (``recovery/vetting.py``), agreed and written
+        the same way.
         """
         step = self.step
         mark_collective_step(step)
@@ -305,7 +308,7 @@ class StabilityEngine:
         if layout_fixed_now:
             self.journal.relayout(self.inputs.layout.names)
         record = self.inputs.build_record(
-            norms, loss, metrics, self.rules, step, force_skip, skip_ahead, request, scaler_active
+            norms, loss, metrics, self.rules, step, force_skip, skip_ahead, request, scaler_active, verdict
         )
         agreed = record.agree(self.config.skip.sync_ranks)
         code = self.rules.code(*self.inputs.rule_flags(record, agreed, self.rules))
@@ -316,7 +319,7 @@ class StabilityEngine:
         agreed_metrics = {name: agreed[f"metric/{name}"] for name in metrics}
         self.journal.write(
             RowInfo(step, loss is not None, scaler_active),
-            [total, self.inputs.or_nan(loss), code, coef, threshold, agreed["request"]],
+            [total, self.inputs.or_nan(loss), code, coef, threshold, agreed["request"], agreed["verdict"]],
             list(agreed_metrics.values()),
             layer_norms,
         )

@@ -15,10 +15,15 @@ folded what the host read) and runs the optimizer step inside ``scaled_lr()``. I
 4. otherwise a snapshot is taken when the step count reaches a multiple of ``snapshot_every`` (and after
    the first step), unless this step is known to be skipped (pending when its decision is still on the
    device) or the spike monitor is not settled (then at the next settled step); a snapshot whose step the
-   monitor scores later is vetted then, and dropped if that step was not settled (``_vet``).
+   monitor scores later is vetted then, and dropped if that step was not settled (``_vet``). Under
+   torch.distributed the snapshot is taken on the cadence whatever this rank's monitor says, and the
+   agreed verdict of every rank keeps or drops it (``_judge``, ``_apply_verdicts``: below).
 
 With several ranks a trigger is not acted on where it is found: it is queued, agreed in the next
 step's all-reduce and acted on at the next logging step, by every rank at once (``agreement.py``).
+Snapshots are kept or dropped the same way: taken on the cadence on every rank, each rank's verdict
+on a snapshot's step (was its monitor settled?) rides in a later step's all-reduce, and a snapshot
+any rank judged unsettled is dropped on every rank (``vetting.py``).
 
 The step count goes on after a rollback (loggers need steps that only grow; Lightning and the HF
 Trainer own their global step); the LR schedulers are the snapshot's, so the schedule runs behind
@@ -51,6 +56,7 @@ from stabilitykit.recovery.host_copy import HostCopier
 from stabilitykit.recovery.record import RollbackLog, RollbackRecord
 from stabilitykit.recovery.snapshot import Snapshot, TrainingObjects, restore_snapshot, take_snapshot
 from stabilitykit.recovery.store import SnapshotStore
+from stabilitykit.recovery.vetting import Verdicts, decode_verdict
 from stabilitykit.section import Section
 from stabilitykit.spikes import DRIFT_RULE, SpikeMonitor
 
@@ -212,6 +218,8 @@ class Recovery:
             agree = is_distributed()
         #: With several ranks: this rank's queued trigger and the agreed request (None: act at once).
         self.agreement: Agreement | None = Agreement() if agree else None
+        #: With several ranks: this rank's verdicts on snapshots, sent to be agreed (``vetting.py``).
+        self.verdicts = Verdicts()
         self._divergence: Divergence | None = None  # the divergence behind a queued "diverged" trigger
         every = engine.config.log_every_n_steps or 1
         alerts = any(t in config.trigger for t in ("spike_alert", "loss_drift"))
@@ -239,7 +247,7 @@ class Recovery:
         """Save and restore ``scheduler`` with every snapshot (snapshots taken before it are dropped)."""
         if not any(s is scheduler for s in self.objects.schedulers):
             self.objects.schedulers.append(scheduler)
-            self.store.clear()
+            self._clear_snapshots()
 
     def cover(self, build: Callable[[ScalerAdapter, Callable[[], dict[str, Any]]], TrainingObjects]) -> None:
         """Snapshots cover ``build(scaler, guard_state)`` from now on instead of the model and optimizer the
@@ -253,7 +261,11 @@ class Recovery:
         old = self.objects
         self.objects = self._objects(old.optimizer, old.scaler)
         self.objects.schedulers = old.schedulers
+        self._clear_snapshots()
+
+    def _clear_snapshots(self) -> None:
         self.store.clear()
+        self.verdicts.clear()
 
     def _objects(self, optimizer: Any, scaler: ScalerAdapter) -> TrainingObjects:
         if self._cover is not None:
@@ -296,13 +308,22 @@ class Recovery:
         """What step ``step`` sends in its all-reduce: this rank's queued trigger, encoded (0: none)."""
         return self.agreement.request(step) if self.agreement is not None else 0
 
+    def verdict(self, step: int) -> int:
+        """What step ``step`` sends as its snapshot verdict: with several ranks, this rank's oldest queued
+        verdict, encoded (``vetting.py``); 0 otherwise or when none is queued."""
+        return self.verdicts.send(step) if self.agreement is not None else 0
+
     def confirm(self, rows: Iterable[Row]) -> None:
-        """Journal rows the host has read (outside a step, e.g. a flush): settle pending snapshots, note
-        agreed rollback requests."""
+        """Journal rows the host has read (outside a step, e.g. a flush): settle pending snapshots, keep or
+        drop snapshots by the detectors' verdict (agreed across ranks under torch.distributed), note agreed
+        rollback requests."""
         rows = list(rows)
         self.store.confirm((row.step, not row.skipped) for row in rows)
-        self._vet()
-        if self.agreement is not None:
+        if self.agreement is None:
+            self._vet()
+        else:
+            self._apply_verdicts(rows)
+            self._judge()
             self.agreement.read(rows)
 
     def flush(self, rows: Iterable[Row]) -> None:
@@ -328,23 +349,56 @@ class Recovery:
         due = step % self.config.snapshot_every == 0 or self._snapshot_next
         if due and not decision.skipped_now:
             monitor = self._monitor()
-            if monitor is not None and not monitor.settled():
+            if self.agreement is None and monitor is not None and not monitor.settled():
                 self._snapshot_next = True  # inside a climb or an alert: not a restore point; the next settled step
                 return False
             if not self._scheduler_checked:
                 self._scheduler_checked = True
                 self._warn_unpassed_scheduler()
             snapshot = take_snapshot(self.objects, self.store.copier, step, confirmed=not decision.pending)
-            snapshot.vetted = monitor is None or (monitor.last_step is not None and monitor.last_step >= step - 1)
+            if self.agreement is None:
+                scored = monitor is not None and monitor.last_step is not None and monitor.last_step >= step - 1
+                snapshot.vetted = monitor is None or scored
+            else:
+                snapshot.vetted = monitor is None  # vetted by the agreed verdict of every rank (``_apply_verdicts``)
             self.store.add(snapshot)
             self._snapshot_next = False
+            if self.agreement is not None:
+                self._judge()  # its step may be scored already (a logging step's read)
         return False
 
     def _monitor(self) -> SpikeMonitor | None:
-        """The spike monitor whose verdict keeps or drops snapshots: the engine's, in one process. None when
-        spike detection is off, and under torch.distributed: each rank's monitor scores its own loss, and
-        ranks that kept different snapshots would restore different steps."""
-        return self.engine.ledger.spikes if self.agreement is None else None
+        """The spike monitor whose verdict keeps or drops snapshots: the engine's (None when spike detection
+        is off). In one process its verdict decides at once (``_vet``); under torch.distributed each rank's
+        monitor scores its own loss, so its verdict is only this rank's vote (``_judge``), and the verdict
+        agreed across ranks decides (``_apply_verdicts``)."""
+        return self.engine.ledger.spikes
+
+    def _judge(self) -> None:
+        """With several ranks: queue this rank's verdict on each unvetted snapshot whose step its monitor has
+        scored (every rank has scored the same steps: rows are read at the same steps everywhere)."""
+        monitor = self._monitor()
+        if monitor is None or monitor.last_step is None:
+            return
+        for snapshot in self.store.snapshots:
+            if not snapshot.vetted and snapshot.step - 1 <= monitor.last_step:
+                self.verdicts.judge(snapshot.step, not monitor.was_settled(snapshot.step - 1))
+
+    def _apply_verdicts(self, rows: list[Row]) -> None:
+        """With several ranks: keep or drop snapshots by the verdicts agreed in ``rows`` (the same on every
+        rank): dropped on every rank when any rank's monitor was not settled at the snapshot's step."""
+        changed = False
+        for row in rows:
+            if row.verdict <= 0:
+                continue
+            snapshot_step, unsettled = decode_verdict(row.verdict, row.step)
+            for snapshot in [s for s in self.store.snapshots if s.step == snapshot_step and not s.vetted]:
+                if unsettled:
+                    self.store.discard(snapshot)
+                else:
+                    snapshot.vetted = changed = True
+        if changed:
+            self.store.trim()
 
     def _vet(self) -> None:
         """Snapshots of steps the spike monitor has now scored: kept when it was settled after that step,
@@ -434,6 +488,7 @@ class Recovery:
             self.agreement.clear()
         self._divergence = None
         self.store.drop_after(snapshot.step)
+        self.verdicts.forget_after(snapshot.step)
         record = RollbackRecord(
             at_step=at_step,
             trigger=trigger,
@@ -460,7 +515,7 @@ class Recovery:
         """
         problems: list[str] = []
         while True:
-            snapshot = self.store.newest_at_or_before(step)
+            snapshot = self.store.newest_at_or_before(step, vetted_first=self.agreement is not None)
             if snapshot is None:
                 break
             try:
@@ -563,7 +618,7 @@ class Recovery:
         """Restore what ``state_dict`` returned (a resume). Snapshots held from before belong to another
         point of the run and are dropped; the first step after the resume takes a snapshot, so the
         resumed run can roll back before its first ``snapshot_every`` multiple."""
-        self.store.clear()
+        self._clear_snapshots()
         self._snapshot_next = True
         self.log.load_state_dict(list(state.get("rollbacks", [])))
         self.cooldown_until = int(state.get("cooldown_until", 0))

@@ -94,9 +94,13 @@ class SnapshotStore:
         for old in kept[: max(0, len(kept) - self.keep)]:
             self._drop(old)
 
-    def newest_at_or_before(self, step: int) -> Snapshot | None:
-        """The newest confirmed snapshot of a step at or before ``step``."""
+    def newest_at_or_before(self, step: int, vetted_first: bool = False) -> Snapshot | None:
+        """The newest confirmed snapshot of a step at or before ``step``; with ``vetted_first``, the newest
+        vetted one when there is one (a snapshot whose verdict is still being agreed across ranks may turn
+        out to be inside a climb)."""
         found = [s for s in self.confirmed if s.step <= step]
+        if vetted_first and any(s.vetted for s in found):
+            found = [s for s in found if s.vetted]
         return found[-1] if found else None
 
     def wait_for_writes(self) -> None:
