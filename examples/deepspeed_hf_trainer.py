@@ -30,36 +30,15 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported: 
 
 import torch
 
+# the model and data of the HF Trainer example beside this file (its folder is on sys.path when run)
+from hf_trainer import dataset, tiny_llama
+
 import stabilitykit as sk
 from stabilitykit.integrations import stabilize
 
-VOCAB, SEQ = 96, 16
 BAD_STEP = 2  # the Trainer's global_step (optimizer steps done) when rank 1's loss is NaN
 BAD_RANK = 1
 WORLD = 2
-
-
-def tiny_llama() -> Any:
-    """A 2-layer random-init Llama (~60k parameters), the same on every rank (seeded)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config)
-
-
-def dataset(n: int) -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (n, SEQ), generator=gen)
-    return [{"input_ids": row, "labels": row.clone()} for row in ids]
 
 
 def train(steps: int, out: Path) -> None:
