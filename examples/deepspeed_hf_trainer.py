@@ -113,6 +113,8 @@ def train(steps: int, out: Path) -> None:
         print(f"parameters finite and identical on every rank: {identical}")
         print(f"guard: {ranks[0]['summary']}")
         sys.stdout.flush()
+    dist.barrier()
+    dist.destroy_process_group()  # a live group at interpreter exit can abort the process (SIGABRT)
 
 
 def main(argv: list[str] | None = None) -> int:
