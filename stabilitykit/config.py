@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from stabilitykit.engine.clipping import ClipConfig
 from stabilitykit.engine.fp16 import Fp16Config
@@ -26,7 +26,7 @@ from stabilitykit.nn.qk_clip import QKClipConfig
 from stabilitykit.precision import PrecisionConfig
 from stabilitykit.recovery.controller import RecoveryConfig
 from stabilitykit.rules import SkipConfig
-from stabilitykit.section import Section
+from stabilitykit.section import Section, UnknownFieldError
 from stabilitykit.spikes import SpikeConfig
 from stabilitykit.tracing import NaNTraceConfig
 
@@ -68,6 +68,26 @@ class StabilityConfig(Section):
     )
     metric_prefix: str = Field("stability", description="Prefix of every logged metric name.")
 
+    @field_validator("recovery", mode="before")
+    @classmethod
+    def _recovery_switch(cls, value: Any) -> Any:
+        """``None``/``False``: recovery off; ``True``: on with the defaults (as ``RecoveryConfig()`` given is)."""
+        if value is None or value is False:
+            return RecoveryConfig(enabled=False)
+        if value is True:
+            return {}
+        return value
+
+    @field_validator("monitors", mode="before")
+    @classmethod
+    def _monitors_switch(cls, value: Any) -> Any:
+        """``False``: monitors off (as ``None``); ``True``: on with the defaults (as ``MonitorConfig()`` given is)."""
+        if value is False:
+            return None
+        if value is True:
+            return {}
+        return value
+
     @model_validator(mode="after")
     def _recovery_given_is_on(self) -> StabilityConfig:
         """A ``RecoveryConfig`` given is on, as a ``MonitorConfig`` given is; an explicit ``enabled`` wins."""
@@ -82,15 +102,19 @@ class StabilityConfig(Section):
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> StabilityConfig:
-        """Build a config from a plain mapping (parsed YAML/JSON)."""
-        return cls.model_validate(dict(mapping))
+        """Build a config from a plain mapping (parsed YAML/JSON), strictly: a string where a number or
+        a bool belongs (``"10"``, ``"yes"``, ``"1e0"``) is refused, not converted."""
+        return cls.model_validate(dict(mapping), strict=True)
 
     @classmethod
     def from_file(cls, path: str | Path) -> StabilityConfig:
         """Load a config from a ``.yaml``/``.yml``, ``.json`` or ``.toml`` file (TOML: Python 3.11+ or tomli).
 
         A file that cannot be read or parsed is a ``ValueError`` naming the file (and the line, for a
-        syntax error); another extension is refused by name.
+        syntax error); a wrong value is a ``ConfigFileError`` (a ``ValueError``) naming the file, the
+        field and, in YAML, the line; another extension is refused by name. Values are read strictly
+        (``from_mapping``). In YAML, a section left empty (``recovery:``) is that section with its
+        defaults, and so on (a section given is on); ``recovery: false`` turns it off.
         """
         path = Path(path)
         if not path.is_file():
@@ -105,19 +129,89 @@ class StabilityConfig(Section):
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
             raise ValueError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
-        data = reader(path, text)
+        data, lines = reader(path, text)
         if not isinstance(data, Mapping):
             raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-        return cls.from_mapping(data)
+        try:
+            return cls.from_mapping(data)
+        except ValidationError as exc:
+            raise ConfigFileError(path, exc, lines) from None
 
 
-def _read_yaml(path: Path, text: str) -> Any:
+class ConfigFileError(ValueError):
+    """A config file whose values are wrong: each problem with the file, the line (YAML) and the field."""
+
+    def __init__(self, path: Path, error: ValidationError, lines: Mapping[tuple[str, ...], int]) -> None:
+        problems = []
+        for item in error.errors(include_url=False):
+            loc = tuple(str(part) for part in item["loc"])
+            cause = item.get("ctx", {}).get("error")
+            if isinstance(cause, UnknownFieldError):
+                loc = (*loc, cause.field)  # point at the misspelled key's own line
+            line = _line_of(loc, lines)
+            where = f"line {line}: " if line is not None else ""
+            field = ".".join(loc) or "(top level)"
+            value = item.get("input")
+            given = f" (got {value!r})" if not isinstance(value, Mapping) else ""
+            problems.append(f"{path}: {where}{field}: {item['msg']}{given}")
+        super().__init__("\n".join(problems))
+        self.path = path
+        self.errors = error.errors(include_url=False)
+
+
+def _line_of(loc: tuple[str, ...], lines: Mapping[tuple[str, ...], int]) -> int | None:
+    """The line of the deepest key of ``loc`` the file names (a field missing from it: its section's)."""
+    for end in range(len(loc), 0, -1):
+        if loc[:end] in lines:
+            return lines[loc[:end]]
+    return None
+
+
+def _yaml_lines(node: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
+    """Each mapping key's 1-based line in a composed YAML document, by its key path."""
+    import yaml
+
+    found: dict[tuple[str, ...], int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            path = (*prefix, str(key.value))
+            found[path] = key.start_mark.line + 1
+            found.update(_yaml_lines(value, path))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found[(*prefix, str(i))] = item.start_mark.line + 1
+            found.update(_yaml_lines(item, (*prefix, str(i))))
+    return found
+
+
+def _empty_sections(node: Any, data: Any) -> Any:
+    """An empty top-level section in a YAML file (``recovery:`` with nothing under it) is that section
+    with its defaults, as ``recovery: {}``; an explicit ``null`` or ``false`` stays as written."""
+    import yaml
+
+    if not isinstance(node, yaml.MappingNode) or not isinstance(data, dict):
+        return data
+    for key, value in node.value:
+        name = str(key.value)
+        empty = isinstance(value, yaml.ScalarNode) and value.tag.endswith(":null") and value.value == ""
+        if empty and name in StabilityConfig.model_fields and data.get(name) is None:
+            annotation = StabilityConfig.model_fields[name].annotation
+            if annotation is not None and any(
+                isinstance(t, type) and issubclass(t, Section) for t in (annotation, *getattr(annotation, "__args__", ()))
+            ):
+                data[name] = {}
+    return data
+
+
+def _read_yaml(path: Path, text: str) -> tuple[Any, dict[tuple[str, ...], int]]:
     try:
         import yaml
     except ImportError as exc:  # pragma: no cover - pyyaml is a core dependency
         raise ImportError("reading YAML configs needs pyyaml: pip install pyyaml") from exc
     try:
-        return yaml.safe_load(text) or {}
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text) or {}
+        return _empty_sections(node, data), _yaml_lines(node)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -125,14 +219,14 @@ def _read_yaml(path: Path, text: str) -> Any:
         raise ValueError(f"{path}: invalid YAML{where}: {problem}") from None
 
 
-def _read_json(path: Path, text: str) -> Any:
+def _read_json(path: Path, text: str) -> tuple[Any, dict[tuple[str, ...], int]]:
     try:
-        return json.loads(text)
+        return json.loads(text), {}
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
 
 
-def _read_toml(path: Path, text: str) -> Any:
+def _read_toml(path: Path, text: str) -> tuple[Any, dict[tuple[str, ...], int]]:
     try:
         import tomllib  # Python 3.11+
     except ImportError:
@@ -143,7 +237,7 @@ def _read_toml(path: Path, text: str) -> Any:
                 f"{path}: reading TOML configs needs Python 3.11+ (tomllib) or the tomli package: pip install tomli"
             ) from None
     try:
-        return tomllib.loads(text)
+        return tomllib.loads(text), {}
     except tomllib.TOMLDecodeError as exc:  # its message ends "(at line L, column C)"
         raise ValueError(f"{path}: invalid TOML: {exc}") from None
 

@@ -15,6 +15,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 
+class UnknownFieldError(ValueError):
+    """A field a section does not have (``.field``: the name as given, so a file reader can point at its line)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class Section(BaseModel):
     """Base for all config models: unknown fields are an error, and a config is immutable.
 
@@ -35,5 +43,5 @@ class Section(BaseModel):
                 if isinstance(key, str) and key not in known:
                     close = difflib.get_close_matches(key, sorted(known), n=1)
                     hint = f"; did you mean {close[0]!r}?" if close else f"; fields: {', '.join(sorted(known))}"
-                    raise ValueError(f"{cls.__name__} has no field {key!r}{hint}")
+                    raise UnknownFieldError(f"{cls.__name__} has no field {key!r}{hint}", key)
         return data

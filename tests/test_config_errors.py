@@ -152,3 +152,67 @@ def test_a_frozen_model_is_named() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with pytest.warns(UserWarning, match=r"none of the \d+ parameters AdamW holds requires grad"):
         sk.StabilityGuard(model, opt)
+
+
+def test_a_wrong_value_in_a_yaml_file_names_the_file_line_and_field(tmp_path: Path) -> None:
+    path = tmp_path / "stability.yaml"
+    path.write_text("log_every_n_steps: 5\nclip:\n  mode: fixed\n  max_norm: one\n")
+    with pytest.raises(ValueError) as info:
+        sk.StabilityConfig.from_file(path)
+    assert str(info.value) == f"{path}: line 4: clip.max_norm: Input should be a valid number (got 'one')"
+
+
+def test_a_wrong_value_in_a_json_file_names_the_file_and_field(tmp_path: Path) -> None:
+    path = tmp_path / "stability.json"
+    path.write_text('{"skip": {"max_consecutive": 2.5}}')
+    with pytest.raises(ValueError, match=rf"^{path}: skip\.max_consecutive: Input should be a valid integer"):
+        sk.StabilityConfig.from_file(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "kind"),
+    [
+        ('log_every_n_steps: "10"', "log_every_n_steps", "integer"),
+        ("skip:\n  nonfinite: 'yes'", "skip.nonfinite", "boolean"),
+        ("skip:\n  max_consecutive: '7'", "skip.max_consecutive", "integer"),
+        ("clip:\n  mode: fixed\n  max_norm: '1e0'", "clip.max_norm", "number"),
+    ],
+)
+def test_a_string_where_a_number_or_bool_belongs_is_refused(tmp_path: Path, text: str, field: str, kind: str) -> None:
+    """Quoted numbers and YAML 1.1 words are not converted silently (a file and a mapping alike)."""
+    path = tmp_path / "stability.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ValueError, match=rf"{field}: Input should be a valid {kind}"):
+        sk.StabilityConfig.from_file(path)
+    import yaml
+
+    with pytest.raises(ValueError, match=rf"{field.split('.')[-1]}\n  Input should be a valid {kind}"):
+        sk.StabilityConfig.from_mapping(yaml.safe_load(text))
+
+
+@pytest.mark.parametrize(("given", "on"), [(None, False), (False, False), (True, True), ({}, True)])
+def test_recovery_given_as_a_switch(given: object, on: bool) -> None:
+    """None/False: off; True/{}: on with RecoveryConfig's defaults (in Python and in a mapping)."""
+    for cfg in (sk.StabilityConfig(recovery=given), sk.StabilityConfig.from_mapping({"recovery": given})):  # type: ignore[arg-type]
+        assert cfg.recovery.enabled is on
+        assert cfg.recovery.model_copy(update={"enabled": False}) == sk.RecoveryConfig()
+
+
+@pytest.mark.parametrize(
+    ("text", "recovery", "monitors"),
+    [
+        ("recovery:\nmonitors:\n", True, True),  # an empty section: its defaults, on
+        ("recovery: true\nmonitors: true\n", True, True),
+        ("recovery: false\nmonitors: false\n", False, False),
+        ("recovery: null\nmonitors: null\n", False, False),
+        ("log_every_n_steps: 5\n", False, False),
+    ],
+)
+def test_recovery_and_monitors_switched_in_a_yaml_file(tmp_path: Path, text: str, recovery: bool, monitors: bool) -> None:
+    path = tmp_path / "stability.yaml"
+    path.write_text(text)
+    cfg = sk.StabilityConfig.from_file(path)
+    assert cfg.recovery.enabled is recovery
+    assert (cfg.monitors is not None) is monitors
+    if monitors:
+        assert cfg.monitors == sk.MonitorConfig()
