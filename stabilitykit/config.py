@@ -197,7 +197,8 @@ def _empty_sections(node: Any, data: Any) -> Any:
         if empty and name in StabilityConfig.model_fields and data.get(name) is None:
             annotation = StabilityConfig.model_fields[name].annotation
             if annotation is not None and any(
-                isinstance(t, type) and issubclass(t, Section) for t in (annotation, *getattr(annotation, "__args__", ()))
+                isinstance(t, type) and issubclass(t, Section)
+                for t in (annotation, *getattr(annotation, "__args__", ()))
             ):
                 data[name] = {}
     return data

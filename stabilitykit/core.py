@@ -579,9 +579,10 @@ class DriverCore:
             c.nonfinite_total,
             nonfinite_source=source,
             unmeasured=unmeasured,
+            skipped_ahead=c.skipped_ahead_total,
         )
         records = self.recovery.log.records if self.recovery is not None else []
-        return summary.with_rollbacks(records, self.engine.step)
+        return summary.with_rollbacks(records)
 
     def flush(self, final_row: bool = False) -> None:
         """Fold the steps since the last logging step now (one sync); ``final_row``: and log their row."""

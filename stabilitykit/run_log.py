@@ -108,9 +108,10 @@ class RunSummary:
     """A run's totals (``guard.summary()``); readable by key too (``summary["skipped"]``).
 
     ``skipped``: steps skipped because they were bad (non-finite, a bad batch, a spike, an fp16
-    overflow). A rollback's work is counted apart: ``rollbacks``, ``undone_steps`` (optimizer steps
-    whose effect a rollback took back) and ``skipped_ahead`` (batches a rollback skipped after it,
-    ``RecoveryConfig.skip_after``, never trained on). ``clipped`` includes the clips of a
+    overflow), the logged ``skipped/total``. A rollback's work is counted apart: ``rollbacks``,
+    ``undone_steps`` (optimizer steps whose effect a rollback took back) and ``skipped_ahead``
+    (batches a rollback skipped after it, ``RecoveryConfig.skip_after``, never trained on), the
+    logged ``skipped/ahead``. ``clipped`` includes the clips of a
     framework's own clipping that the driver applies (the HF Trainer's ``max_grad_norm``).
     """
 
@@ -143,10 +144,10 @@ class RunSummary:
             f"{self.steps} steps, {self.skipped} skipped, {self.clipped} clipped, max grad norm {norm}, "
             f"{self.nonfinite_steps} non-finite"
         )
-        if self.rollbacks:
+        if self.rollbacks or self.skipped_ahead:
             text += (
                 f"; {self.rollbacks} rollback(s): {self.undone_steps} step(s) undone, "
-                f"{self.skipped_ahead} batch(es) skipped after"
+                f"{self.skipped_ahead} skipped ahead (batches after a rollback, not trained on)"
             )
         if self.nonfinite_source:
             text += f"; first non-finite: {self.nonfinite_source}"
@@ -154,24 +155,13 @@ class RunSummary:
             text += f"; not measured by the monitors: {', '.join(self.unmeasured)}"
         return text
 
-    def with_rollbacks(self, records: Sequence[Any], steps: int) -> RunSummary:
-        """This summary with the rollbacks ``records`` (``RollbackRecord``) counted apart: their undone
-        steps, and the batches they skipped ahead up to ``steps`` (taken out of ``skipped``, which
-        counted them as skipped steps)."""
+    def with_rollbacks(self, records: Sequence[Any]) -> RunSummary:
+        """This summary with the rollbacks ``records`` (``RollbackRecord``) counted: how many, and
+        their undone steps (the batches they skipped ahead are the ledger's own count)."""
         if not records:
             return self
         undone = sum(int(r.skipped_steps) for r in records)
-        ahead = 0
-        for r in records:
-            if r.skip_ahead_to is not None:
-                ahead += max(0, min(int(r.skip_ahead_to), steps - 1) - int(r.at_step))
-        return dataclasses.replace(
-            self,
-            skipped=max(0, self.skipped - ahead),
-            rollbacks=len(records),
-            undone_steps=undone,
-            skipped_ahead=ahead,
-        )
+        return dataclasses.replace(self, rollbacks=len(records), undone_steps=undone)
 
     def log(self) -> None:
         """Write ``line()`` to the ``stabilitykit`` logger (INFO, rank zero only)."""

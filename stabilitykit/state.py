@@ -25,11 +25,21 @@ from stabilitykit.engine.ledger import Counters
 from stabilitykit.recovery.record import RollbackRecord
 
 #: Version of the state a driver saves, and the only one this release reads.
-STATE_VERSION = 5
+STATE_VERSION = 6
 
 
 class _State(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, arbitrary_types_allowed=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_emptied(cls, data: Any) -> Any:
+        """A section emptied to ``{}`` is refused as a whole, naming the keys it should hold."""
+        required = [name for name, info in cls.model_fields.items() if info.is_required()]
+        if isinstance(data, Mapping) and not data and required:
+            shown = ", ".join(required[:4]) + (", ..." if len(required) > 4 else "")
+            raise ValueError(f"emptied: it must hold {len(required)} keys ({shown})")
+        return data
 
 
 def schema_of(cls: type) -> type[BaseModel]:
@@ -39,16 +49,11 @@ def schema_of(cls: type) -> type[BaseModel]:
     A saved section that mirrors an owner's dataclass (the ledger's counters, the journal's row
     notes and carried rows, recovery's rollback records) is declared once, on the owner; adding a
     field there is all a new key needs.
+    Every field is required, defaults or not: ``state_dict()`` writes each one, so a key missing
+    (or a section emptied to ``{}``) is a damaged state, not a reason to start a count afresh.
     """
     hints = get_type_hints(cls, include_extras=True)
-    spec: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            spec[f.name] = (hints[f.name], f.default)
-        elif f.default_factory is not dataclasses.MISSING:
-            spec[f.name] = (hints[f.name], Field(default_factory=f.default_factory))
-        else:
-            spec[f.name] = (hints[f.name], ...)
+    spec: dict[str, Any] = {f.name: (hints[f.name], ...) for f in dataclasses.fields(cls)}
     return create_model(cls.__name__, __base__=_State, **spec)
 
 
@@ -261,6 +266,12 @@ def _match_reference(saved: Mapping[str, Any], ours: Mapping[str, Any]) -> None:
         )
     for section in ("clip", "spike_rule"):
         _match_tensors(section, saved.get(section), ours.get(section))
+    missing_rules = sorted(set(ours["rules"]) - set(saved["rules"]))
+    if missing_rules:
+        raise _Invalid("rules", f"no state for the skip rule(s) {missing_rules} this guard runs")
+    for section in ("spikes",):
+        if saved["ledger"][section] is None and ours["ledger"][section] is not None:
+            raise _Invalid(f"ledger.{section}", "null, but this guard runs the spike monitor (a damaged state?)")
     saved_rows = saved["journal"]["rows"]
     columns = saved["journal"].get("columns") or LEGACY_COLUMNS
     width = len(columns) + len(saved["journal"].get("metric_names", []))
@@ -272,6 +283,10 @@ def _match_reference(saved: Mapping[str, Any], ours: Mapping[str, Any]) -> None:
     saved_spikes, our_spikes = saved["ledger"]["spikes"], ours["ledger"]["spikes"]
     if saved_spikes is not None and our_spikes is not None:
         saved_layers, our_layers = saved_spikes.get("layer_detector"), our_spikes.get("layer_detector")
+        if saved_layers is None and our_layers is not None:
+            raise _Invalid(
+                "ledger.spikes.layer_detector", "null, but this guard scores every layer (SpikeConfig.per_layer)"
+            )
         if (
             saved_layers is not None
             and our_layers is not None
@@ -284,9 +299,19 @@ def _match_reference(saved: Mapping[str, Any], ours: Mapping[str, Any]) -> None:
 
 
 def _match_tensors(section: str, saved: Mapping[str, Any] | None, ours: Mapping[str, Any] | None) -> None:
-    """A saved section this engine will load (both non-empty) has its keys, each tensor of its shape."""
-    if not saved or not ours:
-        return  # nothing saved, or this engine keeps no such state: the loader ignores it
+    """A saved section this engine will load (both non-empty) has its keys, each tensor of its shape.
+
+    This engine keeping no such state (``ours`` empty): the loader ignores what was saved. This
+    engine keeping some and the saved section empty or null: refused, as a key dropped is (loading
+    it would restart the statistics with no word)."""
+    if not ours:
+        return
+    if not saved:
+        raise _Invalid(
+            section,
+            f"{'emptied' if saved is not None else 'null'}, but this guard's {section} state has keys {sorted(ours)} "
+            "(a damaged state, or one saved with another mode)",
+        )
     if set(saved) != set(ours):
         missing = sorted(set(ours) - set(saved))
         extra = sorted(set(saved) - set(ours))

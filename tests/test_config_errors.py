@@ -208,7 +208,9 @@ def test_recovery_given_as_a_switch(given: object, on: bool) -> None:
         ("log_every_n_steps: 5\n", False, False),
     ],
 )
-def test_recovery_and_monitors_switched_in_a_yaml_file(tmp_path: Path, text: str, recovery: bool, monitors: bool) -> None:
+def test_recovery_and_monitors_switched_in_a_yaml_file(
+    tmp_path: Path, text: str, recovery: bool, monitors: bool
+) -> None:
     path = tmp_path / "stability.yaml"
     path.write_text(text)
     cfg = sk.StabilityConfig.from_file(path)

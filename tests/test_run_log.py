@@ -111,7 +111,13 @@ def test_the_summary_counts_a_rollback_its_undone_steps_and_skipped_ahead_batche
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     recovery = sk.RecoveryConfig(enabled=True, snapshot_every=4, keep=2, trigger=["diverged"], skip_after=3)
     cfg = sk.StabilityConfig(log_every_n_steps=5, skip=sk.SkipConfig(max_consecutive=3), recovery=recovery)
-    guard = sk.StabilityGuard(model, opt, cfg)
+    logged: list[dict[str, float]] = []
+
+    class Metrics:
+        def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+            logged.append(dict(metrics))
+
+    guard = sk.StabilityGuard(model, opt, cfg, sinks=[Metrics()])
     gen = torch.Generator().manual_seed(0)
     for i in range(30):
         loss = model(torch.randn(16, 8, generator=gen)).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0)
@@ -124,4 +130,7 @@ def test_the_summary_counts_a_rollback_its_undone_steps_and_skipped_ahead_batche
     assert (summary.rollbacks, summary.undone_steps, summary.skipped_ahead) == (1, 5, 3)
     assert summary.skipped == 3 and summary.nonfinite_steps == 3  # the NaN steps only
     line = [m for m in _messages(caplog, logging.INFO) if m.startswith("run summary")][-1]
-    assert "30 steps, 3 skipped" in line and "1 rollback(s): 5 step(s) undone, 3 batch(es) skipped after" in line
+    assert "30 steps, 3 skipped" in line and "1 rollback(s): 5 step(s) undone, 3 skipped ahead" in line
+    # one definition of each count: the logged metrics say the summary's numbers under the same names
+    assert logged[-1]["stability/skipped/total"] == summary.skipped == 3
+    assert logged[-1]["stability/skipped/ahead"] == summary.skipped_ahead == 3

@@ -261,3 +261,31 @@ def test_sections_declared_on_their_owners_keep_their_constraints(
     with pytest.raises(ValueError, match=r"invalid stabilitykit state at 'optimizers\.0\.engine\." + path):
         guard.load_state_dict(state)
     guard.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "named"),
+    [
+        (("engine", "ledger", "counters"), {}, "engine.ledger.counters': value error, emptied"),
+        (("engine", "ledger", "counters", "skipped_total"), None, "engine.ledger.counters.skipped_total'"),
+        (("engine", "journal", "infos", 0, "folded"), None, "engine.journal.infos.0.folded'"),
+        (("engine", "clip"), {}, "engine.clip': emptied"),
+        (("engine", "spike_rule"), None, "engine.spike_rule': null"),
+        (("engine", "ledger", "spikes"), None, "engine.ledger.spikes': null"),
+        (("engine", "ledger", "spikes", "layer_detector"), None, "engine.ledger.spikes.layer_detector': null"),
+    ],
+)
+def test_an_emptied_or_dropped_section_is_refused_naming_its_path(path: Path, value: Any, named: str) -> None:
+    """A container emptied (or nulled) is as wrong as a key dropped: refused by path, the guard untouched,
+    instead of loading as a fresh count (the run's skips forgotten, the clip statistics restarted)."""
+    guard, _ = _guard(CONFIGS["per_tensor+spike_skip"])
+    original = guard.state_dict()
+    altered = copy.deepcopy(original)
+    core = altered["optimizers"][0]
+    if value is None and path[-1] in ("skipped_total", "folded"):
+        _drop(path)(core)
+    else:
+        _set(path, value)(core)
+    with pytest.raises(ValueError, match="invalid stabilitykit state at 'optimizers.0." + named.replace(".", r"\.")):
+        guard.load_state_dict(altered)
+    assert _same(original, guard.state_dict())

@@ -28,9 +28,16 @@ if TYPE_CHECKING:  # the config module imports the sections' owners, this packag
 
 @dataclass
 class Counters:
-    """Totals over the run, and over the current logging interval (``*_recent``)."""
+    """Totals over the run, and over the current logging interval (``*_recent``).
+
+    ``skipped_total``: steps skipped because they were bad (a rule's verdict: non-finite, a bad batch,
+    a spike, an fp16 overflow). ``skipped_ahead_total``: batches a rollback skipped after it
+    (``RecoveryConfig.skip_after``), counted apart; the run's summary and the logged metrics
+    (``skipped/total``, ``skipped/ahead``) use these two, under the same names.
+    """
 
     skipped_total: NonNegativeInt = 0
+    skipped_ahead_total: NonNegativeInt = 0
     clipped_total: NonNegativeInt = 0
     nonfinite_total: NonNegativeInt = 0
     overflow_total: NonNegativeInt = 0
@@ -110,10 +117,10 @@ class Ledger:
             c.nonfinite_total += 1
         verdict = self.rules.decode(row.code)
         if verdict.reason == "after_rollback":
-            # a batch a rollback skips ahead: counted, announced by the rollback event; no streak, and
-            # never scored by the detectors (the bad data it skips must not trigger the next rollback)
-            c.skipped_total += 1
-            c.skipped_recent += 1
+            # a batch a rollback skips ahead: counted apart from the bad steps, announced by the rollback
+            # event; no streak, and never scored by the detectors (the bad data it skips must not
+            # trigger the next rollback)
+            c.skipped_ahead_total += 1
             row.folded = True
             return events, divergence
         if row.skipped:

@@ -22,6 +22,7 @@ class MetricNames:
         self.prefix = config.metric_prefix
         gcfg = config.grad_norm
         self.per_layer = gcfg.per_layer
+        self.recovery = config.recovery.enabled
         self.layer_names = list(layer_names)
         self.logged_layers = [i for i, name in enumerate(self.layer_names) if self._logged(config, name)]
 
@@ -54,6 +55,8 @@ class MetricNames:
             "skipped/consecutive": c.consecutive,
             "nonfinite/total": c.nonfinite_total,
         }
+        if self.recovery:
+            metrics["skipped/ahead"] = c.skipped_ahead_total  # batches a rollback skipped after it
         if last.loss is not None:
             metrics["loss"] = last.loss
         if clipping:
