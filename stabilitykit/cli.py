@@ -50,6 +50,11 @@ def _parse_variants(text: str) -> list[str]:
     for name in names:
         if name not in BUILTIN_VARIANTS:
             raise _UsageError(f"--variants: unknown built-in variant {name!r}: use {', '.join(BUILTIN_VARIANTS)}")
+    if "fp8" in names:
+        from stabilitykit.compat.torchao_float8 import INSTALL_HINT, available
+
+        if not available():
+            raise _UsageError(f"--variants fp8: {INSTALL_HINT}")
     return names
 
 
@@ -122,9 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"stabilitykit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    prec = sub.add_parser("precision", help="layer-wise error of bf16/fp16/TF32 against an fp32 reference")
+    prec = sub.add_parser("precision", help="layer-wise error of bf16/fp16/TF32/FP8 against an fp32 reference")
     prec.add_argument("--model", required=True, help="package.module:factory returning (model, batch, loss_fn)")
-    prec.add_argument("--variants", default="bf16,fp16,tf32", help="comma-separated: bf16, fp16, tf32, fp32")
+    prec.add_argument("--variants", default="bf16,fp16,tf32", help="comma-separated: bf16, fp16, tf32, fp32, fp8")
     prec.add_argument("--out", default="precision-report", help="folder for precision.json and precision.png")
     prec.add_argument("--max-elements", type=int, default=4096, help="samples kept per captured tensor")
     prec.add_argument("--seed", type=int, default=0)

@@ -7,6 +7,7 @@ Turing, fp32 where neither helps; on the CPU bf16 autocast where the CPU build s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -47,6 +48,14 @@ class PrecisionChoice:
     tf32: bool
     lightning_precision: str  # the matching ``Trainer(precision=...)``
     reason: str
+    #: Whether this device can train linear layers in FP8 with torchao (compute capability 8.9 or
+    #: newer and torchao importable). Reported, never chosen: FP8 is a model change (a module swap).
+    fp8_capable: bool = False
+    #: The torchao recipe this project tested ("tensorwise": dynamic per-tensor scales, e4m3 input
+    #: and weight, e5m2 output gradient) when ``fp8_capable``, else None.
+    fp8_recipe: str | None = None
+    #: Why FP8 is or is not available here, in words.
+    fp8_reason: str = ""
 
     def autocast(self) -> Any:
         """A ready ``torch.autocast`` context for this choice (a no-op context for fp32)."""
@@ -124,10 +133,33 @@ def select_precision(device: str | torch.device | None = None, log_choice: bool 
             choice = PrecisionChoice("cpu", None, False, False, "32-true", "this CPU build has no bf16 autocast: fp32")
     else:
         choice = PrecisionChoice(str(dev), None, False, False, "32-true", f"no precision rule for {dev.type}: fp32")
+    choice = dataclasses.replace(choice, **_fp8_capability(dev))
     if log_choice and choice.device not in _LOGGED:
         _LOGGED.add(choice.device)
         log.info("precision advice for %s: %s (%s)", choice.device, choice.lightning_precision, choice.reason)
     return choice
+
+
+def _fp8_capability(dev: torch.device) -> dict[str, Any]:
+    """FP8 training with torchao on ``dev``: possible (cc 8.9+ and torchao importable), with the tested recipe."""
+    from stabilitykit.compat import torchao_float8
+
+    if dev.type != "cuda":
+        return {"fp8_reason": f"no FP8 matmuls on {dev.type} (torchao can only emulate them: for measuring, not speed)"}
+    major, minor = torch.cuda.get_device_capability(dev)
+    if (major, minor) < (8, 9):
+        return {"fp8_reason": f"sm_{major}{minor} has no FP8 tensor cores (compute capability 8.9 or newer needed)"}
+    if not torchao_float8.available():
+        return {"fp8_reason": f"sm_{major}{minor} has FP8 tensor cores; {torchao_float8.INSTALL_HINT}"}
+    return {
+        "fp8_capable": True,
+        "fp8_recipe": torchao_float8.TESTED_RECIPE,
+        "fp8_reason": (
+            f"sm_{major}{minor} has FP8 tensor cores and torchao is installed: convert_to_float8_training "
+            f"(recipe '{torchao_float8.TESTED_RECIPE}') pays off on large linear layers; watch it with "
+            "MonitorConfig's FP8 monitors"
+        ),
+    }
 
 
 def configure_tf32() -> bool:
@@ -222,6 +254,9 @@ def apply_precision_config(
             "use_grad_scaler": choice.use_grad_scaler,
             "lightning_precision": choice.lightning_precision,
             "reason": choice.reason,
+            "fp8_capable": choice.fp8_capable,
+            "fp8_recipe": choice.fp8_recipe,
+            "fp8_reason": choice.fp8_reason,
         }
         message += f"; advice for this device: {choice.lightning_precision} ({choice.reason})"
         log.info("precision advice for %s: %s (%s)", choice.device, choice.lightning_precision, choice.reason)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from stabilitykit.precision_eval.capture import Capture
+from stabilitykit.precision_eval.fp8 import Fp8Transform
 
 #: Floor of the reference scale in rms_rel, so exact zeros do not divide by zero.
 EPS = 1e-12
@@ -64,7 +65,7 @@ def _tf32() -> contextlib.AbstractContextManager[None]:
 
 
 #: The variants known by name (``evaluate(variants=[...])``, ``stabilitykit precision --variants``).
-BUILTIN_VARIANTS = ("bf16", "fp16", "tf32", "fp32")
+BUILTIN_VARIANTS = ("bf16", "fp16", "tf32", "fp32", "fp8")
 
 
 def _builtin(name: str, device_type: str) -> Variant:
@@ -76,7 +77,9 @@ def _builtin(name: str, device_type: str) -> Variant:
         return Variant("tf32", _tf32)
     if name == "fp32":
         return Variant("fp32", _fp32_reference)
-    raise ValueError(f"unknown built-in variant {name!r}: use 'bf16', 'fp16', 'tf32', 'fp32' or pass a Variant")
+    if name == "fp8":
+        return Variant("fp8", transform=Fp8Transform())
+    raise ValueError(f"unknown built-in variant {name!r}: use 'bf16', 'fp16', 'tf32', 'fp32', 'fp8' or pass a Variant")
 
 
 def _as_variant(name: str, spec: Any, device_type: str) -> Variant:
@@ -124,10 +127,17 @@ class PrecisionReport:
 
     variants: dict[str, dict[str, list[dict[str, Any]]]] = field(default_factory=dict)
     reference: str = "fp32"
+    #: What a variant did to the model, by variant name: the "fp8" variant's converted layers and the
+    #: layers it left in high precision, with the reason (``{"fp8": {"converted": [...], ...}}``).
+    notes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"reference": "fp32", "variants": {name: {"forward": [row...], "backward": [row...]}}}``."""
-        return {"reference": self.reference, "variants": copy.deepcopy(self.variants)}
+        """``{"reference": "fp32", "variants": {name: {"forward": [row...], "backward": [row...]}}}``,
+        plus ``"notes"`` (by variant name) when a variant left notes (the "fp8" variant does)."""
+        out: dict[str, Any] = {"reference": self.reference, "variants": copy.deepcopy(self.variants)}
+        if self.notes:
+            out["notes"] = copy.deepcopy(self.notes)
+        return out
 
     def save_json(self, path: str | Path) -> Path:
         """Write ``to_dict()`` as JSON (NaN allowed for modules a variant did not run)."""
@@ -140,7 +150,7 @@ class PrecisionReport:
     def load_json(cls, path: str | Path) -> PrecisionReport:
         """Read a report written by ``save_json``."""
         data = json.loads(Path(path).read_text())
-        return cls(variants=data["variants"], reference=data.get("reference", "fp32"))
+        return cls(variants=data["variants"], reference=data.get("reference", "fp32"), notes=data.get("notes", {}))
 
     def summary(self) -> dict[str, dict[str, dict[str, float]]]:
         """Per variant and phase: rms_rel of the first module, median and max of the middle ones, the last.
@@ -177,6 +187,13 @@ class PrecisionReport:
                     table.add_column(key, justify="right")
                 table.add_row(*(f"{v:.2e}" for v in entry.values()))
                 console.print(table)
+        for variant, notes in self.notes.items():
+            kept = notes.get("high_precision") or {}
+            converted = notes.get("converted") or []
+            how = "emulated" if notes.get("emulated") else "FP8 matmuls"
+            console.print(f"{variant}: {len(converted)} layers converted ({notes.get('recipe')}, {how})")
+            for module, reason in kept.items():
+                console.print(f"  kept in high precision: {module}: {reason}")
         if per_layer:
             for variant, variant_phases in self.variants.items():
                 for phase, rows in variant_phases.items():
@@ -240,10 +257,14 @@ def evaluate(
 ) -> PrecisionReport:
     """Run an fp32 reference and each variant on the same weights, batch and seed; compare per module.
 
-    ``loss_fn(model, batch) -> loss``. ``variants``: built-in names ("bf16", "fp16", "tf32", "fp32")
+    ``loss_fn(model, batch) -> loss``. ``variants``: built-in names ("bf16", "fp16", "tf32", "fp32", "fp8")
     or a mapping name -> spec, where a spec is a built-in name, a ``Variant``, a context manager (or
     a function returning one), or a function ``model -> model`` (a module swap). The model runs in
     eval mode (dropout off); its training mode and grads are restored afterwards.
+
+    "fp8" converts a copy's linear layers with torchao (the ``fp8`` extra; emulated on a device
+    without FP8 matmuls) and keeps everything else as the reference runs it; ``report.notes["fp8"]``
+    lists the converted layers and those left in high precision, with the reason.
     """
     device_type = next((p.device.type for p in model.parameters()), "cpu")
     if isinstance(variants, Mapping):
@@ -261,6 +282,9 @@ def evaluate(
         for spec in specs:
             target = spec.transform(copy.deepcopy(model)) if spec.transform is not None else model
             test = _run(target, batch, loss_fn, spec, seed, max_elements)
+            notes = getattr(spec.transform, "notes", None)
+            if notes:
+                report.notes[spec.name] = dict(notes)
             phases: dict[str, list[dict[str, Any]]] = {}
             for phase, ref_values, test_values in (
                 ("forward", ref.forward, test.forward),
