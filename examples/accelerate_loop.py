@@ -19,7 +19,7 @@ import torch
 from accelerate import Accelerator
 
 import stabilitykit as sk
-from stabilitykit.integrations import AccelerateGuard
+from stabilitykit.drivers.accelerate import AccelerateGuard
 from stabilitykit.testing import char_batches, tiny_gpt
 
 POISON_STEP = 4

@@ -34,7 +34,7 @@ import torch
 from hf_trainer import dataset, tiny_llama
 
 import stabilitykit as sk
-from stabilitykit.integrations import stabilize
+from stabilitykit.drivers.hf import stabilize
 
 BAD_STEP = 2  # the Trainer's global_step (optimizer steps done) when rank 1's loss is NaN
 BAD_RANK = 1

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict[str, object] | None:
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     import stabilitykit as sk
-    from stabilitykit.integrations.deepspeed_lightning import DeepSpeedStabilityCallback
+    from stabilitykit.drivers.deepspeed_lightning import DeepSpeedStabilityCallback
     from stabilitykit.testing.lightning_gpt import GPTModule, gpt_dataloader
 
     cfg = sk.StabilityConfig(log_every_n_steps=4, clip=sk.ClipConfig(mode="fixed", max_norm=1.0))

@@ -48,7 +48,7 @@ def train(rank: int, port: int, steps: int, stage: int, out: Path) -> None:
     import deepspeed
     from deepspeed.utils import logger
 
-    from stabilitykit.integrations.deepspeed import DeepSpeedGuard
+    from stabilitykit.drivers.deepspeed import DeepSpeedGuard
 
     logger.setLevel("ERROR")
     model = tiny_gpt(n_layer=2, n_embd=32)  # the same init on every rank

@@ -18,7 +18,7 @@ import torch
 from lightning.fabric import Fabric
 
 import stabilitykit as sk
-from stabilitykit.integrations import FabricGuard
+from stabilitykit.drivers.fabric import FabricGuard
 from stabilitykit.testing import char_batches, tiny_gpt
 
 POISON_STEP = 5

@@ -19,7 +19,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 import stabilitykit as sk
-from stabilitykit.integrations import stabilize
+from stabilitykit.drivers.hf import stabilize
 
 VOCAB, SEQ = 96, 16
 POISON_STEP = 5

@@ -23,6 +23,7 @@ from stabilitykit.config import (
 )
 from stabilitykit.dashboard import wandb_dashboard
 from stabilitykit.drivers.base import record
+from stabilitykit.drivers.loop import StabilityGuard
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.events import (
     BadBatchError,
@@ -32,7 +33,6 @@ from stabilitykit.events import (
     TrainingDivergedError,
 )
 from stabilitykit.grads import clip_grad_norm_, grad_norms
-from stabilitykit.guard import StabilityGuard
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NaNTracer, NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
 from stabilitykit.precision import PrecisionChoice, configure_tf32, select_precision, set_determinism

@@ -18,6 +18,11 @@ PACKAGE = Path(stabilitykit.__file__).parent
 ROOT = PACKAGE.parent
 PUBLIC = {
     "stabilitykit",
+    "stabilitykit.drivers.accelerate",
+    "stabilitykit.drivers.deepspeed",
+    "stabilitykit.drivers.fabric",
+    "stabilitykit.drivers.hf",
+    "stabilitykit.drivers.lightning",
     "stabilitykit.integrations",
     "stabilitykit.integrations.accelerate",
     "stabilitykit.integrations.deepspeed",

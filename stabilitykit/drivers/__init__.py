@@ -1,4 +1,15 @@
-"""Drivers: the lifecycle they share (``base.Driver``); each framework's driver maps its hooks onto it."""
+"""Every driver, and the lifecycle they share.
+
+* ``base``: ``Driver``, the lifecycle (cores per optimizer, loss routing, state, the end of a run);
+  ``core``: ``DriverCore``, one guarded optimizer around the engine.
+* ``loop``: ``StabilityGuard`` for plain PyTorch loops; ``accelerate``: ``AccelerateGuard``;
+  ``fabric``: ``FabricGuard``; ``deepspeed``: ``DeepSpeedGuard``.
+* ``lightning``: ``StabilityCallback``; ``deepspeed_lightning``: ``DeepSpeedStabilityCallback``.
+* ``hf``: ``StabilityTrainerCallback`` / ``stabilize`` for the Hugging Face Trainer;
+  ``deepspeed_hf``: the Trainer with ``deepspeed=``.
+
+The framework drivers import their framework, so nothing here imports them until asked.
+"""
 
 from stabilitykit.drivers.base import Driver as Driver
 from stabilitykit.drivers.base import active_drivers as active_drivers

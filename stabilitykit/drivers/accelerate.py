@@ -23,11 +23,11 @@ from typing import Any
 from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.core import DriverCore
+from stabilitykit.drivers._extras import missing
+from stabilitykit.drivers.core import DriverCore
+from stabilitykit.drivers.loop import StabilityGuard
 from stabilitykit.events import Event
-from stabilitykit.guard import StabilityGuard
 from stabilitykit.hooks import HookManager
-from stabilitykit.integrations._extras import missing
 from stabilitykit.report import StepReport
 from stabilitykit.rules import SkipRule
 from stabilitykit.sinks.base import Sink
@@ -36,7 +36,7 @@ try:
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise missing("stabilitykit.integrations.accelerate", "accelerate", "accelerate") from exc
+    raise missing("stabilitykit.drivers.accelerate", "accelerate", "accelerate") from exc
 
 __all__ = ["AccelerateGuard"]
 

@@ -20,7 +20,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.core import DriverCore, coerce_config, unwrap_optimizer
+from stabilitykit.drivers.core import DriverCore, coerce_config, unwrap_optimizer
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.recovery import refuse_several_optimizers

@@ -68,11 +68,11 @@ from stabilitykit.compat.deepspeed import (
 from stabilitykit.compat.grad_scaler import ScalerAdapter
 from stabilitykit.compat.tensors import mark_shard
 from stabilitykit.config import StabilityConfig
-from stabilitykit.core import DriverCore
+from stabilitykit.drivers._extras import missing
 from stabilitykit.drivers.base import Driver
+from stabilitykit.drivers.core import DriverCore
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.hooks import HookManager
-from stabilitykit.integrations._extras import missing
 from stabilitykit.recovery import TrainingObjects
 from stabilitykit.report import StepReport
 from stabilitykit.rules import SkipRule
@@ -82,7 +82,7 @@ from stabilitykit.sinks.base import Sink
 try:
     from deepspeed.runtime.engine import DeepSpeedEngine
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    base = missing("stabilitykit.integrations.deepspeed", "deepspeed", "deepspeed")
+    base = missing("stabilitykit.drivers.deepspeed", "deepspeed", "deepspeed")
     raise ImportError(
         f"{base}; DeepSpeed is a source distribution: install it after torch with --no-build-isolation "
         "(pip install --no-build-isolation deepspeed), or pip builds it against a CUDA torch it downloads; "

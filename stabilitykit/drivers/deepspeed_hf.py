@@ -27,11 +27,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.core import coerce_config
+from stabilitykit.drivers._extras import missing
+from stabilitykit.drivers.core import coerce_config
+from stabilitykit.drivers.deepspeed import DeepSpeedGuard
 from stabilitykit.events import Event
 from stabilitykit.hooks import HookManager
-from stabilitykit.integrations._extras import missing
-from stabilitykit.integrations.deepspeed import DeepSpeedGuard
 from stabilitykit.rules import SkipRule
 from stabilitykit.sinks.base import Sink
 
@@ -39,9 +39,9 @@ try:
     from transformers import Trainer, TrainerCallback
     from transformers.trainer_callback import ExportableState
 
-    from stabilitykit.integrations.transformers import from_json, to_json
+    from stabilitykit.drivers.hf import from_json, to_json
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise missing("stabilitykit.integrations.deepspeed_trainer", "transformers", "transformers") from exc
+    raise missing("stabilitykit.drivers.deepspeed_hf", "transformers", "transformers") from exc
 
 #: Callbacks attached to a Trainer (weak), for the Trainer's callback-state restore to find.
 _ATTACHED: list[weakref.ReferenceType[DeepSpeedTrainerCallback]] = []

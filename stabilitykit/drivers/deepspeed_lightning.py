@@ -24,17 +24,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.core import coerce_config
+from stabilitykit.drivers._extras import missing
+from stabilitykit.drivers.core import coerce_config
+from stabilitykit.drivers.deepspeed import DeepSpeedGuard
 from stabilitykit.hooks import HookManager
-from stabilitykit.integrations._extras import missing
-from stabilitykit.integrations.deepspeed import DeepSpeedGuard
 from stabilitykit.rules import SkipRule
 from stabilitykit.sinks.base import Sink
 
 try:
     import lightning.pytorch as pl
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise missing("stabilitykit.integrations.deepspeed_lightning", "lightning", "lightning") from exc
+    raise missing("stabilitykit.drivers.deepspeed_lightning", "lightning", "lightning") from exc
 
 
 class DeepSpeedStabilityCallback(pl.Callback):

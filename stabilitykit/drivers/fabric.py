@@ -21,10 +21,10 @@ from typing import Any
 from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.core import DriverCore
-from stabilitykit.guard import StabilityGuard
+from stabilitykit.drivers._extras import missing
+from stabilitykit.drivers.core import DriverCore
+from stabilitykit.drivers.loop import StabilityGuard
 from stabilitykit.hooks import HookManager
-from stabilitykit.integrations._extras import missing
 from stabilitykit.rules import SkipRule
 from stabilitykit.sinks.base import Sink
 
@@ -32,7 +32,7 @@ try:
     from lightning.fabric import Fabric
     from lightning.fabric.wrappers import is_wrapped
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise missing("stabilitykit.integrations.fabric", "lightning", "lightning") from exc
+    raise missing("stabilitykit.drivers.fabric", "lightning", "lightning") from exc
 
 __all__ = ["FabricGuard"]
 

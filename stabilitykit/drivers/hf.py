@@ -34,12 +34,12 @@ from torch import Tensor
 
 from stabilitykit.compat.attributes import route_attribute
 from stabilitykit.config import StabilityConfig
-from stabilitykit.core import DriverCore
+from stabilitykit.drivers._extras import missing
 from stabilitykit.drivers.base import Driver
+from stabilitykit.drivers.core import DriverCore
 from stabilitykit.engine import StabilityEngine, TrainerAlignedEngine
 from stabilitykit.events import Event
 from stabilitykit.grads import CLIP_EPS, apply_clip_coefficient, clip_coefficient, device_groups
-from stabilitykit.integrations._extras import missing
 from stabilitykit.report import StepReport
 from stabilitykit.rules import SkipRule
 from stabilitykit.run_log import RunSummary
@@ -50,9 +50,9 @@ try:
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
     from transformers.trainer_callback import ExportableState
 
-    from stabilitykit.integrations.accelerate import route_accelerated_step
+    from stabilitykit.drivers.accelerate import route_accelerated_step
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise missing("stabilitykit.integrations.transformers", "transformers", "transformers accelerate") from exc
+    raise missing("stabilitykit.drivers.hf", "transformers", "transformers accelerate") from exc
 
 __all__ = ["StabilityTrainerCallback", "stabilize"]
 
@@ -519,7 +519,7 @@ def stabilize(
     A Trainer with ``deepspeed=`` gets a ``DeepSpeedTrainerCallback`` instead (its ``kwargs``:
     ``sinks``, ``hooks``, ``rules``), which guards the DeepSpeed engine (the DeepSpeed guide)."""
     if trainer.is_deepspeed_enabled:
-        from stabilitykit.integrations.deepspeed_trainer import DeepSpeedTrainerCallback
+        from stabilitykit.drivers.deepspeed_hf import DeepSpeedTrainerCallback
 
         return DeepSpeedTrainerCallback(config, **kwargs).attach(trainer)  # type: ignore[return-value]
     return StabilityTrainerCallback(config, **kwargs).attach(trainer)

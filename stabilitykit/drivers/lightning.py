@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.core import DriverCore, unwrap_optimizer
 from stabilitykit.drivers.base import Driver
+from stabilitykit.drivers.core import DriverCore, unwrap_optimizer
 from stabilitykit.engine import StabilityEngine, TrainerAlignedEngine
 from stabilitykit.nan import NonFiniteRecord
 from stabilitykit.precision import PrecisionChoice

@@ -7,7 +7,7 @@ guard.zero_grad()
 With several optimizers (GANs, alternating updates) each one is guarded on its own: its own skip
 decision, its own step count and logging cadence, metrics under ``<prefix>/opt<i>/``; name the
 optimizer in ``step(optimizer)``. The Accelerate and Fabric drivers
-(``stabilitykit.integrations``) are subclasses that only change how the loss is backpropagated
+(``stabilitykit.drivers.accelerate``, ``.fabric``) are subclasses that only change how the loss is backpropagated
 and how the framework's optimizer steps.
 """
 
@@ -20,8 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.core import DriverCore, unwrap_optimizer
 from stabilitykit.drivers.base import Driver
+from stabilitykit.drivers.core import DriverCore, unwrap_optimizer
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NaNTracer, NonFiniteRecord

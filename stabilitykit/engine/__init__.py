@@ -1,6 +1,6 @@
 """The engine, split by job: layer naming, clipping strategies, the device journal, the ledger, the step.
 
-Nothing here knows Lightning, Hugging Face or W&B; drivers reach it through ``stabilitykit.core``.
+Nothing here knows Lightning, Hugging Face or W&B; drivers reach it through ``stabilitykit.drivers.core``.
 """
 
 from stabilitykit.engine.cadence import TrainerAlignedEngine as TrainerAlignedEngine

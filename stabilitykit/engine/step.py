@@ -1,6 +1,6 @@
 """The step engine: norms, clipping, the skip decision, on the device; bookkeeping on the host.
 
-A driver (through ``stabilitykit.core.DriverCore``) calls, once per optimizer step and after the
+A driver (through ``stabilitykit.drivers.core.DriverCore``) calls, once per optimizer step and after the
 grads are final:
 
 1. ``inputs.add_loss(loss)`` for each micro-batch (optional; ``inputs.py``),

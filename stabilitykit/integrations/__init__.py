@@ -1,15 +1,15 @@
-"""Drivers for training frameworks, each a thin adapter over ``stabilitykit.core.DriverCore``.
+"""The earlier import paths of the framework drivers, which now live in ``stabilitykit.drivers``.
 
-* ``stabilitykit.integrations.transformers``: ``StabilityTrainerCallback`` / ``stabilize(trainer)``
-  for the Hugging Face ``Trainer`` (``pip install 'stabilitykit[transformers]'``).
-* ``stabilitykit.integrations.accelerate``: ``AccelerateGuard`` for hand-written Accelerate loops
+* ``stabilitykit.drivers.hf``: ``StabilityTrainerCallback`` / ``stabilize(trainer)`` for the Hugging
+  Face ``Trainer`` (``pip install 'stabilitykit[transformers]'``).
+* ``stabilitykit.drivers.accelerate``: ``AccelerateGuard`` for hand-written Accelerate loops
   (``pip install 'stabilitykit[accelerate]'``).
-* ``stabilitykit.integrations.fabric``: ``FabricGuard`` for Lightning Fabric
-  (``pip install 'stabilitykit[lightning]'``).
-* ``stabilitykit.integrations.deepspeed``: ``DeepSpeedGuard`` for loops over a DeepSpeed engine,
-  ZeRO stages 0-3 (``pip install 'stabilitykit[deepspeed]'``).
+* ``stabilitykit.drivers.fabric``: ``FabricGuard`` for Lightning Fabric (``pip install 'stabilitykit[lightning]'``).
+* ``stabilitykit.drivers.deepspeed``: ``DeepSpeedGuard`` for loops over a DeepSpeed engine, ZeRO
+  stages 0-3 (``pip install 'stabilitykit[deepspeed]'``).
 
-Nothing here is imported until used: ``import stabilitykit`` never needs these frameworks, and
+``from stabilitykit.integrations import AccelerateGuard`` (and the submodules here) keep working.
+Nothing is imported until used: ``import stabilitykit`` never needs these frameworks, and
 ``from stabilitykit.integrations import AccelerateGuard`` imports only Accelerate.
 """
 
@@ -24,17 +24,17 @@ _WHERE = {
     "AccelerateGuard": "accelerate",
     "DeepSpeedGuard": "deepspeed",
     "FabricGuard": "fabric",
-    "StabilityTrainerCallback": "transformers",
-    "stabilize": "transformers",
+    "StabilityTrainerCallback": "hf",
+    "stabilize": "hf",
 }
 
 
 def __getattr__(name: str) -> Any:
-    """Import the integration that defines ``name`` on first use."""
+    """Import the driver that defines ``name`` on first use."""
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'stabilitykit.integrations' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"stabilitykit.integrations.{module}"), name)
+    return getattr(importlib.import_module(f"stabilitykit.drivers.{module}"), name)
 
 
 def __dir__() -> list[str]:

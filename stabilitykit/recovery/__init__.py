@@ -4,7 +4,7 @@ Split by job: ``host_copy`` (tensors to host memory and back, no sync on the ste
 (the random generators), ``snapshot`` (what a snapshot holds, taken and restored in place),
 ``store`` (the ring of pending and confirmed snapshots, memory or disk), ``record`` (the skipped
 step ranges, ``skipped_batches.json``) and ``controller`` (triggers, the rollback, the learning
-rate after it). ``stabilitykit.core.DriverCore`` drives it; configure it with ``RecoveryConfig``.
+rate after it). ``stabilitykit.drivers.core.DriverCore`` drives it; configure it with ``RecoveryConfig``.
 """
 
 from stabilitykit.recovery.controller import Recovery as Recovery
