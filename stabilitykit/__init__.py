@@ -10,6 +10,7 @@ from stabilitykit import nn, precision_eval, sinks
 from stabilitykit.config import (
     ClipConfig,
     DataGuardConfig,
+    Fp8MonitorConfig,
     Fp16Config,
     GradNormConfig,
     MonitorConfig,
@@ -47,6 +48,7 @@ __all__ = [
     "ClipConfig",
     "DataGuardConfig",
     "Event",
+    "Fp8MonitorConfig",
     "Fp16Config",
     "GradNormConfig",
     "HookManager",

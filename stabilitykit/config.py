@@ -20,6 +20,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from stabilitykit.engine.clipping import ClipConfig
 from stabilitykit.engine.fp16 import Fp16Config
 from stabilitykit.grads import GradNormConfig
+from stabilitykit.monitors.fp8 import Fp8MonitorConfig  # noqa: F401 (re-exported: sk.Fp8MonitorConfig)
 from stabilitykit.monitors.monitor import MonitorConfig
 from stabilitykit.nan import DataGuardConfig
 from stabilitykit.nn.qk_clip import QKClipConfig

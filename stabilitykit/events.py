@@ -19,6 +19,7 @@ EVENT_KINDS = (
     "precision",
     "bad_batch",
     "rollback",
+    "fp8_warning",
 )
 
 

@@ -169,6 +169,7 @@ class _Engine(_State):
     rules: dict[str, dict[str, Any]]  # users' skip rules' own state, by name
     journal: _Journal
     layer_names: list[str]
+    monitors: dict[str, Any] = Field(default_factory=dict)  # the model monitor's own state (FP8 fallbacks)
 
     @model_validator(mode="after")
     def _layer_detector_per_layer(self) -> _Engine:

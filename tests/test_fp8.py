@@ -95,3 +95,152 @@ def test_select_precision_reports_fp8_capability_without_choosing_it() -> None:
     assert choice.fp8_capable is False and choice.fp8_recipe is None
     assert "no FP8 matmuls on cpu" in choice.fp8_reason
     assert choice.amp_dtype in (torch.bfloat16, None)  # the choice itself is still bf16 / fp32
+
+
+# ---------------------------------------------------------------------------------------------- monitors
+
+OUTLIER_LAYER = "model.layers.0.mlp.down_proj"
+
+
+class _Rows:
+    """A sink keeping every metrics row."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.rows.append((step, dict(metrics)))
+
+
+def _fp8_llama(seed: int = 0) -> nn.Module:
+    from stabilitykit.compat.torchao_float8 import convert
+
+    model = tiny_llama(seed)
+    convert(model, emulate=True)
+    return model.train()
+
+
+def _inject_outlier(model: nn.Module, layer: str) -> None:
+    """One value a million times the largest of the rest in ``layer``'s input: a massive activation."""
+
+    def inject(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        x = args[0].clone()
+        x.view(-1)[0] = 1e6 * x.detach().abs().max()
+        return (x,)
+
+    dict(model.named_modules())[layer].register_forward_pre_hook(inject, prepend=True)
+
+
+def _train(
+    model: nn.Module,
+    steps: int,
+    every: int = 2,
+    fp8: sk.Fp8MonitorConfig | None = None,
+    syncs: list[int] | None = None,
+) -> tuple[_Rows, list[sk.Event], sk.StabilityGuard]:
+    from stabilitykit.testing.syncs import count_host_syncs
+
+    rows, events = _Rows(), []
+    monitors = sk.MonitorConfig(fp8=fp8 or sk.Fp8MonitorConfig())
+    cfg = sk.StabilityConfig(log_every_n_steps=every, monitors=monitors)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)  # skips on the device: no sync to skip
+    guard = sk.StabilityGuard(model, opt, config=cfg, sinks=[rows])
+    guard.hooks.on("fp8_warning", events.append)
+    for batch in token_batches(steps, batch_size=8):
+        with count_host_syncs() as counter:
+            guard.backward(model(**batch).loss)
+            guard.step()
+            guard.zero_grad()
+        if syncs is not None:
+            syncs.append(len(counter.library_sites()))
+    return rows, events, guard
+
+
+def test_logged_fp8_statistics_match_torchaos_own_casts_of_the_same_tensors() -> None:
+    """Every layer and role: what the monitor logged equals torchao's ``hp_tensor_to_float8_dynamic``
+    (the cast ``Float8Linear`` itself calls) applied to the tensors the layer received."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    model = _fp8_llama()
+    seen: dict[tuple[str, str], torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if type(module).__name__ != "Float8Linear":
+            continue
+
+        def pre(m: nn.Module, args: Any, name: str = name) -> None:
+            seen[name, "input"] = args[0].detach().clone()
+            seen[name, "weight"] = m.weight.detach().t().clone()
+
+        def post(m: nn.Module, args: Any, out: torch.Tensor, name: str = name) -> None:
+            out.register_hook(lambda g: seen.__setitem__((name, "grad_output"), g.detach().clone()))
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+    rows, events, _ = _train(model, steps=1, every=1)
+    logged = rows.rows[0][1]
+    modules = dict(model.named_modules())
+    roles = {"input": GemmInputRole.INPUT, "weight": GemmInputRole.WEIGHT, "grad_output": GemmInputRole.GRAD_OUTPUT}
+    assert len(seen) == 15 * 3
+    for (name, role), x in seen.items():
+        module = modules[name]
+        cast = getattr(module.config, f"cast_config_{role}")
+        fp8 = hp_tensor_to_float8_dynamic(x, cast.target_dtype, module.linear_mm_config, gemm_input_role=roles[role])
+        restored = fp8.to_original_precision().float()
+        nonzero = x != 0
+        underflow = (nonzero & (fp8._data.float() == 0)).sum() / nonzero.sum()
+        error = torch.linalg.vector_norm(restored - x.float()) / torch.linalg.vector_norm(x.float())
+        key = f"stability/monitors/fp8_{{}}/{name}/{role}"
+        assert logged[key.format("underflow")] == pytest.approx(float(underflow), abs=1e-7), (name, role)
+        assert logged[key.format("error")] == pytest.approx(float(error), rel=1e-5), (name, role)
+        assert logged[key.format("scale")] == pytest.approx(float(fp8._scale), rel=1e-6), (name, role)
+        assert logged[key.format("amax")] == pytest.approx(float(x.abs().max()), rel=1e-6), (name, role)
+        assert logged[key.format("saturation")] == 0.0
+    assert not events
+
+
+def test_a_healthy_run_raises_no_warning_and_syncs_only_to_log() -> None:
+    syncs: list[int] = []
+    rows, events, _ = _train(_fp8_llama(), steps=8, every=4, syncs=syncs)
+    assert not events
+    assert [s for i, s in enumerate(syncs) if i % 4] == [0] * 6, syncs  # unsampled steps: no host sync
+    assert all(syncs[i] <= 1 for i in (0, 4)), syncs  # the logging step's one read carries the monitors
+    values = [v for _, row in rows.rows for k, v in row.items() if "/fp8_underflow/" in k]
+    assert len(values) == 2 * 45 and max(values) < sk.Fp8MonitorConfig().underflow / 5
+    errors = [v for _, row in rows.rows for k, v in row.items() if "/fp8_error/" in k]
+    assert 0.005 < max(errors) < sk.Fp8MonitorConfig().error / 2
+
+
+def test_a_massive_activation_warns_for_that_layers_input_only() -> None:
+    model = _fp8_llama()
+    _inject_outlier(model, OUTLIER_LAYER)
+    rows, events, _ = _train(model, steps=6, every=2)
+    assert [(e.details["layer"], e.details["role"]) for e in events] == [(OUTLIER_LAYER, "input")]
+    assert events[0].step == 2  # the second read above the threshold (patience 2)
+    assert events[0].details["underflow"] > 0.99 and events[0].details["fallback"] is False
+    last = rows.rows[-1][1]
+    assert last[f"stability/monitors/fp8_underflow/{OUTLIER_LAYER}/input"] > 0.99
+    others = [v for k, v in last.items() if "/fp8_underflow/" in k and OUTLIER_LAYER + "/input" not in k]
+    assert len(others) == 44 and max(others) < sk.Fp8MonitorConfig().underflow
+
+
+def test_fallback_runs_the_layer_in_high_precision_and_survives_a_resume() -> None:
+    from stabilitykit.compat.torchao_float8 import in_high_precision
+
+    model = _fp8_llama()
+    _inject_outlier(model, OUTLIER_LAYER)
+    rows, events, guard = _train(model, steps=6, every=2, fp8=sk.Fp8MonitorConfig(fallback=True))
+    assert [e.details["fallback"] for e in events] == [True]
+    modules = dict(model.named_modules())
+    assert in_high_precision(modules[OUTLIER_LAYER])
+    assert sum(in_high_precision(m) for m in modules.values() if type(m).__name__ == "Float8Linear") == 1
+    assert not any(OUTLIER_LAYER in k for k in rows.rows[-1][1])  # no cast left to measure
+    state = guard.state_dict()
+
+    fresh = _fp8_llama()
+    opt = torch.optim.AdamW(fresh.parameters(), lr=3e-3)
+    cfg = sk.StabilityConfig(monitors=sk.MonitorConfig(fp8=sk.Fp8MonitorConfig(fallback=True)))
+    resumed = sk.StabilityGuard(fresh, opt, config=cfg)
+    resumed.load_state_dict(state)
+    assert in_high_precision(dict(fresh.named_modules())[OUTLIER_LAYER])
+    assert not in_high_precision(dict(fresh.named_modules())["model.layers.0.mlp.up_proj"])

@@ -48,6 +48,7 @@ def on_page_markdown(markdown: str, **kwargs: Any) -> str:
         sk.PrecisionConfig,
         sk.QKClipConfig,
         sk.MonitorConfig,
+        sk.Fp8MonitorConfig,
         sk.RecoveryConfig,
     ]
     return markdown.replace(MARKER, "\n".join(_table(m) for m in models))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -210,6 +211,14 @@ class CastStats:
     error: Tensor
 
 
+def saturation_limit(dtype: torch.dtype) -> float:
+    """The scaled magnitude above which a value is clamped, not rounded: the float8 maximum plus half a
+    step at the maximum (a value within it rounds to the maximum anyway, like the amax itself, which
+    the scale maps to the maximum up to float32 rounding)."""
+    info = torch.finfo(dtype)
+    return float(info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2)
+
+
 @torch.no_grad()
 def cast_stats(x: Tensor, cast: RoleCast) -> CastStats:
     """Cast ``x`` as the layer does (torchao's ``tensor_to_scale`` and ``to_fp8_saturated``), dequantize
@@ -218,9 +227,9 @@ def cast_stats(x: Tensor, cast: RoleCast) -> CastStats:
     * ``amax``: max |x| (the largest over rows for rowwise scaling);
     * ``scale``: the scale torchao used (the smallest over rows for rowwise scaling);
     * ``underflow``: the share of nonzero values that are zero after scaling and casting;
-    * ``saturation``: the share of nonzero values whose scaled magnitude exceeds the float8 maximum
-      (clamped by the cast): zero under dynamic scaling unless the scale was not computed from
-      this very tensor;
+    * ``saturation``: the share of nonzero values the cast clamped (scaled magnitude above
+      ``saturation_limit``): zero under dynamic scaling unless the scale was not computed from this
+      very tensor;
     * ``error``: ‖dequantized - x‖ / ‖x‖.
     """
     from torchao.float8.float8_utils import tensor_to_amax, tensor_to_scale, to_fp8_saturated
@@ -240,7 +249,7 @@ def cast_stats(x: Tensor, cast: RoleCast) -> CastStats:
     nonzero = x != 0
     count = nonzero.sum().clamp_min(1).float()
     underflow = (nonzero & (bits.to(torch.float32) == 0)).sum().float() / count
-    saturation = (scaled.abs() > torch.finfo(cast.dtype).max).sum().float() / count
+    saturation = (scaled.abs() > saturation_limit(cast.dtype)).sum().float() / count
     original = x.to(torch.float32)
     norm = torch.linalg.vector_norm(original)
     error = torch.linalg.vector_norm(restored - original) / norm.clamp_min(torch.finfo(torch.float32).tiny)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from stabilitykit.events import Event
 from stabilitykit.monitors import ModelMonitor
 from stabilitykit.nn.qk_clip import QKClip
 
@@ -71,6 +72,19 @@ class MetricSources:
                     if is_precursor is not None and not is_precursor(key):
                         quiet.add(key)
         return {k: v[0] if len(v) == 1 else torch.stack(v).amax() for k, v in merged.items()}, quiet
+
+    def events(self, step: int, values: dict[str, float]) -> list[Event]:
+        """Events the monitor raises from a logging step's host values (``"fp8_warning"``)."""
+        return self.monitor.events(step, values) if self.monitor is not None else []
+
+    def state_dict(self) -> dict[str, Any]:
+        """The monitor's state (FP8 fallbacks), empty when there is none."""
+        return self.monitor.state_dict() if self.monitor is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``."""
+        if self.monitor is not None and state:
+            self.monitor.load_state_dict(state)
 
     def discard(self) -> None:
         """Drop the monitor's values measured since the last read (a rollback undid their steps)."""

@@ -457,6 +457,8 @@ class StabilityEngine:
         self._mark_measure()
         divergence = self.readout.fold(decision.rows, step, decision.signals)
         if decision.logging:
+            for event in self.sources.events(step, decision.module_metrics):
+                self.readout.hooks.emit(event)
             extra = [decision.module_metrics, decision.update_metrics]
             self.readout.log(decision.rows[-1], step if log_step is None else log_step, decision.loss_scale, extra)
         if divergence is not None:
@@ -478,6 +480,7 @@ class StabilityEngine:
             "rules": {rule.name: rule.state_dict() for rule in self.user_rules if rule.state_dict()},
             "journal": self.journal.state_dict(),
             "layer_names": list(self.layer_names),
+            **({"monitors": monitors} if (monitors := self.sources.state_dict()) else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -493,6 +496,7 @@ class StabilityEngine:
                 f"{saved_layers[:3]}... vs {self.layer_names[:3]}... (different model or grouping)"
             )
         parts = self._parts_from(state)
+        self.sources.load_state_dict(state.get("monitors") or {})  # raises before changing anything
         self.step = int(state["step"])
         self._install(parts)
         if self.updates is not None:

@@ -26,7 +26,9 @@ import torch
 from pydantic import Field, field_validator
 from torch import Tensor, nn
 
+from stabilitykit.events import Event
 from stabilitykit.monitors.attention import AttentionCapture, attention_modules
+from stabilitykit.monitors.fp8 import FP8_SIGNALS, Fp8Monitor, Fp8MonitorConfig
 from stabilitykit.monitors.select import MonitorTargets, select_targets
 from stabilitykit.monitors.stats import activation_stats, first_tensor, logit_stats
 from stabilitykit.section import Section
@@ -96,6 +98,15 @@ class MonitorConfig(Section):
         ),
     )
 
+    fp8: Fp8MonitorConfig | None = Field(
+        default_factory=Fp8MonitorConfig,
+        description=(
+            "FP8 health of each torchao Float8Linear, per role (input, weight, grad_output): amax, scale, "
+            "underflow share, saturation share, relative error; event 'fp8_warning'. Measures only when the "
+            "model has Float8Linear layers. None: off."
+        ),
+    )
+
     @field_validator("causal")
     @classmethod
     def _causal_is_read_from_the_model(cls, value: bool | None) -> bool | None:
@@ -122,6 +133,7 @@ SIGNALS = {
     "attn_logit_max": True,
     "logits_max": True,
     "log_z": False,
+    **FP8_SIGNALS,
 }
 
 
@@ -163,6 +175,8 @@ class ModelMonitor:
         self._reported = False
         self.capture: AttentionCapture | None = None
         self._mask: Tensor | None = None
+        #: The FP8 monitors (``MonitorConfig.fp8``) when the model has torchao Float8Linear layers, else None.
+        self.fp8: Fp8Monitor | None = None
         self._install(model)
 
     # ------------------------------------------------------------------ hooks
@@ -190,6 +204,9 @@ class ModelMonitor:
                 self._slot("attn_logit_max", name)
         if cfg.logits:
             self._install_logits(targets.root)
+        if cfg.fp8 is not None:
+            fp8 = Fp8Monitor(targets.modules, cfg.fp8, self._active, self.record, self._slot, self._guarded)
+            self.fp8 = fp8 if fp8.layers else None
 
     def _install_logits(self, root: nn.Module) -> None:
         """Measure the model's own output logits, after any final soft-cap or scale (Gemma 2's cap,
@@ -358,6 +375,19 @@ class ModelMonitor:
         if self.sampling:
             self._prime()
 
+    def events(self, step: int, values: dict[str, float]) -> list[Event]:
+        """Host-side events from a logging step's values (``values``: host floats by metric name)."""
+        return self.fp8.events(step, values) if self.fp8 is not None else []
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs: the FP8 monitors' fallbacks and counters (empty without them)."""
+        return {"fp8": self.fp8.state_dict()} if self.fp8 is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``."""
+        if self.fp8 is not None and state.get("fp8"):
+            self.fp8.load_state_dict(state["fp8"])
+
     def is_precursor(self, key: str) -> bool:
         """Whether the spike detector's trend warnings should watch ``key`` (``MonitorConfig.precursors``)."""
         parts = key.split("/", 2)
@@ -370,6 +400,8 @@ class ModelMonitor:
         self._handles.clear()
         if self.capture is not None:
             self.capture.close()
+        if self.fp8 is not None:
+            self.fp8.close()
         self.sampling = False
 
     @property
