@@ -20,6 +20,8 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from stabilitykit.events import Event
+from stabilitykit.precursors import GRAD_NORM, LAYER, LOSS, SignalKind, lead_text, module_of
+from stabilitykit.precursors import kind_of as precursor_kind
 from stabilitykit.section import Section
 
 
@@ -36,6 +38,15 @@ class SpikeConfig(Section):
         description=(
             "EMA rate of the residual scale (debiased). Slower (0.03) gives less noisy z-scores on "
             "stationary noise; 0.1 follows noise that changes during training (better on real runs)."
+        ),
+    )
+    scale_floor: float = Field(
+        0.02,
+        ge=0,
+        description=(
+            "Smallest residual scale of the loss and the grad norm, in log units (0.02: a 2% change). The "
+            "scale follows the series' own noise; on a flat loss that noise shrinks to almost nothing and a 3% "
+            "bump would score as a many-sigma jump. Chosen on the tuning families of the early-warning corpus."
         ),
     )
     z_warning: float = Field(
@@ -137,7 +148,7 @@ class PredictiveDetector:
     This detector predicts ``level + phi * (last - level)``, with ``level`` an EMA of log(x) and
     ``phi`` the lag-1 autocorrelation of the deviations from it (estimated online, in [0, 0.98]).
     The residual scale is a debiased EMA of |residual| (x1.2533, rate ``scale_rate``, by default
-    ``rate``); once warm, residuals are clamped to
+    ``rate``), never below ``floor`` (per series, log units: a relative change); once warm, residuals are clamped to
     ``clamp`` scales before they update anything, and a clamped value is what ``last`` keeps, so
     one spike moves neither the baseline nor the scale nor the next prediction. NaN, Inf and
     non-positive values are never ingested: the detector is never blind after one.
@@ -151,6 +162,7 @@ class PredictiveDetector:
         slow_rate: float = 0.02,
         clamp: float = 3.0,
         scale_rate: float | None = None,
+        floor: Sequence[float] | float = 0.0,
     ) -> None:
         scale_rate = rate if scale_rate is None else scale_rate
         if not 0 < rate < 1 or not 0 < slow_rate < 1 or not 0 < scale_rate < 1:
@@ -168,6 +180,12 @@ class PredictiveDetector:
         self.cov = [0.0] * size  # EMA of d_t * d_{t-1}, d = clean log value - level
         self.var = [0.0] * size  # EMA of d_t ** 2
         self.count = [0] * size
+        floors = [float(floor)] * size if isinstance(floor, int | float) else [float(f) for f in floor]
+        if len(floors) != size or any(f < 0 or not math.isfinite(f) for f in floors):
+            raise ValueError(f"floor must be one finite value >= 0 or {size} of them, got {floor!r}")
+        #: Smallest residual scale per series (log units, so relative to the level): a series whose noise
+        #: shrinks to nothing (a flat loss) would otherwise score a 3% bump as a many-sigma jump.
+        self.floor = floors
 
     @property
     def size(self) -> int:
@@ -186,7 +204,7 @@ class PredictiveDetector:
         """
         seen = self.count[i] - 1
         debias = 1.0 - (1.0 - self.scale_rate) ** seen if seen > 0 else 1.0
-        return self.abs_dev[i] / debias * _ABS_TO_STD + _MIN_STD
+        return max(self.abs_dev[i] / debias * _ABS_TO_STD, self.floor[i]) + _MIN_STD
 
     def update(self, values: Sequence[float]) -> list[float]:
         """Score each value against its prediction, then fold it in; z is 0 in warmup and for bad values."""
@@ -402,17 +420,38 @@ class StepScores:
 
 
 def warning_rule(s: StepScores, cfg: SpikeConfig) -> Event | None:
-    """``spike_warning``: the grad norm's z-score, else a layer's, else a precursor's trend crossing."""
-    where = f"; largest layer z-score: {s.leading}" if s.leading else ""
-    details = {"z": s.z_grad, "grad_norm": s.grad_norm, "layer": s.leading}
+    """``spike_warning``: the grad norm's z-score, else a layer's, else a precursor's trend crossing.
+
+    Its details name the signal (``signal``: the name it was scored under; ``source``: its kind), the module
+    when one measured it, the usual lead over the loss (``lead``, steps; None when not measured) and what to do
+    (``advice``); the message says the same in words."""
+    details: dict[str, Any] = {"z": s.z_grad, "grad_norm": s.grad_norm, "layer": s.leading}
     if s.z_grad >= cfg.z_warning or s.leading is not None:
-        signal = "grad_norm" if s.z_grad >= cfg.z_warning else f"layer {s.leading}"
-        message = f"grad-norm z-score {s.z_grad:.1f} at step {s.step} (warning at {cfg.z_warning}){where}"
-        return Event("spike_warning", s.step, message, {**details, "signal": signal})
+        on_total = s.z_grad >= cfg.z_warning
+        kind = GRAD_NORM if on_total else LAYER
+        signal = "grad_norm" if on_total else f"layer {s.leading}"
+        where = f"; largest layer z-score: {s.leading}" if s.leading else ""
+        message = (
+            f"grad-norm z-score {s.z_grad:.1f} at step {s.step} (warning at {cfg.z_warning}){where}: "
+            f"{kind.advice} ({lead_text(kind)})"
+        )
+        return Event("spike_warning", s.step, message, {**details, **_signal_details(signal, kind)})
     if s.trend_name is not None and s.trend_growth >= cfg.trend_warning:
-        message = f"{s.trend_name} grew {math.exp(s.trend_growth):.1f}x over its long-run level at step {s.step}"
-        return Event("spike_warning", s.step, message, {**details, "signal": s.trend_name})
+        kind = precursor_kind(s.trend_name)
+        module = module_of(s.trend_name)
+        on = f" ({module})" if module else ""
+        message = (
+            f"{s.trend_name} grew {math.exp(s.trend_growth):.1f}x over its long-run level at step {s.step}{on}: "
+            f"{kind.advice} ({lead_text(kind)})"
+        )
+        extra = {"growth": math.exp(s.trend_growth), "module": module}
+        return Event("spike_warning", s.step, message, {**details, **_signal_details(s.trend_name, kind), **extra})
     return None
+
+
+def _signal_details(signal: str, kind: SignalKind) -> dict[str, Any]:
+    """The details every early-warning event carries: the signal, its kind, its usual lead and the advice."""
+    return {"signal": signal, "source": kind.name, "lead": kind.lead, "advice": kind.advice}
 
 
 def loss_spike_rule(s: StepScores, cfg: SpikeConfig) -> Event | None:
@@ -475,6 +514,9 @@ def alert_event(s: StepScores, reason: AlertReason, loss_drift: float, level_exc
     z = s.z_grad if reason.on_grad_norm else s.z_loss
     details: dict[str, Any] = {"z": z, "z_grad": s.z_grad, "z_loss": s.z_loss, "grad_norm": s.grad_norm}
     details.update(loss=s.loss, loss_drift=loss_drift, rule=reason.rule, layer=s.leading)
+    details.update(
+        _signal_details("grad_norm" if reason.on_grad_norm else "loss", GRAD_NORM if reason.on_grad_norm else LOSS)
+    )
     if reason.above_best:
         details["level_ratio"] = math.exp(level_excess)
     return Event("spike_alert", s.step, message, details)
@@ -508,7 +550,8 @@ class SpikeMonitor:
         self.config = config
         self.layer_names = list(layer_names)
         rate, warmup, scale_rate = config.baseline_rate, config.warmup_steps, config.scale_rate
-        self.detector = PredictiveDetector(rate, warmup, size=2, scale_rate=scale_rate)  # [grad norm, loss]
+        floor = config.scale_floor
+        self.detector = PredictiveDetector(rate, warmup, size=2, scale_rate=scale_rate, floor=floor)  # [grad, loss]
         per_layer = config.per_layer and bool(self.layer_names)
         self.layer_detector = (
             PredictiveDetector(rate, warmup, size=len(self.layer_names), scale_rate=scale_rate) if per_layer else None

@@ -317,3 +317,24 @@ def test_loss_level_state_round_trips() -> None:
     after_a = [a.update(50 + t, 1.0, 9.0, None) for t in range(10)]
     assert after_a == [b.update(50 + t, 1.0, 9.0, None) for t in range(10)]
     assert SpikeMonitor(cfg, []).state_dict()["level"]["best"] is None  # nothing seen: no best, JSON-safe
+
+
+def test_a_3_percent_bump_on_a_flat_loss_does_not_page_but_a_real_jump_does() -> None:
+    """A flat loss (random tokens: 5.4, noise 0.1%) has almost no noise of its own; the scale floor
+    (``scale_floor``, log units) keeps a 3% bump from scoring as a many-sigma jump."""
+    rng = random.Random(5)
+
+    def run(bump: float, config: SpikeConfig) -> list[Event]:
+        monitor = SpikeMonitor(config, [])
+        events: list[Event] = []
+        for t in range(200):
+            loss = 5.4 * math.exp(0.001 * rng.gauss(0, 1)) * (bump if 150 <= t < 153 else 1.0)
+            grad = math.exp(0.05 * rng.gauss(0, 1)) * (bump if 150 <= t < 153 else 1.0)
+            events += monitor.update(t, grad, loss, None)
+        return [e for e in events if e.kind == "spike_alert"]
+
+    assert run(1.03, SpikeConfig()) == []
+    assert run(1.03, SpikeConfig(scale_floor=0.0)), "without the floor the bump pages (the bug this guards)"
+    alerts = run(1.5, SpikeConfig())
+    assert alerts and alerts[0].step == 150
+    assert alerts[0].details["signal"] == "loss" and "advice" in alerts[0].details and "lead" in alerts[0].details
