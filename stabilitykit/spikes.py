@@ -98,6 +98,23 @@ class SpikeConfig(Section):
             "exceeds the long-run level by this much in log units (0.7: about 2x)."
         ),
     )
+    trend_warmup: int = Field(
+        50,
+        ge=1,
+        description=(
+            "Steps a precursor signal is watched before its trend scores (at least warmup_steps): early in "
+            "training every signal grows as the model learns."
+        ),
+    )
+    trend_while_stalled: float | None = Field(
+        None,
+        description=(
+            "Precursor trends warn only while the loss has stopped falling: its recent level (EMA over about 10 "
+            "steps) no more than this far (log units) below its long-run level (about 100 steps). Early training "
+            "grows every signal while the loss falls fast; before an instability they grow while it stalls. "
+            "None: no gate."
+        ),
+    )
     per_layer: bool = Field(
         False, description="Also score each layer's grad norm (names the layer that leads a spike)."
     )
@@ -558,6 +575,10 @@ class SpikeMonitor:
         )
         self.trends: dict[str, TrendDetector] = {}
         self.trend_high: set[str] = set()  # signals above trend_warning (a warning fires on the crossing)
+        #: The loss's recent level over its long-run level (log units; < 0 while it falls): the gate of
+        #: ``trend_while_stalled``.
+        self.loss_trend = TrendDetector(warmup_steps=1)
+        self.loss_trend_value = 0.0
         self.spike_score = SpikeScore(config.score_window, config.score_sigma)
         self.last_z: tuple[float, float] = (0.0, 0.0)
         self.max_z_grad_recent = 0.0
@@ -600,6 +621,8 @@ class SpikeMonitor:
         self.max_z_loss_recent = max(self.max_z_loss_recent, z_loss)
         self.spike_score.update(grad_norm)
         leading = self._leading_layer(layer_norms)
+        if loss is not None:
+            self.loss_trend_value = self.loss_trend.update(loss, step)
         trend_name, trend_growth = self._trend_crossing(step, signals)
         self.max_trend_recent = max(self.max_trend_recent, trend_growth)
         scores = StepScores(step, grad_norm, loss, z_grad, z_loss, leading, trend_name, trend_growth)
@@ -670,17 +693,21 @@ class SpikeMonitor:
 
     def _trend_crossing(self, step: int, signals: Mapping[str, float] | None) -> tuple[str | None, float]:
         """Fold each precursor into its trend; the one that crossed ``trend_warning`` now with the
-        largest growth, and that growth ((None, 0.0) when none crossed)."""
+        largest growth, and that growth ((None, 0.0) when none crossed). Under ``trend_while_stalled``, a
+        signal above the threshold while the loss still falls has not crossed yet: it warns when the loss
+        stalls, if it is still above then."""
         cfg = self.config
+        gate = cfg.trend_while_stalled
+        stalled = gate is None or self.loss_trend_value >= -gate
         name_top, growth_top = None, 0.0
         for name, value in (signals or {}).items():
             detector = self.trends.get(name)
             if detector is None:
-                detector = self.trends[name] = TrendDetector(warmup_steps=max(cfg.warmup_steps, 50))
+                detector = self.trends[name] = TrendDetector(warmup_steps=max(cfg.warmup_steps, cfg.trend_warmup))
             growth = detector.update(abs(value), step)
             if growth < cfg.trend_warning:
                 self.trend_high.discard(name)
-            elif name not in self.trend_high:
+            elif name not in self.trend_high and stalled:
                 self.trend_high.add(name)
                 if growth > growth_top:
                     name_top, growth_top = name, growth
@@ -713,6 +740,7 @@ class SpikeMonitor:
             "layer_detector": self.layer_detector.state_dict() if self.layer_detector is not None else None,
             "trends": {name: d.state_dict() for name, d in self.trends.items()},
             "trend_high": sorted(self.trend_high),
+            "loss_trend": self.loss_trend.state_dict(),
             "spike_score": self.spike_score.state_dict(),
             "last_z": list(self.last_z),
             "recent": [self.max_z_grad_recent, self.max_z_loss_recent, self.max_trend_recent],
@@ -732,8 +760,11 @@ class SpikeMonitor:
             self.layer_detector.load_state_dict(state["layer_detector"])
         self.trends = {}
         self.trend_high = set(state["trend_high"])
+        if state.get("loss_trend") is not None:
+            self.loss_trend.load_state_dict(state["loss_trend"])
+            self.loss_trend_value = self.loss_trend.fast - self.loss_trend.slow
         for name, sub in state["trends"].items():
-            self.trends[name] = TrendDetector(warmup_steps=max(self.config.warmup_steps, 50))
+            self.trends[name] = TrendDetector(warmup_steps=max(self.config.warmup_steps, self.config.trend_warmup))
             self.trends[name].load_state_dict(sub)
         self.last_alert_step = state["last_alert_step"]
         self.last_alert_drift = bool(state["last_alert_drift"])

@@ -111,6 +111,7 @@ class _Spikes(_State):
     layer_detector: _Detector | None
     trends: dict[str, _Trend]
     trend_high: list[str]
+    loss_trend: _Trend | None = None  # absent from checkpoints written before the trend gate
     spike_score: _SpikeScore
     last_z: list[float] = Field(min_length=2, max_length=2)
     recent: list[float] = Field(min_length=3, max_length=3)

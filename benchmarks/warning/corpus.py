@@ -1,13 +1,14 @@
 """The early-warning corpus: real training runs of models this project did not write, on the CPU.
 
-    nice python benchmarks/warning/corpus.py [--families gpt2,bert,llama,mixtral,resnet] [--steps 500]
+    nice python benchmarks/warning/corpus.py [--families gpt2,bert,llama,mixtral,resnet] [--steps 300]
                                              [--out benchmarks/warning/corpus.npz] [--jobs 1]
 
 Five families from ``transformers`` (random init, tiny): a GPT-2 decoder, a Llama decoder, a BERT
 encoder trained as a masked LM, a Mixtral mixture of experts, and a ResNet (convolutions with
 BatchNorm) classifying synthetic images. The language models read bytes of the Python standard
 library's ``.py`` sources (on every machine, no download); the ResNet reads 16x16 images drawn
-around ten smooth class prototypes. Every run goes through ``sk.StabilityGuard`` with clipping off
+around ten smooth class prototypes (noise 1.5x, 10% of labels random, so the loss has a floor).
+Every run goes through ``sk.StabilityGuard`` with clipping off
 and spike detection off (the guard only measures, and skips a non-finite step so a run stays
 readable), logging every step; what it logs is the trace: loss, total and per-layer grad norm,
 the update-to-weight ratio (total and per layer; logged one step late, as the engine feeds it), and
@@ -109,6 +110,7 @@ SECOND = {
     "resnet": ("sgd", "wsd"),
 }
 CONTEXT, BATCH, VOCAB = 32, 16, 256
+IMAGE_BATCH = 64  # a batch of 16 images gives a loss too noisy (x5 between steps) for a 1.3x spike to mean anything
 ADAMW_LR = {"gpt2": 2e-3, "bert": 1e-3, "llama": 2e-3, "mixtral": 2e-3, "resnet": 2e-3}
 SECOND_LR = {"sgd": 0.05, "adafactor": 1e-3, "muon": 0.02, "lion": 2e-4}
 RAMP = 300.0  # the edge arms' LR grows to this many times its start
@@ -183,7 +185,9 @@ class Data:
         noise = torch.randn(size, 3, 16, 16, generator=self.gen)
         if self.junk(step):
             return {"pixel_values": 2.0 * noise, "labels": labels}
-        images = self.protos[labels] + 0.9 * noise
+        images = self.protos[labels] + 1.5 * noise
+        relabel = torch.rand(size, generator=self.gen) < 0.1  # 10% label noise: the loss has a floor, as real data
+        labels = torch.where(relabel, torch.randint(0, 10, (size,), generator=self.gen), labels)
         flip = torch.rand(size, generator=self.gen) < 0.5
         images = torch.where(flip[:, None, None, None], images.flip(-1), images)
         if self.shifted(step):
@@ -483,7 +487,7 @@ def run(spec: Spec, checkpoint: dict[str, Any] | None) -> tuple[np.ndarray, list
         model.train()
         for step in range(steps):
             for _ in range(micro):
-                kwargs = data.batch(step, BATCH // micro)
+                kwargs = data.batch(step, (IMAGE_BATCH if family == "resnet" else BATCH) // micro)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=arm == "accum_bf16"):
                     loss = model(**kwargs).loss
                 guard.backward(loss / micro)
@@ -558,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--arms", default=",".join(ARMS))
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--merge", nargs="*", help="merge these corpus files into --out instead of training")
