@@ -244,3 +244,13 @@ def test_deepspeed_lightning_example_says_it_needs_cuda(capsys) -> None:
     out = capsys.readouterr().out
     assert out.count("\n") == 1
     assert "Lightning's DeepSpeed strategy needs CUDA GPUs" in out and "nothing was run" in out
+
+
+def test_fp8_example_reports_fp8_rows_and_warns_on_the_massive_activation(tmp_path, capsys) -> None:
+    pytest.importorskip("torchao.float8")
+    result = _load("fp8").main(["--steps", "30", "--out", str(tmp_path), "--fallback"])
+    assert len(result["converted"]) == 15 and result["fp8_rms_rel"] > 3 * result["bf16_rms_rel"]
+    assert result["warnings"] == [(25, "model.layers.0.mlp.down_proj", "input", True)]
+    assert "fp8 vs fp32: forward rms_rel" in capsys.readouterr().out
+    _, events = sk.sinks.read_jsonl(tmp_path / "stability.jsonl")
+    assert [e["layer"] for e in events if e["event"] == "fp8_warning"] == ["model.layers.0.mlp.down_proj"]
