@@ -6,7 +6,7 @@ W&B (``stabilitykit.sinks.WandbSink``) are optional extras imported on first use
 
 from __future__ import annotations
 
-from stabilitykit import nn, precision_eval, sinks
+from stabilitykit import nn, precision_eval, sinks, testing
 from stabilitykit.config import (
     ClipConfig,
     DataGuardConfig,
@@ -18,6 +18,8 @@ from stabilitykit.config import (
     PrecisionConfig,
     QKClipConfig,
     RecoveryConfig,
+    ReplicaCheckConfig,
+    RerunConfig,
     SkipConfig,
     SpikeConfig,
     StabilityConfig,
@@ -29,9 +31,11 @@ from stabilitykit.engine import StabilityEngine
 from stabilitykit.events import (
     BadBatchError,
     Event,
+    ReplicaMismatchError,
     RollbackLimitError,
     SnapshotUnavailableError,
     TrainingDivergedError,
+    TransientFaultError,
 )
 from stabilitykit.grads import clip_grad_norm_, grad_norms
 from stabilitykit.hooks import HookManager
@@ -60,6 +64,9 @@ __all__ = [
     "PrecisionConfig",
     "QKClipConfig",
     "RecoveryConfig",
+    "ReplicaCheckConfig",
+    "ReplicaMismatchError",
+    "RerunConfig",
     "RollbackLimitError",
     "RunSummary",
     "SkipConfig",
@@ -73,6 +80,7 @@ __all__ = [
     "StepReport",
     "StepValues",
     "TrainingDivergedError",
+    "TransientFaultError",
     "__version__",
     "batch_is_bad",
     "check_batch",
@@ -86,5 +94,6 @@ __all__ = [
     "select_precision",
     "set_determinism",
     "sinks",
+    "testing",
     "wandb_dashboard",
 ]

@@ -26,6 +26,8 @@ from stabilitykit.nan import DataGuardConfig
 from stabilitykit.nn.qk_clip import QKClipConfig
 from stabilitykit.precision import PrecisionConfig
 from stabilitykit.recovery.controller import RecoveryConfig
+from stabilitykit.replicas import ReplicaCheckConfig
+from stabilitykit.rerun.config import RerunConfig
 from stabilitykit.rules import SkipConfig
 from stabilitykit.section import Section, UnknownFieldError
 from stabilitykit.spikes import SpikeConfig
@@ -60,6 +62,20 @@ class StabilityConfig(Section):
         ),
     )
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)  # type: ignore[arg-type]
+    rerun: RerunConfig | None = Field(
+        None,
+        description=(
+            "Re-run a flagged step to tell the data or the model (reproducible: skipped, recorded) from the "
+            "machine (transient: the recomputed step is taken) (RerunConfig); None: off."
+        ),
+    )
+    replicas: ReplicaCheckConfig | None = Field(
+        None,
+        description=(
+            "Check every N steps that data-parallel replicas hold the same parameters and optimizer state "
+            "(ReplicaCheckConfig); None: off."
+        ),
+    )
     module_metrics: bool = Field(
         True,
         description=(

@@ -20,6 +20,8 @@ EVENT_KINDS = (
     "bad_batch",
     "rollback",
     "fp8_warning",
+    "rerun",
+    "replica_mismatch",
 )
 
 
@@ -126,3 +128,32 @@ class BadBatchError(ValueError):
         self.step = step
         at = f" at step {step}" if step is not None else ""
         super().__init__(f"bad batch{at}: {path} {problem}")
+
+
+class TransientFaultError(RuntimeError):
+    """Raised when one rank's computation went wrong and came out right when recomputed too often
+    (``RerunConfig.max_transient``): a device that keeps corrupting its results."""
+
+    def __init__(self, step: int, rank: int | None, count: int) -> None:
+        self.step = step
+        self.rank = rank
+        self.count = count
+        who = f"rank {rank}" if rank is not None else "an unnamed rank"
+        super().__init__(
+            f"step {step}: {count} transient faults on {who} (a step whose recomputation gave other values): "
+            "the device is unreliable. Take it out of the job (its host is in the rerun record) and resume "
+            "from the last checkpoint"
+        )
+
+
+class ReplicaMismatchError(RuntimeError):
+    """Raised by ``ReplicaCheckConfig(on_mismatch="raise")`` when a data-parallel replica holds other weights."""
+
+    def __init__(self, step: int, rank: int, tensor: str) -> None:
+        self.step = step
+        self.rank = rank
+        self.tensor = tensor
+        super().__init__(
+            f"after step {step}: rank {rank} holds another {tensor} than its replicas (a silent corruption). "
+            "Resume from the last checkpoint, or broadcast the weights from a healthy replica"
+        )

@@ -50,5 +50,7 @@ def on_page_markdown(markdown: str, **kwargs: Any) -> str:
         sk.MonitorConfig,
         sk.Fp8MonitorConfig,
         sk.RecoveryConfig,
+        sk.RerunConfig,
+        sk.ReplicaCheckConfig,
     ]
     return markdown.replace(MARKER, "\n".join(_table(m) for m in models))

@@ -36,7 +36,9 @@ from stabilitykit.hooks import HookManager
 from stabilitykit.nan import batch_is_bad, check_batch
 from stabilitykit.precision import PrecisionChoice, apply_precision_config
 from stabilitykit.recovery import Recovery
+from stabilitykit.replicas import ReplicaCheck
 from stabilitykit.report import StepReport
+from stabilitykit.rerun import Rerun
 from stabilitykit.rules import SkipRule
 from stabilitykit.run_log import RunSummary
 from stabilitykit.state import STATE_VERSION, validate_state
@@ -309,6 +311,23 @@ class DriverCore:
                 restore_guard=self._recovered,
             )
             self._undo.append(self.recovery.close)
+        #: Re-running a flagged step (``config.rerun``), or None when it is off.
+        self.rerun: Rerun | None = None
+        if self.config.rerun is not None:
+            if self.scaler.enabled:
+                raise ValueError(
+                    "stabilitykit: RerunConfig cannot be used with a GradScaler yet (a recomputed step would unscale "
+                    "the grads a second time); use bf16 autocast, or leave rerun off"
+                )
+            self.rerun = self.engine.rerun = Rerun(self.config.rerun, model, self.engine.device, self.hooks)
+            self._undo.append(self.rerun.close)
+        self._warned_no_replay = False
+        #: Replica consistency checks (``config.replicas``), or None when off.
+        self.replicas: ReplicaCheck | None = None
+        if self.config.replicas is not None:
+            self.replicas = ReplicaCheck(
+                self.config.replicas, self.engine.params, self.engine.param_names, self.optimizer, model, self.hooks
+            )
         self.tracing.attach_for(self.engine.step)
 
     # ------------------------------------------------------------------ micro-batches
@@ -336,11 +355,18 @@ class DriverCore:
         self.scaler.scale(loss).backward(**kwargs)
 
     # ------------------------------------------------------------------ the step
-    def evaluate(self, replay: Callable[[], Tensor] | None = None, log_step: int | None = None) -> StepDecision:
+    def evaluate(
+        self,
+        replay: Callable[[], Tensor] | None = None,
+        log_step: int | None = None,
+        backward: Callable[[Tensor], None] | None = None,
+    ) -> StepDecision:
         """Grads are final: measure, clip and decide this step (a step still in flight is finished first).
 
         ``replay`` recomputes this batch's loss (forward only); with ``nan_trace.mode="on_nonfinite"``
-        a skipped step is replayed once to name where it went non-finite (one sync per step).
+        a skipped step is replayed once to name where it went non-finite (one sync per step); with
+        ``config.rerun`` a flagged step is computed again through it and ``backward`` (how the driver
+        backpropagates and records a loss; a driver that passes none does not re-run).
         ``log_step``: the step number sinks see for this step (a framework's global step).
         Inside a step whose closure already decided (a closure evaluated twice), that decision stands.
         """
@@ -350,11 +376,16 @@ class DriverCore:
             self.finish()
         self._follow_param_groups()
         grad_scale = self.scaler.grads_scale(self.optimizer, self.engine.fused)
+        force_skip = self._bad_batch
+        if self.rerun is not None:
+            self.rerun.arm(self._recompute(replay, backward))
+            if self.rerun.known_bad(self.engine.step):  # judged reproducible before: not trained on again
+                force_skip = self.engine.inputs.true if force_skip is None else force_skip | True
         decision = self.engine.evaluate(
             grad_scale=grad_scale,
             scaler_active=self.scaler.enabled,
             loss_scale=self.scaler.loss_scale(),
-            force_skip=self._bad_batch,
+            force_skip=force_skip,
             skip_ahead=self.recovery is not None and self.recovery.skips_batch(self.engine.step),
             request=self.recovery.request(self.engine.step) if self.recovery is not None else 0,
             verdict=self.recovery.verdict(self.engine.step) if self.recovery is not None else 0,
@@ -378,6 +409,35 @@ class DriverCore:
                 engine.readout.source_hint = source  # named by this step's skip events
             self.buffers.restore(True)  # after a replay's forward: its running statistics go too
         return decision
+
+    def _recompute(
+        self, replay: Callable[[], Tensor] | None, backward: Callable[[Tensor], None] | None
+    ) -> Callable[[], None] | None:
+        """How a rerun computes this step again: running statistics put back, grads dropped, the batch's
+        forward (``replay``) and the driver's backward (``backward``, which records the loss) again.
+        None when the driver gave either not (with one warning): its flagged steps are not re-run."""
+        if replay is None or backward is None:
+            if not self._warned_no_replay:
+                self._warned_no_replay = True
+                how = (
+                    "pass guard.step(replay=...)"
+                    if backward is not None
+                    else "this driver cannot re-run a step yet (the plain loop, Accelerate and Fabric guards can)"
+                )
+                warnings.warn(
+                    f"stabilitykit: RerunConfig is on but a step's batch cannot be computed again ({how}): "
+                    "flagged steps are skipped without a rerun",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
+            return None
+
+        def recompute() -> None:
+            self.buffers.restore(True)
+            self.optimizer.zero_grad(set_to_none=True)
+            backward(replay())
+
+        return recompute
 
     def _count_params(self) -> int:
         return sum(len(group["params"]) for group in self.optimizer.param_groups)
@@ -456,6 +516,10 @@ class DriverCore:
         try:
             recovery = self.recovery
             self.last_report = self.engine.finish(decision, log_step=self._log_step, raise_divergence=recovery is None)
+            if self.rerun is not None:
+                self.rerun.end_step()
+            if self.replicas is not None and self.replicas.due(decision.report.step):
+                self.replicas.check(decision.report.step)
             if recovery is not None:
                 recovery.after_step(decision)
         finally:

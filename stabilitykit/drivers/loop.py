@@ -215,14 +215,16 @@ class StabilityGuard:
 
         ``optimizer``: which one steps (required with several). ``replay``: recomputes this batch's
         loss (forward only); with ``nan_trace.mode="on_nonfinite"`` a skipped step is replayed once
-        with hooks and anomaly mode to name where it went non-finite. ``update_scaler``: call
+        with hooks and anomaly mode to name where it went non-finite; with ``config.rerun`` a flagged
+        step is computed again through it (forward here, backward by the guard) to tell a transient
+        fault of the machine from bad data. ``update_scaler``: call
         ``scaler.update()`` after the step (several optimizers under one GradScaler: pass False for
         all but the last one that steps this iteration).
         """
         self._check_open("step")
         core = self.core_for(optimizer)
         self.driver.claim_losses(core)
-        core.evaluate(replay=replay)
+        core.evaluate(replay=replay, backward=lambda loss: self.backward(loss, optimizer=optimizer))
         self._optimizer_step(core, update_scaler)
         if not core.should_hold_scheduler():
             for scheduler in self._schedulers_of(core):

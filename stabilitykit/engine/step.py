@@ -72,6 +72,7 @@ from stabilitykit.rules.spike import Spike
 
 if TYPE_CHECKING:  # the config module imports the sections' owners, this package among them
     from stabilitykit.config import StabilityConfig
+    from stabilitykit.rerun import Rerun
 
 
 def is_fused(optimizer: Any | None) -> bool:
@@ -85,6 +86,10 @@ def is_fused(optimizer: Any | None) -> bool:
         return False
     step = getattr(type(optimizer), "step", None)
     return str(getattr(step, "__module__", "")).startswith("torch.optim")
+
+
+#: One measurement of a step: norms, grouped grads, loss, metrics, the agreed values, the decision code.
+_Measured = tuple[NormResult, list[list[Tensor]], Tensor | None, dict[str, Tensor], dict[str, Tensor], Tensor]
 
 
 @dataclass
@@ -135,6 +140,8 @@ class StabilityEngine:
         #: Whether anything can ever skip a step (configuration and rules only, so the same on every rank).
         self.can_skip = self.config.can_skip or bool(self.user_rules)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
+        #: Re-running a flagged step (``config.rerun``, ``rerun/policy.py``): set by the driver core, or None.
+        self.rerun: Rerun | None = None
         #: Modules that measure themselves, QK-clip and the model monitor (``engine/sources.py``).
         self.sources = MetricSources(self.config, model, self.params)
         self._mark_measure()
@@ -303,15 +310,30 @@ class StabilityEngine:
         step = self.step
         mark_collective_step(step)
         update_sums = self.updates.to_fold(step) if self.updates is not None else None
-        norms, grouped = self.plan.compute(grad_scale, extra=update_sums)
-        loss, metrics, layout_fixed_now = self.inputs.take()
-        if layout_fixed_now:
-            self.journal.relayout(self.inputs.layout.names)
-        record = self.inputs.build_record(
-            norms, loss, metrics, self.rules, step, force_skip, skip_ahead, request, scaler_active, verdict
-        )
-        agreed = record.agree(self.config.skip.sync_ranks)
-        code = self.rules.code(*self.inputs.rule_flags(record, agreed, self.rules))
+
+        def measure() -> _Measured:
+            norms, grouped = self.plan.compute(grad_scale, extra=update_sums)
+            loss, metrics, layout_fixed_now = self.inputs.take()
+            if layout_fixed_now:
+                self.journal.relayout(self.inputs.layout.names)
+            record = self.inputs.build_record(
+                norms, loss, metrics, self.rules, step, force_skip, skip_ahead, request, scaler_active, verdict
+            )
+            agreed = record.agree(self.config.skip.sync_ranks)
+            code = self.rules.code(*self.inputs.rule_flags(record, agreed, self.rules))
+            return norms, grouped, loss, metrics, agreed, code
+
+        rerun = self.rerun if self.rerun is not None and self.rerun.armed else None
+        rule_states = [rule.state_dict() for rule in self.rules] if rerun is not None else []
+        norms, grouped, loss, metrics, agreed, code = measure()
+        if rerun is not None and rerun.wanted(code, self.rules):  # one read of the code (rerun on only)
+            first = (loss, norms.total)  # this rank's own values, before they were agreed
+            rerun.recompute()  # the batch's forward and backward again, from the step's random state
+            for rule, state in zip(self.rules, rule_states, strict=True):
+                if state:
+                    rule.load_state_dict(state)  # the rules see the step once (skip-on-spike's statistics)
+            norms, grouped, loss, metrics, agreed, code = measure()
+            rerun.judge(step, first, (loss, norms.total))  # transient: this recomputed step goes on
         skip = code > 0
         total = agreed["grad_norm"]
         coef, threshold = self._clip(norms, grouped, total, agreed["grads_finite"], agreed["loss_finite"], skip)

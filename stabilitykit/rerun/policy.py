@@ -1,0 +1,162 @@
+"""When a step is re-run, with which random state, and what the verdict does.
+
+Per step: the core arms the policy with the driver's way to compute the step's batch again (its
+replay) and the random state is taken when the step's first forward starts (a forward pre-hook on
+the model, once per step). The engine asks ``wanted`` once the step's decision code exists (one host
+read of the code per step while rerun is on): a step skipped for a reason in ``RerunConfig.on``, and
+for none that blames the data or a rollback, is re-run: the random state put back, the grads
+dropped, running statistics put back, the batch's forward and backward computed again
+(``recompute``), then measured again by the engine, which passes both passes' values to ``judge``.
+
+Verdicts: ``reproducible`` (the same values: the data or the model) keeps the skip and records the
+batch; ``transient`` (other values: the machine) takes the recomputed step (its decision is the
+recomputation's), names the rank, counts it, warns, and raises ``TransientFaultError`` after
+``max_transient`` on one rank. Every rank takes the same branches: the code and the comparison are
+agreed across ranks.
+"""
+
+from __future__ import annotations
+
+import socket
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from stabilitykit.distributed import is_distributed
+from stabilitykit.events import Event, TransientFaultError
+from stabilitykit.hooks import HookManager
+from stabilitykit.recovery.rng import capture_rng, restore_rng
+from stabilitykit.rerun.compare import compare
+from stabilitykit.rerun.config import NOT_RERUN, RerunConfig
+from stabilitykit.rerun.record import RerunRecord
+from stabilitykit.rules import RuleSet
+from stabilitykit.rules.registry import SKIP
+
+#: The relative tolerance on GPUs when ``RerunConfig.rtol`` is None (the CPU's is 0: bitwise).
+GPU_RTOL = 1e-4
+
+
+class Rerun:
+    """One optimizer's rerun policy (see the module docstring)."""
+
+    def __init__(self, config: RerunConfig, model: nn.Module | None, device: torch.device, hooks: HookManager) -> None:
+        self.config = config
+        self.hooks = hooks
+        self.rtol = config.rtol if config.rtol is not None else (0.0 if device.type == "cpu" else GPU_RTOL)
+        self.rank = dist.get_rank() if is_distributed() else 0
+        self.record = RerunRecord(config.record_path, writer=self.rank == 0)
+        #: Transient faults per rank (None: a fault no single rank could be blamed for).
+        self.transient: dict[int | None, int] = {}
+        #: The verdict events of this run, in order.
+        self.events: list[Event] = []
+        self._recompute: Callable[[], None] | None = None
+        self._reasons: list[str] = []
+        self._rng: dict[str, Any] = capture_rng()
+        self._captured = False
+        self._hook = model.register_forward_pre_hook(self._on_forward) if model is not None else None
+
+    # ------------------------------------------------------------------ the core's side
+    def _on_forward(self, _module: nn.Module, _args: Any) -> None:
+        """The step's first forward starts: the random state it starts with (a replay's forward is not first)."""
+        if not self._captured:
+            self._rng = capture_rng()
+            self._captured = True
+
+    def arm(self, recompute: Callable[[], None] | None) -> None:
+        """This step can be computed again by ``recompute`` (None: it cannot; it is never re-run)."""
+        self._recompute = recompute
+
+    @property
+    def armed(self) -> bool:
+        """This step can be re-run (the driver gave a way to compute it again)."""
+        return self._recompute is not None
+
+    def end_step(self) -> None:
+        """The step is over: the next step's first forward takes the random state anew."""
+        self._recompute = None
+        self._captured = False
+
+    def known_bad(self, step: int) -> bool:
+        """Step ``step`` was judged reproducible-bad before (in this run or one whose record this run reads)."""
+        return step in self.record.bad_steps
+
+    def close(self) -> None:
+        """Remove the forward pre-hook."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    # ------------------------------------------------------------------ the engine's side
+    def wanted(self, code: Tensor, rules: RuleSet) -> bool:
+        """This step's decision (agreed across ranks; one host read) calls for a rerun."""
+        if self._recompute is None:
+            return False
+        value = int(code.item())
+        if not value & SKIP:
+            return False
+        raised = rules.raised_anywhere(value)
+        self._reasons = raised
+        return any(r in self.config.on for r in raised) and not any(r in NOT_RERUN for r in raised)
+
+    def recompute(self) -> None:
+        """Compute the step's batch again from the random state the step started with."""
+        assert self._recompute is not None
+        restore_rng(self._rng)
+        self._recompute()
+
+    def judge(self, step: int, first: tuple[Tensor | None, Tensor], again: tuple[Tensor | None, Tensor]) -> Event:
+        """Compare the passes, emit the ``rerun`` event, record it; raise after too many transient faults."""
+        found = compare(first, again, self.rtol)
+        verdict = "transient" if found.transient else "reproducible"
+        rank = found.rank if found.transient else None
+        hosts = _hosts(found.world) if found.transient else []
+        host = hosts[rank] if rank is not None and rank < len(hosts) else None
+        reasons = ", ".join(self._reasons)
+        if found.transient:
+            who = f"rank {rank}" + (f" on {host}" if host else "") if rank is not None else f"ranks {found.ranks}"
+            message = (
+                f"step {step} ({reasons}) came out otherwise when computed again on {who}: a transient fault of "
+                "the machine, not the data; the recomputed step is taken"
+            )
+        else:
+            message = (
+                f"step {step} ({reasons}) came out the same when computed again: the data or the model, not the "
+                "machine; the step is skipped and its batch recorded"
+            )
+        details = {"verdict": verdict, "rank": rank, "ranks": found.ranks, "reasons": list(self._reasons)}
+        if host is not None:
+            details["host"] = host
+        event = Event("rerun", step, message, details)
+        self.events.append(event)
+        self.hooks.emit(event)
+        self.record.add(
+            {
+                "step": step,
+                "batch": step,
+                "verdict": verdict,
+                "rank": rank,
+                "host": host,
+                "reasons": list(self._reasons),
+            }
+        )
+        if found.transient:
+            count = self.transient[rank] = self.transient.get(rank, 0) + 1
+            warnings.warn(f"stabilitykit: {message}", RuntimeWarning, stacklevel=4)
+            limit = self.config.max_transient
+            if limit is not None and count >= limit:
+                raise TransientFaultError(step, rank, count)
+        return event
+
+
+def _hosts(world: int) -> list[str]:
+    """Every rank's host name (a collective every rank runs: the verdict is agreed)."""
+    name = socket.gethostname()
+    if not is_distributed():
+        return [name]
+    hosts: list[Any] = [None] * world
+    dist.all_gather_object(hosts, name)
+    return [str(h) for h in hosts]

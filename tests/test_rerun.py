@@ -1,0 +1,167 @@
+"""Rerun in one process: verdicts, the random state, the record, the limits; fault injection; fingerprints.
+
+The distributed cells (faults on rank 1 only, DDP and HSDP) are in ``test_rerun_distributed.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import stabilitykit as sk
+from stabilitykit.replicas import fingerprint
+from stabilitykit.testing import flip_bit, inject_fault
+
+STEPS, FAULT_STEP = 10, 4
+
+
+def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)) for _ in range(STEPS)]
+
+
+def _train(
+    fault: dict[str, Any] | None = None, record: Path | None = None, huge: bool = False, **rerun: Any
+) -> dict[str, Any]:
+    torch.manual_seed(0)  # dropout and batch norm: the recomputation must start from the step's random state
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = sk.StabilityConfig(log_every_n_steps=3, rerun=sk.RerunConfig(record_path=record and str(record), **rerun))
+    events: list[sk.Event] = []
+    fired = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with sk.StabilityGuard(model, opt, cfg) as guard:
+            guard.hooks.on("*", events.append)
+            injected = inject_fault(model, **fault) if fault else None
+            skipped = []
+            for step, (x, y) in enumerate(_data()):
+                if huge and step == FAULT_STEP:
+                    x = x * 3e38
+
+                def loss_of(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                    return nn.functional.cross_entropy(model(x), y)
+
+                guard.backward(loss_of())
+                if guard.step(replay=loss_of).skipped:
+                    skipped.append(step)
+                guard.zero_grad()
+            fired = injected.fired if injected is not None else None
+    return {
+        "state": [t.clone() for t in model.state_dict().values()],
+        "reruns": [e for e in events if e.kind == "rerun"],
+        "skipped": skipped,
+        "fired": fired,
+    }
+
+
+@pytest.fixture(scope="module")
+def clean() -> dict[str, Any]:
+    return _train()
+
+
+def _bitwise(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a["state"], b["state"], strict=True))
+
+
+@pytest.mark.parametrize("kind", ["nan", "bitflip"])
+def test_a_one_time_fault_is_transient_and_the_recomputed_step_ends_bitwise_clean(clean: dict, kind: str) -> None:
+    """The fault hits the logits once (a NaN, or the exponent's top bit of a value in [1, 2): Inf/NaN)."""
+    fault = {"target": "activation", "name": "4", "step": FAULT_STEP, "kind": kind}
+    if kind == "bitflip":
+        fault = {**fault, "kind": "value", "value": math.inf}
+    run = _train(fault)
+    assert [(e.step, e.details["verdict"], e.details["rank"]) for e in run["reruns"]] == [(FAULT_STEP, "transient", 0)]
+    assert run["skipped"] == []
+    assert run["fired"] == 1
+    assert _bitwise(run, clean)  # weights and batch-norm statistics: dropout drew the same masks again
+
+
+def test_a_fault_every_time_the_batch_is_computed_is_reproducible_and_skipped(clean: dict, tmp_path: Path) -> None:
+    fault = {"target": "grad", "name": "4.weight", "step": FAULT_STEP, "kind": "nan", "repeat": True}
+    run = _train(fault, record=tmp_path / "rerun.jsonl")
+    assert [(e.step, e.details["verdict"], e.details["rank"]) for e in run["reruns"]] == [
+        (FAULT_STEP, "reproducible", None)
+    ]
+    assert run["skipped"] == [FAULT_STEP]
+    assert run["fired"] == 2  # the first pass and the recomputation
+    line = json.loads((tmp_path / "rerun.jsonl").read_text())
+    assert (line["step"], line["batch"], line["verdict"]) == (FAULT_STEP, FAULT_STEP, "reproducible")
+
+
+def test_a_run_started_again_with_the_record_skips_the_known_bad_batch_without_a_rerun(tmp_path: Path) -> None:
+    record = tmp_path / "rerun.jsonl"
+    first = _train(huge=True, record=record)
+    assert first["skipped"] == [FAULT_STEP]
+    assert [e.details["verdict"] for e in first["reruns"]] == ["reproducible"]
+    again = _train(record=record)  # the same batch, clean this time: still skipped, as recorded
+    assert again["skipped"] == [FAULT_STEP]
+    assert again["reruns"] == []
+
+
+def test_too_many_transient_faults_on_one_rank_raise(clean: dict) -> None:
+    fault = {"target": "activation", "name": "4", "step": FAULT_STEP, "kind": "nan"}
+    with pytest.raises(sk.TransientFaultError, match="1 transient faults on rank 0"):
+        _train(fault, max_transient=1)
+
+
+def test_rules_see_a_rerun_step_once_and_steps_not_flagged_are_not_rerun(clean: dict) -> None:
+    run = _train(on=["spike"])  # nothing is a spike: nothing re-run, nothing changed
+    assert run["reruns"] == [] and _bitwise(run, clean)
+    nan = {"target": "activation", "name": "4", "step": FAULT_STEP, "kind": "nan"}
+    run = _train(nan, on=["spike"])  # a NaN is not among the reasons: skipped, not re-run
+    assert run["reruns"] == [] and run["skipped"] == [FAULT_STEP]
+
+
+def test_without_a_replay_or_with_a_grad_scaler_it_says_so() -> None:
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(rerun=sk.RerunConfig()))
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.warns(RuntimeWarning, match="guard.step\\(replay=...\\)"):
+        guard.step()
+    guard.close()
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(ValueError, match="GradScaler"):
+        sk.StabilityGuard(model, opt, sk.StabilityConfig(rerun=sk.RerunConfig()), scaler=scaler)
+
+
+def test_flip_bit_flips_exactly_one_bit() -> None:
+    t = torch.tensor([1.5, 0.25], dtype=torch.float32)
+    flip_bit(t, 0)  # the exponent's top bit of 1.5: all exponent bits set -> not finite
+    assert not math.isfinite(float(t[0])) and float(t[1]) == 0.25
+    t = torch.tensor([0.25], dtype=torch.bfloat16)
+    flip_bit(t, 0, bit=0)
+    assert (
+        float(t[0]) != 0.25
+        and (t.view(torch.int16) ^ torch.tensor([0.25], dtype=torch.bfloat16).view(torch.int16)).item() == 1
+    )
+    with pytest.raises(ValueError, match="outside"):
+        flip_bit(t, 0, bit=16)
+
+
+def test_fingerprints_change_with_any_single_bit_and_not_otherwise() -> None:
+    t = torch.randn(64)
+    base = fingerprint(t)
+    assert torch.equal(fingerprint(t.clone()), base)
+    for bit in (0, 12, 23, 30, 31):
+        u = t.clone()
+        flip_bit(u, 17, bit)
+        assert not torch.equal(fingerprint(u), base), bit
+    assert fingerprint(torch.ones(3, dtype=torch.float64)).dtype == torch.int64
+
+
+def test_a_replica_check_without_torch_distributed_does_nothing() -> None:
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sk.StabilityGuard(model, opt, sk.StabilityConfig(replicas=sk.ReplicaCheckConfig(every_n_steps=1))) as guard:
+        model(torch.randn(2, 4)).sum().backward()
+        guard.step()
+        assert guard.core.replicas is not None and guard.core.replicas.mismatches == []

@@ -1,0 +1,111 @@
+"""Rerun verdicts and replica checks in real gloo processes, every fault on rank 1 only.
+
+One launch per world size (``distributed_rerun_script.py``): 2 processes (DDP: the plain loop's
+rerun cells, the record and a run started again with it, a parameter corruption, 500 clean steps)
+and 4 (DDP and HSDP on a 2 x 2 mesh: a parameter corruption on one replica, clean steps).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.distributed_script_runner import run_world
+
+SCRIPT = Path(__file__).parent / "distributed_rerun_script.py"
+FAULT_STEP = 6
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_world(SCRIPT, 2, tmp_path_factory.mktemp("rerun2"), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_world(SCRIPT, 4, tmp_path_factory.mktemp("rerun4"), timeout=300)
+
+
+def _reruns(cell: dict) -> list[dict]:
+    return [e for e in cell["events"] if e["kind"] == "rerun"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_one_time_nan_in_rank_1s_forward_is_transient_names_rank_1_and_ends_bitwise_clean(
+    two: list[dict], four: list[dict], world: int
+) -> None:
+    ranks = two if world == 2 else four
+    for rank in ranks:
+        cell = rank["nan-activation"]
+        assert _reruns(cell) == [{"kind": "rerun", "step": FAULT_STEP, "verdict": "transient", "rank": 1}]
+        assert cell["skipped"] == []  # the recomputed step was taken
+        assert cell["hash"] == rank["clean"]["hash"]  # final weights: a clean run's, bitwise
+    assert [r["nan-activation"]["fired"] for r in ranks] == [0, 1] + [0] * (world - 2)
+
+
+def test_a_one_time_exponent_flip_caught_as_a_spike_is_transient_on_rank_1(two: list[dict]) -> None:
+    for rank in two:
+        cell, clean = rank["flip-activation"], rank["clean-spike"]
+        at_fault = [e for e in _reruns(cell) if e["step"] == FAULT_STEP]
+        assert at_fault == [{"kind": "rerun", "step": FAULT_STEP, "verdict": "transient", "rank": 1}]
+        assert FAULT_STEP not in cell["skipped"]
+        assert cell["skipped"] == clean["skipped"]
+        assert cell["hash"] == clean["hash"]
+
+
+def test_a_one_time_flip_in_rank_1s_local_gradient_is_transient(two: list[dict]) -> None:
+    """Before DDP's all-reduce: every rank's grads carry it, no loss differs, so no single rank is named."""
+    for rank in two:
+        cell = rank["flip-grad"]
+        assert [(e["step"], e["verdict"]) for e in _reruns(cell)] == [(FAULT_STEP, "transient")]
+        assert cell["skipped"] == []
+        assert cell["hash"] == rank["clean"]["hash"]
+
+
+def test_a_batch_of_huge_inputs_is_reproducible_skipped_everywhere_recorded_and_skipped_on_a_new_start(
+    two: list[dict],
+) -> None:
+    for rank in two:
+        cell = rank["huge-batch"]
+        assert _reruns(cell) == [{"kind": "rerun", "step": FAULT_STEP, "verdict": "reproducible", "rank": None}]
+        assert cell["skipped"] == [FAULT_STEP]
+        again = rank["huge-batch-again"]
+        assert _reruns(again) == []  # known bad: skipped without computing it twice
+        assert again["skipped"] == [FAULT_STEP]
+        assert [e["reason"] for e in again["events"] if e["kind"] == "skipped"] == ["bad_batch"]
+    lines = [json.loads(line) for line in two[0]["record"]]
+    assert [(e["step"], e["batch"], e["verdict"], e["rank"]) for e in lines] == [
+        (FAULT_STEP, FAULT_STEP, "reproducible", None)
+    ]
+
+
+@pytest.mark.parametrize(("world", "layout"), [(2, "ddp"), (4, "ddp"), (4, "hsdp")])
+def test_a_finite_corruption_of_one_parameter_on_one_replica_is_reported_at_the_next_check(
+    two: list[dict], four: list[dict], world: int, layout: str
+) -> None:
+    ranks = two if world == 2 else four
+    check_step = 9  # checks after steps 4, 9, ...; the flip happens before step 6's forward
+    expected = {"kind": "replica_mismatch", "step": check_step, "tensor": "blocks.0.fc.weight"}
+    for r, rank in enumerate(ranks):
+        events = rank[f"{layout}-param"]["events"]
+        if layout == "hsdp" and r in (0, 2):  # the replica group {0, 2} holds the same shard alike
+            assert events == []
+            continue
+        assert len(events) == 1, events
+        event = events[0]
+        assert {k: event[k] for k in expected} == expected
+        if layout == "ddp":  # three replicas agree: the odd one out; two: the second of the pair (rank 1)
+            assert event["rank"] == 1
+        else:
+            assert event["rank"] in (1, 3)  # HSDP 2 x 2: rank 1's replica group is {1, 3}; two replicas
+
+
+def test_clean_runs_report_nothing(two: list[dict], four: list[dict]) -> None:
+    """500 clean DDP steps (rerun on, a replica check every 5 steps) and 25 clean HSDP steps: no event."""
+    for rank in two:
+        assert rank["ddp-clean-long"]["events"] == []
+        assert rank["clean"]["events"] == []
+    for rank in four:
+        assert rank["hsdp-clean"]["events"] == []
