@@ -138,6 +138,10 @@ class Fault:
         mask[self.index] = True
         return torch.where(mask.reshape(tensor.shape), corrupted, tensor)
 
+    def hold(self, handle: Any) -> None:
+        """Keep a hook's handle: ``remove()`` removes it."""
+        self._handles.append(handle)
+
     def remove(self) -> None:
         """Take the fault out (its hooks removed); idempotent."""
         for handle in self._handles:
@@ -229,7 +233,7 @@ def inject_fault(
                 return new
             return type(output)([new, *output[1:]])
 
-        fault._handles.append(module.register_forward_hook(on_output))
+        fault.hold(module.register_forward_hook(on_output))
     elif target == "grad":
         param = _parameter(model, name)
 
@@ -237,7 +241,7 @@ def inject_fault(
             if p.grad is not None and fault.due():
                 fault.corrupt(p.grad)
 
-        fault._handles.append(param.register_post_accumulate_grad_hook(on_grad))
+        fault.hold(param.register_post_accumulate_grad_hook(on_grad))
     else:  # param: before the forward of its step
         param = _parameter(model, name)
 
@@ -246,5 +250,5 @@ def inject_fault(
                 local = param.to_local() if hasattr(param, "to_local") else param
                 fault.corrupt(local.data)
 
-        fault._handles.append(model.register_forward_pre_hook(before_forward))
+        fault.hold(model.register_forward_pre_hook(before_forward))
     return fault
