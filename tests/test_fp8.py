@@ -90,6 +90,19 @@ def test_fp8_without_torchao_names_the_extra(monkeypatch, capsys) -> None:
     assert "stabilitykit[fp8]" in capsys.readouterr().err
 
 
+def test_the_command_writes_fp8_rows_and_names_the_converted_layers(tmp_path, capsys) -> None:
+    from stabilitykit.cli import main
+
+    model = "stabilitykit.testing.models:tiny_gpt"
+    assert main(["precision", "--model", model, "--variants", "fp8", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "precision.json").read_text())
+    assert set(data["variants"]) == {"fp8"} and "lm_head" in data["notes"]["fp8"]["converted"]
+    rows = {r["module"]: r["rms_rel"] for r in data["variants"]["fp8"]["forward"]}
+    assert rows["lm_head"] > 1e-2 and rows["tok_emb"] == 0.0  # an embedding is not converted: no error
+    out = capsys.readouterr().out
+    assert "fp8 vs fp32: forward rms_rel" in out and "layers converted (tensorwise, emulated)" in out
+
+
 def test_select_precision_reports_fp8_capability_without_choosing_it() -> None:
     choice = sk.select_precision("cpu", log_choice=False)
     assert choice.fp8_capable is False and choice.fp8_recipe is None
@@ -244,3 +257,8 @@ def test_fallback_runs_the_layer_in_high_precision_and_survives_a_resume() -> No
     resumed.load_state_dict(state)
     assert in_high_precision(dict(fresh.named_modules())[OUTLIER_LAYER])
     assert not in_high_precision(dict(fresh.named_modules())["model.layers.0.mlp.up_proj"])
+
+    plain = tiny_llama()  # not converted: the saved fallback cannot be honoured, and loading says so
+    guard = sk.StabilityGuard(plain, torch.optim.AdamW(plain.parameters(), lr=3e-3), config=cfg)
+    with pytest.raises(ValueError, match="no Float8Linear for"):
+        guard.load_state_dict(state)

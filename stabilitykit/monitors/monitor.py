@@ -385,8 +385,14 @@ class ModelMonitor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``."""
-        if self.fp8 is not None and state.get("fp8"):
-            self.fp8.load_state_dict(state["fp8"])
+        saved = state.get("fp8") or {}
+        if self.fp8 is not None and saved:
+            self.fp8.load_state_dict(saved)
+        elif saved.get("fallen_back"):
+            raise ValueError(
+                "FP8 monitor state names layers this model has no Float8Linear for: "
+                f"{saved['fallen_back']} (convert the model as the saved run did, or turn MonitorConfig.fp8 on)"
+            )
 
     def is_precursor(self, key: str) -> bool:
         """Whether the spike detector's trend warnings should watch ``key`` (``MonitorConfig.precursors``)."""
