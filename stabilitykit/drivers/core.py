@@ -27,7 +27,6 @@ from stabilitykit.buffers import BufferGuard, running_stat_buffers
 from stabilitykit.compat.attributes import replace_attribute
 from stabilitykit.compat.grad_scaler import ScalerAdapter
 from stabilitykit.compat.private import wrapped_optimizer
-from stabilitykit.compat.schedulers import hold_scheduler, release_scheduler
 from stabilitykit.config import StabilityConfig
 from stabilitykit.engine import StabilityEngine, StepDecision, StepGate, is_fused
 from stabilitykit.engine.gate import NewStateCheck
@@ -290,8 +289,8 @@ class DriverCore:
         self._log_step: int | None = None
         #: The NaN tracing policy (``config.nan_trace``): the tracer's hooks, the replay, the newest source.
         self.tracing = NaNTracing(model, self.config.nan_trace, enabled=tracing)
-        self._undo: list[Callable[[], None]] = []
-        self._undo.append(self.engine.close_monitors)  # the monitors' forward hooks (config.monitors)
+        self._closers: list[Callable[[], None]] = []  # run once by release(): hooks and recovery
+        self._closers.append(self.engine.close_monitors)  # the monitors' forward hooks (config.monitors)
         self._routes: dict[int, Callable[[], None]] = {}  # optimizer id -> undo of its routed step
         self._in_closure_step = False
         #: ``optimizer.step()`` calls made directly, outside a step of this driver (a warning names the first).
@@ -310,7 +309,7 @@ class DriverCore:
                 guard_state=self._recovery_state,
                 restore_guard=self._recovered,
             )
-            self._undo.append(self.recovery.close)
+            self._closers.append(self.recovery.close)
         #: Re-running a flagged step (``config.rerun``), or None when it is off.
         self.rerun: Rerun | None = None
         if self.config.rerun is not None:
@@ -320,7 +319,7 @@ class DriverCore:
                     "the grads a second time); use bf16 autocast, or leave rerun off"
                 )
             self.rerun = self.engine.rerun = Rerun(self.config.rerun, model, self.engine.device, self.hooks)
-            self._undo.append(self.rerun.close)
+            self._closers.append(self.rerun.close)
         self._warned_no_replay = False
         #: Replica consistency checks (``config.replicas``), or None when off.
         self.replicas: ReplicaCheck | None = None
@@ -348,11 +347,6 @@ class DriverCore:
     def record_loss(self, loss: Tensor) -> None:
         """Remember one micro-batch's loss (stays on the device)."""
         self.engine.inputs.add_loss(loss)
-
-    def backward(self, loss: Tensor, **kwargs: Any) -> None:
-        """Record ``loss`` and backpropagate it, scaled when a GradScaler is enabled."""
-        self.record_loss(loss)
-        self.scaler.scale(loss).backward(**kwargs)
 
     # ------------------------------------------------------------------ the step
     def evaluate(
@@ -568,7 +562,7 @@ class DriverCore:
         need ``optimizer.step.__func__``) and anyone who wraps it after us keep working; it never
         reaches ``optimizer.state_dict()``. Without a step in flight it just runs the step. Undoing
         restores exactly what was there before (an instance attribute such as an LR scheduler's
-        patch, or none); the undo runs at ``release()``.
+        patch, or none); the driver that installed it keeps the undo (``Driver.route_steps``).
         """
         target = unwrap_optimizer(optimizer)
         self._released = False
@@ -591,7 +585,6 @@ class DriverCore:
             restore()  # someone who wrapped it again on top keeps theirs (ours then just runs the step)
 
         self._routes[id(target)] = undo
-        self._undo.append(undo)
         return undo
 
     def _recovery_state(self) -> dict[str, Any]:
@@ -614,17 +607,12 @@ class DriverCore:
         if self.recovery is not None:
             self.recovery.track_scheduler(scheduler)
 
-    def hold_scheduler(self, scheduler: Any) -> None:
-        """Hold ``scheduler`` on skipped steps (its saved state is never touched) until ``release``."""
-        hold_scheduler(scheduler, self.should_hold_scheduler)
-        self.engine.note_scheduler_held()
-        self._undo.append(lambda: release_scheduler(scheduler))
-
     def release(self) -> None:
-        """Undo every wrapper and hold this core installed (idempotent; safe after an exception)."""
+        """Remove the monitors' hooks and close recovery (idempotent; safe after an exception); a routed
+        step still reached runs unguarded and silently from now on."""
         self._released = True
-        while self._undo:
-            self._undo.pop()()
+        while self._closers:
+            self._closers.pop()()
 
     # ------------------------------------------------------------------ state
     def summary(self) -> RunSummary:

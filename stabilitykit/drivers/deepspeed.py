@@ -45,7 +45,7 @@ non-finite layer from the norms.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -71,12 +71,12 @@ from stabilitykit.config import StabilityConfig
 from stabilitykit.drivers._extras import missing
 from stabilitykit.drivers.base import Driver
 from stabilitykit.drivers.core import DriverCore
+from stabilitykit.drivers.loop import StabilityGuard
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.recovery import TrainingObjects
 from stabilitykit.report import StepReport
 from stabilitykit.rules import SkipRule
-from stabilitykit.run_log import RunSummary
 from stabilitykit.sinks.base import Sink
 
 try:
@@ -170,6 +170,9 @@ class _Partitions:
 
     def step(self) -> None:  # pragma: no cover - never called: the engine steps DeepSpeed's optimizer
         raise RuntimeError("stabilitykit: the DeepSpeed engine steps its own optimizer")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to clear: DeepSpeed's step drops its grads itself (``guard.zero_grad()`` is harmless)."""
 
 
 def _named_engine(names: list[str]) -> type[StabilityEngine]:
@@ -283,14 +286,16 @@ def rank_state(engine: Any, scaler: ScalerAdapter, guard_state: Any) -> Training
     )
 
 
-class DeepSpeedGuard:
+class DeepSpeedGuard(StabilityGuard):
     """Keeps a loop over a DeepSpeed engine finite: norms, clipping, skip-the-batch, metrics and events.
 
-    ``engine``: what ``deepspeed.initialize`` returned. The engine's ``backward`` and ``step`` are
-    routed through the guard for its life, so a loop that calls ``engine.backward(loss)`` and
+    ``engine``: what ``deepspeed.initialize`` returned (kept as ``deepspeed_engine``; ``guard.engine`` is
+    the stability engine, as on every guard). The engine's ``backward`` and ``step`` are routed
+    through the guard for its life, so a loop that calls ``engine.backward(loss)`` and
     ``engine.step()`` (or a framework that does: Accelerate, the Hugging Face Trainer) is guarded
     as it is; ``guard.backward`` / ``guard.step`` do the same and ``guard.step`` returns the step's
-    report (None on a micro-batch that does not end an accumulation).
+    report (None on a micro-batch that does not end an accumulation). Everything else is the
+    plain-loop guard's surface (state, ``summary()``, ``close()``, ``with``, ``record``).
     """
 
     def __init__(
@@ -301,70 +306,62 @@ class DeepSpeedGuard:
         hooks: HookManager | None = None,
         rules: Sequence[SkipRule] = (),
     ) -> None:
-        self.driver = Driver(config, sinks=sinks, hooks=hooks, rules=rules)
-        cfg = self.driver.config.model_copy(
-            update={"nan_trace": self.driver.config.nan_trace.model_copy(update={"mode": "off"})}
-        )
+        Driver.__init__(self, config, sinks=sinks, hooks=hooks, rules=rules)  # not a torch optimizer's guard
+        cfg = self.config.model_copy(update={"nan_trace": self.config.nan_trace.model_copy(update={"mode": "off"})})
         _refuse_unsupported(engine, cfg)
-        self.engine = engine
-        self.hooks = self.driver.hooks
+        self.deepspeed_engine = engine
         self.partitions = GradPartitions(engine)
-        self.cores: list[DriverCore] = self.driver.build_cores(
-            None,
-            [_Partitions(self.partitions.tensors)],
-            config=cfg,
-            engine_cls=_named_engine(self.partitions.names),
-        )
-        self.core = self.cores[0]
-        self.config = self.core.config
         #: DeepSpeed's fp16: its own loss scaler scales the grads and skips an overflow itself.
         self.fp16 = bool(engine.fp16_enabled())
+        #: Every rank's state as the last ``save_checkpoint`` wrote it (the Hugging Face Trainer's checkpoints
+        #: keep it in ``trainer_state.json`` too).
+        self.checkpoint_states: list[dict[str, Any]] | None = None
+        self._last_report: StepReport | None = None
+        # the engine's backward, step and checkpoints and its optimizer's step routed through the guard
+        # (``_route_step``): engine.step() and guard.step() are then the same step
+        partitions = _Partitions(self.partitions.tensors)
+        self._start(None, [partitions], config=cfg, engine_cls=_named_engine(self.partitions.names))
         if self.fp16:
             self.core.scaler = DeepSpeedLossScale(engine)
         if self.core.recovery is not None:  # snapshots of this rank's partitions, not of the stand-ins
             self.core.recovery.cover(lambda scaler, guard_state: rank_state(engine, scaler, guard_state))
-            if engine.lr_scheduler is not None:
-                self.core.track_scheduler(engine.lr_scheduler)
-        # the engine's backward and step, and its optimizer's step, routed through the guard (instance
-        # attributes, undone by close()): engine.step() and guard.step() are then the same step
-        self._undo = [
+        self.scheduler = engine.lr_scheduler
+        self.schedulers = [engine.lr_scheduler] if engine.lr_scheduler is not None else []
+        for scheduler in self.schedulers:  # DeepSpeed steps it (not after a skip); recovery restores it
+            self.track_scheduler(scheduler)
+
+    def _route_step(self, core: DriverCore) -> Callable[[], None]:
+        """The engine's ``backward``, ``step`` and checkpoints, and its optimizer's ``step``, through the guard."""
+        engine = self.deepspeed_engine
+        undos = [
             replace_attribute(engine.optimizer, "step", self._guarded_step(engine.optimizer.step)),
             replace_attribute(engine, "backward", self._routed_backward(engine.backward)),
             replace_attribute(engine, "step", self._routed_step(engine.step)),
             replace_attribute(engine, "save_checkpoint", self._routed_save(engine.save_checkpoint)),
             replace_attribute(engine, "load_checkpoint", self._routed_load(engine.load_checkpoint)),
         ]
-        #: Every rank's state as the last ``save_checkpoint`` wrote it (the Hugging Face Trainer's checkpoints
-        #: keep it in ``trainer_state.json`` too).
-        self.checkpoint_states: list[dict[str, Any]] | None = None
-        self._last_report: StepReport | None = None
-        self._closed = False
 
-    def __enter__(self) -> DeepSpeedGuard:
-        return self
+        def undo() -> None:
+            for each in reversed(undos):
+                each()
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return undo
 
     # ------------------------------------------------------------------ the loop API
-    def record(self, name: str, value: Tensor | float, reduce: str = "mean") -> None:
-        """Record a metric of the coming step (see ``stabilitykit.record``)."""
-        self.driver.record(name, value, reduce)
-
-    def backward(self, loss: Tensor, **kwargs: Any) -> Any:
+    def backward(self, loss: Tensor, *, optimizer: Any | None = None, **kwargs: Any) -> Any:
         """``engine.backward(loss)`` (the same: the engine's own ``backward`` records the loss too)."""
-        self._check_open("backward")
-        return self.engine.backward(loss, **kwargs)
+        self.check_open("backward")
+        return self.deepspeed_engine.backward(loss, **kwargs)
 
-    def step(self, **kwargs: Any) -> StepReport | None:
+    def step(self, **kwargs: Any) -> StepReport | None:  # type: ignore[override]  # DeepSpeed's own arguments
         """``engine.step()``, returning the step's report on the micro-batch that ends an accumulation, else None.
 
         The engine's own ``step`` is the same guarded step (measure, clip, decide, then apply or
         skip); this one only returns the report.
         """
-        self._check_open("step")
+        self.check_open("step")
         self._last_report = None
-        self.engine.step(**kwargs)
+        self.deepspeed_engine.step(**kwargs)
         return self._last_report
 
     def _routed_backward(self, original: Any) -> Any:
@@ -372,9 +369,9 @@ class DeepSpeedGuard:
         scales it), then DeepSpeed's own."""
 
         def backward(loss: Tensor, *args: Any, **kwargs: Any) -> Any:
-            if not self._closed:
-                steps = self.engine.gradient_accumulation_steps()
-                self.driver.record_loss(loss.detach() / steps if steps > 1 else loss.detach())
+            if not self.closed:
+                steps = self.deepspeed_engine.gradient_accumulation_steps()
+                self.record_loss(loss.detach() / steps if steps > 1 else loss.detach())
             return original(loss, *args, **kwargs)
 
         return backward
@@ -384,14 +381,14 @@ class DeepSpeedGuard:
         step leaves the engine's counters (``global_steps``, ``global_samples``, ``skipped_steps``) as they were."""
 
         def step(*args: Any, **kwargs: Any) -> Any:
-            if self._closed or not self.engine.is_gradient_accumulation_boundary():
+            if self.closed or not self.deepspeed_engine.is_gradient_accumulation_boundary():
                 return original(*args, **kwargs)
             self._evaluate()
-            counters = engine_counters(self.engine)
+            counters = engine_counters(self.deepspeed_engine)
             decision = self.core.decision
             result = original(*args, **kwargs)
             if decision is not None and decision.skipped_now and not self._deepspeed_skips(decision):
-                put_engine_counters(self.engine, counters)
+                put_engine_counters(self.deepspeed_engine, counters)
             self._last_report = self.core.finish()
             return result
 
@@ -408,7 +405,7 @@ class DeepSpeedGuard:
         """DeepSpeed's optimizer ``step`` through the guard: applied, or skipped with DeepSpeed's own clean-up."""
 
         def step(*args: Any, **kwargs: Any) -> Any:
-            optimizer = self.engine.optimizer
+            optimizer = self.deepspeed_engine.optimizer
             clear_overflow_mark(optimizer)  # stage 0 in fp32: the mark of the last skip, on a torch optimizer
             if self.core.decision is None:  # engine.step() called directly: still measured and decided
                 self._evaluate()
@@ -418,7 +415,7 @@ class DeepSpeedGuard:
                 return original(*args, **kwargs)
             result = self.core.run_optimizer_step(lambda: original(*args, **kwargs))
             if decision.skipped_now:
-                drop_step(self.engine.optimizer, self.partitions.stage)
+                drop_step(self.deepspeed_engine.optimizer, self.partitions.stage)
             return result
 
         return step
@@ -431,22 +428,16 @@ class DeepSpeedGuard:
             return False
         return self.core.engine.rules.raised_anywhere(decision.outcome.code) == ["fp16_overflow"]
 
-    def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise RuntimeError(
-                f"stabilitykit: guard.{what}() after guard.close(): build a new DeepSpeedGuard (and load_state_dict)"
-            )
-
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(
         self, save_dir: str, tag: Any = None, client_state: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> Any:
         """``engine.save_checkpoint`` (the same: the engine's own puts the guard's state in its client state too)."""
-        return self.engine.save_checkpoint(save_dir, tag=tag, client_state=dict(client_state or {}), **kwargs)
+        return self.deepspeed_engine.save_checkpoint(save_dir, tag=tag, client_state=dict(client_state or {}), **kwargs)
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         """``engine.load_checkpoint`` (the same: the engine's own restores the guard's state from its client state)."""
-        path, client_state = self.engine.load_checkpoint(load_dir, tag=tag, **kwargs)
+        path, client_state = self.deepspeed_engine.load_checkpoint(load_dir, tag=tag, **kwargs)
         return path, dict(client_state or {})
 
     def every_rank_state(self) -> list[dict[str, Any]]:
@@ -471,7 +462,7 @@ class DeepSpeedGuard:
 
         @functools.wraps(original)
         def save_checkpoint(save_dir: str, tag: Any = None, client_state: Any = None, **kwargs: Any) -> Any:
-            if self._closed:
+            if self.closed:
                 return original(save_dir, tag=tag, client_state=client_state or {}, **kwargs)
             self.checkpoint_states = self.every_rank_state()
             state = {**(client_state or {}), CLIENT_STATE_KEY: {"ranks": self.checkpoint_states}}
@@ -486,7 +477,7 @@ class DeepSpeedGuard:
         @functools.wraps(original)
         def load_checkpoint(load_dir: str, *args: Any, **kwargs: Any) -> Any:
             path, client_state = original(load_dir, *args, **kwargs)
-            if self._closed or not isinstance(client_state, dict):
+            if self.closed or not isinstance(client_state, dict):
                 return path, client_state
             saved = client_state.pop(CLIENT_STATE_KEY, None)
             if saved is not None:
@@ -494,30 +485,3 @@ class DeepSpeedGuard:
             return path, client_state
 
         return load_checkpoint
-
-    # ------------------------------------------------------------------ state and end
-    @property
-    def step_count(self) -> int:
-        """Optimizer steps attempted so far, skipped ones included."""
-        return self.core.engine.step
-
-    def summary(self) -> RunSummary:
-        """The run's totals (reads the steps since the last logging step first: one sync)."""
-        return self.driver.summary()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The guard's state in the format every driver saves (``{"version", "optimizers": [...]}``)."""
-        return self.driver.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what ``state_dict`` returned (validated as a whole first)."""
-        self.driver.load_state_dict(state)
-
-    def close(self) -> None:
-        """Undo the routed step, log the last row and the summary line, close the sinks. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for undo in reversed(self._undo):
-            undo()
-        self.driver.end_run()

@@ -32,7 +32,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from stabilitykit.compat.attributes import route_attribute
 from stabilitykit.config import StabilityConfig
 from stabilitykit.drivers._extras import missing
 from stabilitykit.drivers.base import Driver
@@ -183,7 +182,6 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         self.console: ConsoleMode = console
         self.saved_state: dict[str, Any] | None = None  # set by the Trainer's callback-state restore
         self._trainer: weakref.ReferenceType[Trainer] | None = None
-        self._undo: list[Callable[[], None]] = []
         self._global_step = 0
         self._warned_fallback = False
         #: steps the Trainer's own max_grad_norm clipped (a device count; None before the first)
@@ -212,7 +210,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             )
         self._trainer = weakref.ref(trainer)
         _ATTACHED.append(weakref.ref(self))
-        route_attribute(trainer, "train", self._train_route())  # an exception still ends the run (sinks closed)
+        # an exception still ends the run (sinks closed); the route stays for the callback's life (``detach``)
+        self.driver.patch(trainer, "train", self._train_route(), lasting=True)
         if not any(cb is self for cb in trainer.callback_handler.callbacks):
             trainer.add_callback(self)
         return self
@@ -247,7 +246,6 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
                     return original(*args, **kwargs)
                 except BaseException:
                     self.driver.end_run()  # the run ends here: wrappers undone, sinks closed
-                    self._release()
                     raise
 
             return train
@@ -270,7 +268,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
     ) -> None:
         """Build the core over the prepared optimizer; restore a resumed run's state; install the routes."""
         trainer = self._bound()
-        self._release()
+        self.driver.release()
         config = self.config
         if "log_every_n_steps" not in config.model_fields_set and args.logging_strategy == "steps":
             every = max(1, int(state.logging_steps or args.logging_steps or 1))
@@ -289,17 +287,15 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             self.driver.load_state_dict(from_json(saved, core.engine.device))
             self._trainer_clipped = torch.tensor(clipped, device=core.engine.device)
         self._global_step = state.global_step
-        self._undo.append(route_accelerated_step(core, trainer.optimizer))
-        self._undo.append(core.release)  # its wrappers, hold and recovery (idempotent)
-        if trainer.lr_scheduler is not None:
-            core.track_scheduler(trainer.lr_scheduler)  # recovery restores it with each snapshot
-            core.hold_scheduler(trainer.lr_scheduler)
-        self._undo.append(route_attribute(accelerator, "backward", self._backward_route(accelerator)))
-        self._undo.append(route_attribute(accelerator, "clip_grad_norm_", self._clip_route(accelerator)))
-        self._undo.append(route_attribute(trainer, "log", self._log_route(trainer)))
+        self.driver.route_steps(lambda core: route_accelerated_step(core, trainer.optimizer))
+        if trainer.lr_scheduler is not None:  # the Trainer steps it: held on skipped steps, restored by recovery
+            self.driver.add_scheduler(trainer.lr_scheduler, stepped_here=False)
+        self.driver.patch(accelerator, "backward", self._backward_route(accelerator))
+        self.driver.patch(accelerator, "clip_grad_norm_", self._clip_route(accelerator))
+        self.driver.patch(trainer, "log", self._log_route(trainer))
         for printer in trainer.callback_handler.callbacks:  # the console: no per-layer keys
             if type(printer).__name__ in ("ProgressCallback", "PrinterCallback"):
-                self._undo.append(route_attribute(printer, "on_log", self._console_route()))
+                self.driver.patch(printer, "on_log", self._console_route())
 
     def _saved_in(self, state: TrainerState) -> dict[str, Any] | None:
         stored: Any = state.stateful_callbacks or {}
@@ -321,11 +317,11 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             self.core.flush()
             self._write_events(at_end=state)
         self.driver.end_run(self.summary())
-        self._release()
 
-    def _release(self) -> None:
-        while self._undo:
-            self._undo.pop()()
+    def detach(self) -> None:
+        """Undo everything this callback installed on its Trainer, the ``train`` route included (the
+        callback itself stays in the Trainer's list: remove it with ``trainer.remove_callback``)."""
+        self.driver.release(lasting=True)
 
     def _console_route(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """The Trainer's console printers get each log entry cut to what a person reads (every

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from stabilitykit.config import StabilityConfig
 from stabilitykit.drivers.base import Driver
-from stabilitykit.drivers.core import DriverCore, unwrap_optimizer
+from stabilitykit.drivers.core import DriverCore
 from stabilitykit.engine import StabilityEngine, TrainerAlignedEngine
 from stabilitykit.nan import NonFiniteRecord
 from stabilitykit.precision import PrecisionChoice
@@ -67,7 +67,6 @@ class StabilityCallback(Callback):
         self.config = self.driver.config
         self.name = name
         self.hooks = self.driver.hooks
-        self._pending_state: dict[str, Any] | None = None
         self._batch: tuple[Any, int] | None = None
         self._state_key = self._generate_state_key(name=name or "default")
 
@@ -124,7 +123,7 @@ class StabilityCallback(Callback):
         """One core per optimizer; route each optimizer's step and its step-interval schedulers through it."""
         if not trainer.optimizers:
             raise ValueError("StabilityCallback needs an optimizer: configure_optimizers returned none")
-        self._release()
+        self.driver.release()
         if all(type(opt).__name__ == "_MockOptimizer" for opt in trainer.optimizers):
             warnings.warn(
                 "StabilityCallback: configure_optimizers returned None, so this fit has no optimizer step to "
@@ -148,19 +147,12 @@ class StabilityCallback(Callback):
             scaler=scaler,
             engine_cls=TrainerAlignedEngine,  # Lightning's logging rows: global steps n-1, 2n-1, ...
         )
-        if self._pending_state is not None:
-            self._load(self._pending_state)
-            self._pending_state = None
-        for core in self.cores:
-            core.wrap_optimizer_step(core.optimizer)
+        self.driver.route_steps()
         for sched_cfg in trainer.lr_scheduler_configs:
-            target = unwrap_optimizer(getattr(sched_cfg.scheduler, "optimizer", None))
-            for core in self.cores:
-                if target is None or target is core.optimizer:
-                    core.track_scheduler(sched_cfg.scheduler)  # recovery restores it (either interval)
-                    if sched_cfg.interval == "step":
-                        core.hold_scheduler(sched_cfg.scheduler)
-                    break
+            if sched_cfg.interval == "step":  # Lightning steps it; held on skipped steps
+                self.driver.add_scheduler(sched_cfg.scheduler, stepped_here=False)
+            else:  # recovery restores it with each snapshot
+                self.driver.track_scheduler(sched_cfg.scheduler)
 
     def _wandb_sink_covers(self, logger: Any) -> bool:
         """A WandbSink logs to W&B already (with alerts and markers): the WandbLogger is not fed twice."""
@@ -178,12 +170,9 @@ class StabilityCallback(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Undo every wrapper (idempotent) and remove tracing hooks."""
-        self._release()
+        self.driver.release()
         for core in self.cores:
             core.tracing.detach()
-
-    def _release(self) -> None:
-        self.driver.release()
 
     # ------------------------------------------------------------------ the step
 
@@ -230,18 +219,9 @@ class StabilityCallback(Callback):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Each core's state (counters, EMAs, detectors, unread journal rows), as every driver saves it."""
-        if not self.cores:
-            return dict(self._pending_state or {})
         return self.driver.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the cores (applied at fit start when they do not exist yet)."""
-        if not state_dict:
-            return
-        if not self.cores:
-            self._pending_state = dict(state_dict)
-        else:
-            self._load(state_dict)
-
-    def _load(self, state: Mapping[str, Any]) -> None:
-        self.driver.load_state_dict(state)
+        """Restore the cores (the base applies it at fit start when they do not exist yet)."""
+        if state_dict:
+            self.driver.load_state_dict(state_dict)

@@ -1,4 +1,4 @@
-"""StabilityGuard: the driver for plain PyTorch loops over the driver core, one core per optimizer.
+"""StabilityGuard: the driver for plain PyTorch loops, on the driver base (one core per optimizer).
 
 guard.backward(loss)   # scaled when a GradScaler is given; call it once per micro-batch
 report = guard.step()  # unscale once, norms, clip, skip or step, scheduler, scaler.update()
@@ -6,9 +6,9 @@ guard.zero_grad()
 
 With several optimizers (GANs, alternating updates) each one is guarded on its own: its own skip
 decision, its own step count and logging cadence, metrics under ``<prefix>/opt<i>/``; name the
-optimizer in ``step(optimizer)``. The Accelerate and Fabric drivers
-(``stabilitykit.drivers.accelerate``, ``.fabric``) are subclasses that only change how the loss is backpropagated
-and how the framework's optimizer steps.
+optimizer in ``step(optimizer)``. The Accelerate, Fabric and DeepSpeed drivers
+(``stabilitykit.drivers.accelerate``, ``.fabric``, ``.deepspeed``) are subclasses that only change
+how the loss is backpropagated and how the framework's optimizer steps.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
 from stabilitykit.drivers.base import Driver
-from stabilitykit.drivers.core import DriverCore, unwrap_optimizer
+from stabilitykit.drivers.base import scheduler_target as scheduler_target
+from stabilitykit.drivers.core import DriverCore
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NaNTracer, NonFiniteRecord
 from stabilitykit.precision import PrecisionChoice
 from stabilitykit.report import StepReport
 from stabilitykit.rules import SkipRule
-from stabilitykit.run_log import RunSummary
 from stabilitykit.sinks.base import Sink
 
 
@@ -39,14 +39,6 @@ def _as_list(value: Any) -> list[Any]:
     if isinstance(value, (list, tuple)):
         return list(value)
     return [value]
-
-
-def scheduler_target(scheduler: Any) -> Any:
-    """The torch optimizer an LR scheduler drives (through framework wrappers), or None."""
-    inner = getattr(scheduler, "scheduler", None)  # accelerate's AcceleratedScheduler
-    base = inner if inner is not None and hasattr(inner, "step") else scheduler
-    optimizer = getattr(base, "optimizer", None)
-    return unwrap_optimizer(optimizer) if optimizer is not None else None
 
 
 def _refuse_accumulating(optimizers: Sequence[Any]) -> None:
@@ -64,7 +56,7 @@ def _refuse_accumulating(optimizers: Sequence[Any]) -> None:
             )
 
 
-class StabilityGuard:
+class StabilityGuard(Driver):
     """Keeps a plain training loop finite: clipping, skip-the-batch, metrics and events.
 
     The guard owns ``backward`` (so it can scale the loss and remember it) and ``step`` (so it can
@@ -74,7 +66,8 @@ class StabilityGuard:
 
     ``optimizer`` may be a list: each optimizer gets its own core (skip decision, step count,
     cadence) and metrics under ``<metric_prefix>/opt<i>``; ``scheduler`` may be a list too, each
-    scheduler held with the optimizer it drives.
+    scheduler held with the optimizer it drives. The lifecycle (state, ``summary()``, ``close()``,
+    ``with``, ``record``) is the driver base's (``drivers/base.py``).
     """
 
     #: Whether this driver follows a framework's gradient accumulation (AccelerateGuard does).
@@ -99,34 +92,32 @@ class StabilityGuard:
             raise ValueError("StabilityGuard needs an optimizer; got an empty list")
         if not self.follows_accumulation:
             _refuse_accumulating(optimizers)
-        #: The lifecycle every driver shares (``drivers/base.py``): cores, losses, rules, state, the end.
-        self.driver = Driver(config, sinks=sinks, hooks=hooks, rules=rules)
-        self.hooks = self.driver.hooks
-        self.cores: list[DriverCore] = self.driver.build_cores(
-            model, optimizers, scaler=scaler, extra_group=extra_group
-        )
+        super().__init__(config, sinks=sinks, hooks=hooks, rules=rules)
+        self._start(model, optimizers, scaler=scaler, extra_group=extra_group)
+        for sched in _as_list(scheduler):
+            self.add_scheduler(sched, stepped_here=True)  # step() steps it, and holds it on skips
+        self.scheduler = scheduler
+        self.schedulers = _as_list(scheduler)
+
+    def _start(
+        self,
+        model: nn.Module | None,
+        optimizers: list[Any],
+        scaler: Any | None = None,
+        extra_group: Any | None = None,
+        config: StabilityConfig | None = None,
+        engine_cls: type[StabilityEngine] = StabilityEngine,
+    ) -> None:
+        """The run starts: one core per optimizer, each optimizer's step routed through its core
+        (``_route_step``; undone by ``close()``)."""
+        self.build_cores(model, optimizers, config, scaler=scaler, extra_group=extra_group, engine_cls=engine_cls)
         self.core = self.cores[0]
         self.config = self.core.config
         self.model = model
         self.optimizers = optimizers
         self.optimizer = optimizers[0]
         self.scaler = scaler
-        self.schedulers = _as_list(scheduler)
-        self.scheduler = scheduler
-        for core in self.cores:
-            for sched in self._schedulers_of(core):
-                core.track_scheduler(sched)  # recovery saves and restores it with each snapshot
-                core.engine.note_scheduler_held()  # step() holds it on skips
-        # each optimizer's step is routed through its core once, for the guard's life (undone by close())
-        self._unroute = [self._route_step(core) for core in self.cores]
-        self._closed = False
-
-    def __enter__(self) -> StabilityGuard:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        """Close the guard however the block ends: wrappers undone, the last row logged, sinks closed."""
-        self.close()
+        self.route_steps(self._route_step)
 
     @property
     def engine(self) -> StabilityEngine:
@@ -148,19 +139,9 @@ class StabilityGuard:
         """Where the latest traced or replayed non-finite value came from."""
         return self.core.tracing.last_nonfinite
 
-    # ------------------------------------------------------------------ optimizers
-    def core_for(self, optimizer: Any | None = None) -> DriverCore:
-        """The core guarding ``optimizer`` (a wrapper is looked through); None: the only one."""
-        return self.driver.core_for(optimizer)
-
     def _outer(self, core: DriverCore) -> Any:
         """The object the user gave for ``core``'s optimizer (a framework wrapper, maybe)."""
         return self.optimizers[self.cores.index(core)]
-
-    def _schedulers_of(self, core: DriverCore) -> list[Any]:
-        if len(self.cores) == 1:
-            return self.schedulers
-        return [s for s in self.schedulers if scheduler_target(s) is core.optimizer]
 
     # ------------------------------------------------------------------ the loop API
     def check_batch(self, batch: Any) -> None:
@@ -173,35 +154,14 @@ class StabilityGuard:
         for core in self.cores:
             core.check_batch(batch)
 
-    def record_loss(self, loss: Tensor, optimizer: Any | None = None) -> None:
-        """Remember a backpropagated micro-batch loss (device tensor, no sync) for the step it feeds."""
-        self._check_open("record_loss")
-        self.driver.record_loss(loss, optimizer)
-
-    def record(self, name: str, value: Tensor | float, reduce: str = "mean", *, optimizer: Any | None = None) -> None:
-        """Record a metric of the coming step (a 0-d device tensor; no sync): logged as
-        ``<prefix>/metrics/<name>`` at logging steps, agreed across ranks with ``reduce`` ("mean",
-        "sum", "max", "min", "any", "all"), seen by your skip rules (``values[name]``) and the spike
-        detector. Record every name from the first step on."""
-        self._check_open("record")
-        self.driver.record(name, value, reduce, optimizer)
-
-    def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise RuntimeError(
-                f"stabilitykit: guard.{what}() after guard.close(): the guard no longer measures, skips or counts "
-                "steps, so a non-finite update would be applied. Build a new StabilityGuard (and load_state_dict) "
-                "to go on"
-            )
-
     def backward(self, loss: Tensor, *, optimizer: Any | None = None, **kwargs: Any) -> None:
         """Backpropagate ``loss`` (scaled when a GradScaler is enabled) and remember its value.
 
         With several optimizers, ``optimizer`` names the one whose step this loss feeds; without it
         the loss goes to the next ``step``.
         """
-        self._check_open("backward")
-        self.driver.record_loss(loss, optimizer)
+        self.check_open("backward")
+        self.record_loss(loss, optimizer)
         self.core.scaler.scale(loss).backward(**kwargs)
 
     def step(
@@ -221,17 +181,13 @@ class StabilityGuard:
         ``scaler.update()`` after the step (several optimizers under one GradScaler: pass False for
         all but the last one that steps this iteration).
         """
-        self._check_open("step")
+        self.check_open("step")
         core = self.core_for(optimizer)
-        self.driver.claim_losses(core)
-        core.evaluate(replay=replay, backward=lambda loss: self.backward(loss, optimizer=optimizer))
-        self._optimizer_step(core, update_scaler)
-        if not core.should_hold_scheduler():
-            for scheduler in self._schedulers_of(core):
-                scheduler.step()
-        report = core.finish()
-        assert report is not None
-        return report
+
+        def backward(loss: Tensor) -> None:  # a rerun of a flagged step backpropagates as the guard does
+            self.backward(loss, optimizer=optimizer)
+
+        return self.run_step(core, lambda: self._optimizer_step(core, update_scaler), replay=replay, backward=backward)
 
     def _route_step(self, core: DriverCore) -> Callable[[], None]:
         """Route the optimizer's step through ``core`` (installed once, at construction); returns the undo."""
@@ -271,15 +227,6 @@ class StabilityGuard:
         """Skipped steps as of the host's last look (exact on logging steps and for non-fused optimizers)."""
         return self.core.engine.skipped_total
 
-    def summary(self) -> RunSummary:
-        """The run's totals (reads the steps since the last logging step first: one sync).
-
-        With several optimizers the first optimizer's totals, with ``optimizers``: one entry each.
-        Readable by key too (``guard.summary()["skipped"]``); ``.line()`` is the end-of-run line.
-        Reading it changes nothing ``close()`` writes.
-        """
-        return self.driver.summary()
-
     def restore_last_good(self) -> int:
         """Put back the last healthy recovery snapshot in place; returns its step (the state before that step).
 
@@ -291,22 +238,3 @@ class StabilityGuard:
         if recovery is None:
             raise RuntimeError("stabilitykit: restore_last_good() needs recovery on (StabilityConfig(recovery=...))")
         return recovery.restore_last_good()
-
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """Counters, EMAs, detector state and unread journal rows (optimizer, scaler, scheduler save their own):
-        ``{"version", "optimizers": [one state per optimizer]}``, the format every driver saves."""
-        return self.driver.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what ``state_dict`` returned (validated as a whole first: nothing loads unless all can)."""
-        self.driver.load_state_dict(state)
-
-    def close(self) -> None:
-        """Process the steps since the last logging step, remove tracing hooks and wrappers, log the
-        summary line and close the sinks. Idempotent; ``with StabilityGuard(...) as guard:`` calls it."""
-        for undo in self._unroute:
-            undo()
-        self._unroute = []
-        self._closed = True
-        self.driver.end_run()
