@@ -378,7 +378,9 @@ class GradNormPlan:
             total = sums.max()
             layers = sums if self.per_layer else None
         else:
-            total = _root(sums.sum(), p)
+            # the total as torch.nn.utils.clip_grad_norm_ computes it (one vector norm of the per-tensor
+            # norms, in parameter order), bitwise, so a driver's clip is the framework's own
+            total = torch.linalg.vector_norm(per_tensor, p) if per_tensor.numel() else _root(sums.sum(), p)
             layers = _root(sums, p) if self.per_layer else None
         result = NormResult(total, layers, self.layer_names)
         tensors = self._tensor_result(per_tensor, layout)
@@ -445,8 +447,12 @@ class GradNormPlan:
 
 
 def clip_coefficient(total: Tensor, max_norm: float | Tensor, finite: Tensor | None = None) -> Tensor:
-    """``min(1, max_norm / (total + 1e-6))``, and 1 where ``total`` is not finite (``finite`` if known)."""
-    coef = torch.clamp(max_norm / (total + CLIP_EPS), max=1.0)
+    """``min(1, max_norm / (total + 1e-6))``, and 1 where ``total`` is not finite (``finite`` if known).
+
+    Computed as torch's ``clip_grad_norm_`` computes it (``max_norm / tensor`` is the reciprocal times
+    ``max_norm``), so the coefficient, and the clipped grads, are bitwise torch's.
+    """
+    coef = torch.clamp((total + CLIP_EPS).reciprocal() * max_norm, max=1.0)
     return torch.where(torch.isfinite(total) if finite is None else finite, coef, 1.0)
 
 

@@ -203,3 +203,43 @@ def test_the_plain_guard_refuses_an_accumulating_accelerate_optimizer() -> None:
         sk.StabilityGuard(model, optimizer)
     guard = AccelerateGuard(accelerator, model, optimizer)  # follows sync_gradients
     guard.close()
+
+
+def test_accumulating_guard_is_bitwise_the_accelerate_recipe(fresh_accelerate: None) -> None:
+    """Under ``accelerator.accumulate`` with bf16 autocast, the guard's clip is Accelerate's own: the same
+    norms and, after 6 AdamW steps, the same parameters, bit for bit (the recipe: clip_grad_norm_ + step)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    batches = _micro_batches(6)
+    max_norm = 0.5
+
+    def run(guarded: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerator, model, optimizer, _ = _setup(fused=False)
+        guard = None
+        if guarded:
+            config = sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=max_norm), log_every_n_steps=4)
+            guard = AccelerateGuard(accelerator, model, optimizer, config)
+        norms = []
+        for batch in batches:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                if guard is not None:
+                    guard.backward(loss)
+                    report = guard.step()
+                    if report is not None:
+                        norms.append(report.grad_norm.clone())
+                else:
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        norms.append(accelerator.clip_grad_norm_(model.parameters(), max_norm).clone())
+                    optimizer.step()
+                optimizer.zero_grad()
+        return norms, [p.detach().clone() for p in model.parameters()]
+
+    recipe_norms, recipe_params = run(guarded=False)
+    norms, params = run(guarded=True)
+    assert len(norms) == len(recipe_norms) == 6
+    assert all(torch.equal(a, b) for a, b in zip(norms, recipe_norms, strict=True)), (norms, recipe_norms)
+    assert all(torch.equal(a, b) for a, b in zip(params, recipe_params, strict=True))
