@@ -36,15 +36,11 @@ from stabilitykit.rules import SkipRule
 from stabilitykit.sinks.base import Sink
 
 try:
-    from transformers import Trainer, TrainerCallback
-    from transformers.trainer_callback import ExportableState
+    from transformers import Trainer
 
-    from stabilitykit.drivers.hf import from_json, to_json
+    from stabilitykit.drivers.hf_attach import AttachedCallback, from_json, to_json
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise missing("stabilitykit.drivers.deepspeed_hf", "transformers", "transformers") from exc
-
-#: Callbacks attached to a Trainer (weak), for the Trainer's callback-state restore to find.
-_ATTACHED: list[weakref.ReferenceType[DeepSpeedTrainerCallback]] = []
 
 
 class _LogHistory:
@@ -66,24 +62,8 @@ class _LogHistory:
         self._append({f"{self.prefix}/events/{event.kind}": 1.0, "step": event.step})
 
 
-class DeepSpeedTrainerCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
+class DeepSpeedTrainerCallback(AttachedCallback):
     """Guards the DeepSpeed engine a Trainer trains with; made by ``stabilize(trainer, cfg)``."""
-
-    def __new__(cls, *args: Any, restore_into_attached: bool = False, **kwargs: Any) -> DeepSpeedTrainerCallback:
-        """``restore_into_attached``: the Trainer is restoring callback states from a checkpoint
-        (``restore_callback_states_from_checkpoint=True`` rebuilds each callback as ``type(cb)(**saved_args)``):
-        hand back the callback already attached to that Trainer, so the saved state is restored into it."""
-        if restore_into_attached:
-            for ref in reversed(_ATTACHED):
-                callback = ref()
-                trainer = callback.bound_trainer() if callback is not None else None
-                if (
-                    type(callback) is cls
-                    and trainer is not None
-                    and trainer.args.restore_callback_states_from_checkpoint
-                ):
-                    return callback
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -94,8 +74,8 @@ class DeepSpeedTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         *,
         restore_into_attached: bool = False,
     ) -> None:
-        if restore_into_attached and getattr(self, "_trainer", None) is not None:
-            return  # the attached callback came back from __new__: keep everything it holds
+        if self.restored(restore_into_attached):
+            return  # the attached callback came back from __new__ (``AttachedCallback``): keep all it holds
         #: Every rank's saved guard state (JSON values), set by the Trainer's callback-state restore.
         self.saved_ranks: list[Any] | None = None
         self.config = coerce_config(config)
@@ -103,7 +83,6 @@ class DeepSpeedTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         self.hooks = hooks or HookManager()
         self.rules = list(rules)
         self.guard: DeepSpeedGuard | None = None
-        self._trainer: weakref.ReferenceType[Trainer] | None = None
 
     def attach(self, trainer: Trainer) -> DeepSpeedTrainerCallback:
         """Bind to ``trainer`` (and add this callback to it); refuses two clippers by name."""
@@ -114,16 +93,8 @@ class DeepSpeedTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
                 f"and stabilitykit's ClipConfig(mode={self.config.clip.mode!r}) both clip gradients; keep one: "
                 "set max_grad_norm=0 (stabilitykit clips) or ClipConfig(mode='off')"
             )
-        self._trainer = weakref.ref(trainer)
-        _ATTACHED[:] = [ref for ref in _ATTACHED if ref() is not None]
-        _ATTACHED.append(weakref.ref(self))
-        if not any(cb is self for cb in trainer.callback_handler.callbacks):
-            trainer.add_callback(self)
+        self.bind(trainer)
         return self
-
-    def bound_trainer(self) -> Trainer | None:
-        """The Trainer this callback is attached to (None before ``attach`` or once it is gone)."""
-        return self._trainer() if self._trainer is not None else None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """The engine exists now: guard it; a resumed run gives each rank its saved state back."""
@@ -136,7 +107,7 @@ class DeepSpeedTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             self.guard.close()
         sinks = [*self.sinks, _LogHistory(trainer, self.config.metric_prefix)]
         self.guard = DeepSpeedGuard(trainer.model_wrapped, self.config, sinks=sinks, hooks=self.hooks, rules=self.rules)
-        saved = self.saved_ranks or _saved_in(state)
+        saved = self.saved_ranks or self.saved_in(state, "saved_ranks")
         self.saved_ranks = None
         if saved and state.global_step > 0:
             self.guard.load_rank_state(from_json(saved, self.guard.core.engine.device))
@@ -154,15 +125,3 @@ class DeepSpeedTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             "args": {"restore_into_attached": True},
             "attributes": {"saved_ranks": to_json(ranks) if ranks else None},
         }
-
-
-def _saved_in(state: Any) -> list[Any] | None:
-    """Every rank's guard state in a resumed ``TrainerState`` (its ``stateful_callbacks``), or None."""
-    stored: Any = state.stateful_callbacks or {}
-    entry = stored.get(DeepSpeedTrainerCallback.__name__) if isinstance(stored, Mapping) else None
-    if isinstance(entry, list):
-        entry = entry[0] if entry else None
-    if not isinstance(entry, Mapping):
-        return None
-    saved = entry.get("attributes", {}).get("saved_ranks")
-    return list(saved) if isinstance(saved, list) else None

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -46,10 +45,10 @@ from stabilitykit.sinks.base import Sink
 from stabilitykit.sinks.wandb import ALERT_KINDS, send_alert
 
 try:
-    from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-    from transformers.trainer_callback import ExportableState
+    from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
     from stabilitykit.drivers.accelerate import route_accelerated_step
+    from stabilitykit.drivers.hf_attach import AttachedCallback, from_json, to_json
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise missing("stabilitykit.drivers.hf", "transformers", "transformers accelerate") from exc
 
@@ -59,7 +58,6 @@ __all__ = ["StabilityTrainerCallback", "stabilize"]
 _NOT_LOGGED = ("precision",)
 
 
-# ---------------------------------------------------------------------- state as JSON
 #: The key, in the saved state, of the steps the Trainer's max_grad_norm clipped.
 _TRAINER_CLIPPED = "trainer_clipped"
 #: What the Trainer's console shows of our keys with ``console="short"`` (besides the events).
@@ -75,46 +73,6 @@ def _event_value(event: Event) -> float:
     if event.kind == "spike_warning" and event.details.get("signal") == "grad_norm":
         return float(event.details.get("z", 1.0))
     return 1.0
-
-
-def _json_float(x: float) -> float | str:
-    """A float strict JSON can hold: non-finite values as "nan", "inf", "-inf" (``json`` would write NaN)."""
-    return x if math.isfinite(x) else str(x)
-
-
-def to_json(value: Any) -> Any:
-    """The core's state as strict JSON values (tensors become tagged lists; every float32 survives
-    exactly; NaN and infinities become the strings "nan", "inf", "-inf", never JSON's invalid NaN)."""
-    if isinstance(value, Tensor):
-        t = value.detach().cpu()
-        data = t.float().reshape(-1).tolist() if t.is_floating_point() else t.reshape(-1).tolist()
-        return {
-            "__tensor__": [_json_float(x) for x in data] if t.is_floating_point() else data,
-            "dtype": str(t.dtype).removeprefix("torch."),
-            "shape": list(t.shape),
-        }
-    if isinstance(value, Mapping):
-        return {str(k): to_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_json(v) for v in value]
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {"__float__": str(value)}
-    return value
-
-
-def from_json(value: Any, device: torch.device | None = None) -> Any:
-    """Undo ``to_json``."""
-    if isinstance(value, Mapping):
-        if "__tensor__" in value:
-            dtype = getattr(torch, value["dtype"])
-            data = [float(x) if isinstance(x, str) else x for x in value["__tensor__"]]
-            return torch.tensor(data, dtype=dtype, device=device).reshape(value["shape"])
-        if "__float__" in value:
-            return float(value["__float__"])
-        return {k: from_json(v, device) for k, v in value.items()}
-    if isinstance(value, list):
-        return [from_json(v, device) for v in value]
-    return value
 
 
 # ---------------------------------------------------------------------- the Trainer's cadence
@@ -136,7 +94,7 @@ class _TrainerLogs:
         self.events.append(event)
 
 
-class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
+class StabilityTrainerCallback(AttachedCallback):
     """Norms, clipping, skip-the-batch, metrics and events for a Hugging Face ``Trainer``.
 
     ``config``: a ``StabilityConfig`` (or mapping / path). Its ``log_every_n_steps`` defaults to
@@ -144,17 +102,6 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
     ``alerts``: True (or event kinds) to send W&B alerts for those events when a W&B run is active
     (``report_to="wandb"``). ``log_events``: write each event as a Trainer log entry.
     """
-
-    def __new__(cls, *args: Any, restore_into_attached: bool = False, **kwargs: Any) -> StabilityTrainerCallback:
-        """``restore_into_attached``: the Trainer is restoring callback states from a checkpoint
-        (``restore_callback_states_from_checkpoint=True`` rebuilds each callback as
-        ``type(cb)(**saved_args)``): hand back the callback already attached to that Trainer, so
-        its binding, config and sinks survive and the saved state is restored into it."""
-        if restore_into_attached:
-            attached = _restoring_callback(cls)
-            if attached is not None:
-                return attached
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -167,8 +114,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         console: ConsoleMode = "short",
         restore_into_attached: bool = False,
     ) -> None:
-        if restore_into_attached and getattr(self, "_trainer", None) is not None:
-            return  # the attached callback came back from __new__: keep everything it holds
+        if self.restored(restore_into_attached):
+            return  # the attached callback came back from __new__ (``AttachedCallback``): keep all it holds
         #: The lifecycle every driver shares (``drivers/base.py``): cores, losses, rules, state, the end.
         self.driver = Driver(config, sinks=sinks, rules=rules, final_row=False)  # the Trainer's own rows only
         self.config = self.driver.config
@@ -181,7 +128,6 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             raise ValueError(f"console={console!r}: expected 'short' or 'all'")
         self.console: ConsoleMode = console
         self.saved_state: dict[str, Any] | None = None  # set by the Trainer's callback-state restore
-        self._trainer: weakref.ReferenceType[Trainer] | None = None
         self._global_step = 0
         self._warned_fallback = False
         #: steps the Trainer's own max_grad_norm clipped (a device count; None before the first)
@@ -194,7 +140,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         Refuses settings that would make the guarantees false: ``max_grad_norm > 0`` together with
         stabilitykit clipping (two clippers) and DeepSpeed (which steps inside ``backward``).
         ``restore_callback_states_from_checkpoint=True`` is supported: the Trainer's restore hands
-        the saved state to this same callback (see ``__new__``).
+        the saved state to this same callback (``AttachedCallback``).
         """
         args = trainer.args
         if self.config.clip.mode != "off" and args.max_grad_norm and args.max_grad_norm > 0:
@@ -208,16 +154,10 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
                 "StabilityTrainerCallback does not support DeepSpeed (it clips and steps inside backward); "
                 "use stabilitykit.integrations.stabilize(trainer, config), which guards the DeepSpeed engine"
             )
-        self._trainer = weakref.ref(trainer)
-        _ATTACHED.append(weakref.ref(self))
         # an exception still ends the run (sinks closed); the route stays for the callback's life (``detach``)
         self.driver.patch(trainer, "train", self._train_route(), lasting=True)
-        if not any(cb is self for cb in trainer.callback_handler.callbacks):
-            trainer.add_callback(self)
+        self.bind(trainer)
         return self
-
-    def bound_trainer(self) -> Trainer | None:
-        return self._trainer() if self._trainer is not None else None
 
     def _bound(self) -> Trainer:
         trainer = self.bound_trainer()
@@ -278,7 +218,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         (core,) = self.driver.build_cores(
             trainer.model, [trainer.optimizer], config, scaler=accelerator.scaler, engine_cls=engine_cls
         )
-        saved = self.saved_state or self._saved_in(state)
+        saved = self.saved_state or self.saved_in(state, "saved_state")
         self.saved_state = None
         self._trainer_clipped = None
         if saved and state.global_step > 0:
@@ -296,16 +236,6 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         for printer in trainer.callback_handler.callbacks:  # the console: no per-layer keys
             if type(printer).__name__ in ("ProgressCallback", "PrinterCallback"):
                 self.driver.patch(printer, "on_log", self._console_route())
-
-    def _saved_in(self, state: TrainerState) -> dict[str, Any] | None:
-        stored: Any = state.stateful_callbacks or {}
-        entry = stored.get(type(self).__name__) if isinstance(stored, Mapping) else None
-        if isinstance(entry, list):
-            entry = entry[0] if entry else None
-        if not isinstance(entry, Mapping):
-            return None
-        saved = entry.get("attributes", {}).get("saved_state")
-        return dict(saved) if isinstance(saved, Mapping) else None
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -458,7 +388,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         for event in events:
             if event.kind in self.alert_on:
                 _page(event)
-        trainer = self._trainer() if self._trainer is not None else None
+        trainer = self.bound_trainer()
         if not self.log_events or trainer is None:
             return
         prefix = self.config.metric_prefix
@@ -481,20 +411,6 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         if saved is not None and self._trainer_clipped is not None:
             saved[_TRAINER_CLIPPED] = int(self._trainer_clipped)  # a checkpoint: syncs anyway
         return {"args": {"restore_into_attached": True}, "attributes": {"saved_state": saved}}
-
-
-_ATTACHED: list[weakref.ReferenceType[StabilityTrainerCallback]] = []
-
-
-def _restoring_callback(cls: type) -> StabilityTrainerCallback | None:
-    """The newest live callback of ``cls`` attached to a Trainer that restores callback states."""
-    _ATTACHED[:] = [ref for ref in _ATTACHED if ref() is not None]
-    for ref in reversed(_ATTACHED):
-        callback = ref()
-        trainer = callback.bound_trainer() if callback is not None else None
-        if type(callback) is cls and trainer is not None and trainer.args.restore_callback_states_from_checkpoint:
-            return callback
-    return None
 
 
 def _page(event: Event) -> None:
