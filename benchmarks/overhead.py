@@ -16,6 +16,10 @@ hits every arm alike. Two tables:
    off and on, logging every 10 steps and every step; by position in the logging interval (the
    measured step before a logging step, the logging step, the others) and on average.
    ``--update-ratio-only`` runs just this table.
+4. The guard's host time per ordinary step: ``guard.backward`` + ``guard.step`` against
+   ``loss.backward()`` + ``optimizer.step()`` on a model so small that the step's own work is
+   almost nothing, logging every 1000 steps (no logging step is timed), in microseconds.
+   ``--host-only`` runs just this one.
 
 This is a script, not a test: timings depend on the machine; the ratios are what to compare.
 """
@@ -232,6 +236,35 @@ def update_ratio_cost(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return out
 
 
+def guard_host_us(rounds: int = 2000) -> float:
+    """Table 4: the guard's own host time per ordinary step (microseconds, median difference)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    model, opt = make()
+
+    def bare() -> None:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    guarded_model, guarded_opt = make()
+    cfg = sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0), log_every_n_steps=1000)
+    guard = sk.StabilityGuard(guarded_model, guarded_opt, cfg)
+
+    def guarded() -> None:
+        guard.backward(torch.nn.functional.mse_loss(guarded_model(x), y))
+        guard.step()
+        guard.zero_grad()
+
+    times = _interleave({"bare": bare, "guard": guarded}, min(rounds, 999 - 3))
+    return (times["guard"] - times["bare"]) * 1e3
+
+
 def update_monitor_cost(args: argparse.Namespace, rounds: int = 200) -> float:
     """Median ms of the update ratio's own device work on one measured step: the parameter copy,
     the norms after the optimizer step (not timed) and the per-layer ratios; what table 3's whole
@@ -291,12 +324,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--update-ratio-only", action="store_true", help="only table 3 (the update ratio's cost)")
+    parser.add_argument("--host-only", action="store_true", help="only table 4 (the guard's host time per step)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     n_params = sum(p.numel() for p in tiny_gpt(n_layer=args.layers, n_embd=args.width, vocab_size=256).parameters())
     size = f"GPT {args.layers}x{args.width} ({n_params / 1e6:.1f}M params)"
     print(f"torch {torch.__version__}, {args.threads} threads, {size}")
+    if args.host_only:
+        print(f"4. the guard's host time per ordinary step: {guard_host_us():.0f} us")
+        return
     if args.update_ratio_only:
         _update_table(update_ratio_cost(args))
         print(f"update ratio's own work on a measured step (copy + norms + ratios): {update_monitor_cost(args):.3f} ms")
@@ -313,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wandb.watch(log='gradients', log_freq=1) step vs bare: {t['wandb.watch gradients'] / t['bare']:.2f}x")
     _update_table(update_ratio_cost(args))
     print(f"update ratio's own work on a measured step (copy + norms + ratios): {update_monitor_cost(args):.3f} ms")
+    print(f"\n4. the guard's host time per ordinary step: {guard_host_us():.0f} us")
 
 
 if __name__ == "__main__":
