@@ -231,7 +231,8 @@ class Driver:
                 scheduler.step()
 
     def check_open(self, what: str) -> None:
-        """Refuse ``what`` once the run is over: nothing would measure, skip or count its steps."""
+        """Refuse ``what`` once the run is over: nothing would measure, skip or count its steps (callers on
+        the step's path test ``closed`` first, so an open run pays no call)."""
         if self.closed:
             name = type(self).__name__
             raise RuntimeError(
@@ -243,8 +244,11 @@ class Driver:
     def record_loss(self, loss: Tensor, optimizer: Any | None = None) -> None:
         """A backpropagated micro-batch loss (device tensor, no sync) for the step it feeds: the named
         optimizer's, the only one's, or (several, none named) the next to step."""
-        self.check_open("record_loss")
-        if optimizer is not None or len(self.cores) == 1:
+        if self.closed:
+            self.check_open("record_loss")
+        if optimizer is None and len(self.cores) == 1:
+            self.cores[0].record_loss(loss)
+        elif optimizer is not None:
             self.core_for(optimizer).record_loss(loss)
         elif self.cores:
             self._pending_losses.append(loss.detach())
@@ -279,7 +283,8 @@ class Driver:
         routed step applies or skips), the schedulers (held on a skip), then events, sinks, the
         divergence check and recovery (``finish``). ``backward``: backpropagates a loss the way the
         driver does, for a rerun of a flagged step (``config.rerun``)."""
-        self.claim_losses(core)
+        if self._pending_losses:
+            self.claim_losses(core)
         core.evaluate(replay=replay, log_step=log_step, backward=backward)
         optimizer_step()
         self.step_schedulers(core)

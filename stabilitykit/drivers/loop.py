@@ -160,7 +160,8 @@ class StabilityGuard(Driver):
         With several optimizers, ``optimizer`` names the one whose step this loss feeds; without it
         the loss goes to the next ``step``.
         """
-        self.check_open("backward")
+        if self.closed:
+            self.check_open("backward")
         self.record_loss(loss, optimizer)
         self.core.scaler.scale(loss).backward(**kwargs)
 
@@ -181,8 +182,9 @@ class StabilityGuard(Driver):
         ``scaler.update()`` after the step (several optimizers under one GradScaler: pass False for
         all but the last one that steps this iteration).
         """
-        self.check_open("step")
-        core = self.core_for(optimizer)
+        if self.closed:
+            self.check_open("step")
+        core = self.cores[0] if optimizer is None and len(self.cores) == 1 else self.core_for(optimizer)
 
         def backward(loss: Tensor) -> None:  # a rerun of a flagged step backpropagates as the guard does
             self.backward(loss, optimizer=optimizer)
