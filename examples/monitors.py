@@ -1,13 +1,14 @@
 """Monitors inside a model we did not write: a tiny random-init Hugging Face Llama on the CPU.
 
-    python examples/monitors.py [--steps 120] [--out runs/monitors]
+    python examples/monitors.py [--steps 160] [--out runs/monitors]
 
 ``StabilityConfig(monitors=sk.MonitorConfig())`` hooks the model's blocks, embeddings, final norm,
 attention modules and LM head once; on every logging step (every 5 steps here) the hooks measure on
 the device and the guard reads the values with the step's one device-to-host copy. From step 60 on,
 the example multiplies the query projection of layer 1 by 1.04 after every step, as a runaway
 attention logit would grow: the max attention logit of ``model.layers.1.self_attn`` climbs, and the
-spike detector's trend rule raises a ``spike_warning`` naming that module and the signal, while the
+spike detector's trend rule raises a ``spike_warning`` naming that module, the signal and what to do
+(add qk-norm or QK-clip, or lower the LR) once they stand 4x over their long-run level, while the
 loss has not moved. Takes a few seconds; writes ``stability.jsonl`` (draw it with
 ``stabilitykit report``).
 """
@@ -52,7 +53,7 @@ class Rows:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--out", default="runs/monitors")
     args = parser.parse_args(argv)
     out = Path(args.out)

@@ -7,9 +7,11 @@ This module turns a signal's name into the words of its event: the kind of signa
 was measured on, an explanation a user can act on, and the signal's usual lead over the loss.
 
 The leads are the medians measured by ``benchmarks/warning/score.py`` on the tuning families of the
-early-warning corpus (``benchmarks/warning/corpus.py``): steps from the event to the step the loss
-moved; 0 means at the step it moved, a negative lead after it. They are a guide to urgency, not a
-promise: a held-out family's leads are in the spike guide's table.
+early-warning corpus (``benchmarks/warning/corpus.py``, GPT-2 and BERT): steps from the event to the
+step the loss moved; 0 means at the step it moved. The grad norm and the loss fired at the step the
+loss moved (median 0). No precursor trend fired inside an onset's window on those families, so
+their leads are None ("not measured"), not a guess. The held-out families' numbers are in the
+spike guide.
 """
 
 from __future__ import annotations

@@ -108,11 +108,14 @@ def test_monitor_warning_is_separate_from_alert_and_names_the_signal() -> None:
     events = []
     for step in range(300):
         grad = math.exp(rng.gauss(0, 0.05))
-        logit = 10.0 * (1.02 ** max(0, step - 150))  # attention logit growth after step 150
+        logit = 10.0 * (1.04 ** max(0, step - 150))  # attention logit growth after step 150 (4x in 35 steps)
         events += monitor.update(step, grad, 2.0, [grad, grad], signals={"attention/max_logit": logit})
     kinds = [e.kind for e in events]
     assert "spike_warning" in kinds and "spike_alert" not in kinds
     assert any(e.details.get("signal") == "attention/max_logit" for e in events)
+    warning = next(e for e in events if e.details.get("signal") == "attention/max_logit")
+    assert warning.details["source"] == "attention_logits" and "qk-norm" in warning.details["advice"]
+    assert "qk-norm" in warning.message
     assert "spike_alert" in EVENT_KINDS
 
 

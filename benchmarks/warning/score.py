@@ -21,8 +21,9 @@ Split by family (a held-out family is also a held-out optimizer and schedule, se
 the detectors' defaults were chosen on ``gpt2`` and ``bert`` only; ``llama``, ``mixtral`` and
 ``resnet`` are reported and were not read while choosing. Peers have one level: each flag counts
 as a page (and their looks column is empty). Signals reach the detector as the engine hands them
-over: the model monitors' precursors (``monitors/<signal>/<module>``) and the update-to-weight ratio
-on logging steps (``--signals-every``, default every step: the corpus logs every step).
+over: the model monitors' precursors (``monitors/<signal>/<module>``: max attention logit, max |logit|,
+log Z) on logging steps (``--signals-every``, default every step: the corpus logs every step). The
+update-to-weight ratio is in the corpus but not handed to the detector, as the engine does not.
 
 The synthetic hard stream (``spike_suite.synthetic_stream``, sigma 0.35, phi 0.9: grad norms that
 wander) is scored on five seeds: recall on spikes of 3x and more, false alarms per 10k clean steps.
@@ -127,15 +128,12 @@ def ours(signals_every: int = 1, **config: Any) -> Replay:
             for prefix, name in SIGNAL_PREFIXES.items():
                 if c.startswith(prefix):
                     sig_cols.append((i, name + c[len(prefix) :]))
-        upd = run.columns.index("update_ratio") if "update_ratio" in run.columns else None
         gi, li = run.columns.index("grad_norm"), run.columns.index("loss")
         out: list[Event] = []
         for t, row in enumerate(run.data.tolist()):
             signals = None
             if t % step_every == 0:
                 signals = {name: row[i] for i, name in sig_cols if math.isfinite(row[i])}
-                if upd is not None and math.isfinite(row[upd]):
-                    signals["update_ratio"] = row[upd]
             layer_norms = [row[i] for i in idx_layers]
             for e in monitor.update(t, row[gi], row[li], layer_norms, signals=signals):
                 if e.kind == "spike_alert":
@@ -165,6 +163,9 @@ def peer(factory: Callable[[], Callable[[float], bool]], series: Sequence[str]) 
 
 DETECTORS: dict[str, Replay] = {
     "stabilitykit (defaults)": ours(),
+    "stabilitykit before (no scale floor, z_warning 4, trends 2x ungated)": ours(
+        scale_floor=0.0, z_warning=4.0, trend_warning=0.7, trend_warmup=50, trend_while_stalled=None
+    ),
     "OLMo 6 std / 128 (grad norm, loss)": peer(olmo_rule, ("grad_norm", "loss")),
     "Lightning SpikeDetection (loss)": peer(lightning_rule, ("loss",)),
     "ZClip would clip (grad norm)": peer(zclip_rule, ("grad_norm",)),
