@@ -1,5 +1,8 @@
 """Spike early warning against the detectors users would otherwise run, on the same series. Prints tables.
 
+The held-out check of the defaults is its successor, ``benchmarks/warning/score.py``: the same peers on
+a corpus of runs of five ``transformers`` families (``benchmarks/warning/corpus.py``), split by family.
+
     python benchmarks/spikes.py [--seeds 3] [--steps 6000] [--traces benchmarks/instability/traces.npz]
 
 Part 1, the synthetic suite (``spike_suite.synthetic_stream``): log-normal AR(1) grad-norm
