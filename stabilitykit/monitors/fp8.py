@@ -29,6 +29,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from pydantic import Field
 from torch import Tensor, nn
 
@@ -145,32 +146,42 @@ class Fp8Monitor:
         def hook(module: nn.Module, args: Any) -> None:
             if not self._active() or not module.training or not self._casts.get(name):
                 return
-            casts = self._casts[name]
-            x = args[0] if args else None
-
-            def measure() -> None:
-                if "input" in casts and isinstance(x, Tensor) and x.is_floating_point():
-                    self._measure(name, "input", self._compat.layer_input(x))
-                weight = self._compat.weight_operand(module) if "weight" in casts else None
-                if weight is not None:
-                    self._measure(name, "weight", weight)
-
-            self._guarded(name, measure)
+            self._measure_operands(name, module, args[0] if args else None)
 
         return hook
+
+    # The measurements run outside a compiled graph: on a sampled step a compiled model breaks its
+    # graph at each converted layer; an unsampled step only reads the flags above.
+    @torch.compiler.disable
+    def _measure_operands(self, name: str, module: nn.Module, x: Any) -> None:
+        casts = self._casts[name]
+
+        def measure() -> None:
+            if "input" in casts and isinstance(x, Tensor) and x.is_floating_point():
+                self._measure(name, "input", self._compat.layer_input(x))
+            weight = self._compat.weight_operand(module) if "weight" in casts else None
+            if weight is not None:
+                self._measure(name, "weight", weight)
+
+        self._guarded(name, measure)
 
     def _post_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self._active() or not module.training or "grad_output" not in self._casts.get(name, {}):
                 return
-            if isinstance(output, Tensor) and output.requires_grad:
-
-                def on_grad(grad: Tensor) -> None:
-                    self._guarded(name, lambda: self._measure(name, "grad_output", grad))
-
-                output.register_hook(on_grad)
+            self._watch_gradient(name, output)
 
         return hook
+
+    @torch.compiler.disable
+    def _watch_gradient(self, name: str, output: Any) -> None:
+        """Measure the gradient of ``output`` when the backward reaches it (a hook on this tensor only)."""
+        if isinstance(output, Tensor) and output.requires_grad:
+
+            def on_grad(grad: Tensor) -> None:
+                self._guarded(name, lambda: self._measure(name, "grad_output", grad))
+
+            output.register_hook(on_grad)
 
     # ------------------------------------------------------------------ host side (logging steps)
 
