@@ -30,3 +30,21 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
   say "ready in $((SECONDS - began)) s; later runs skip this step"
 fi
+# DeepSpeed compiles its CPU comm op (deepspeed_shm_comm) the first time a process group starts: minutes
+# on a busy machine, inside whichever test or example comes first. Build it here once, into this venv's
+# own TORCH_EXTENSIONS_DIR (test.sh, demo.sh and the tests use the same folder).
+ops=.venv/torch_extensions
+ops_stamp="$ops/.stabilitykit-built"
+if [ ! -f "$ops_stamp" ] || [ "$(cat "$ops_stamp")" != "$want" ]; then
+  if .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('deepspeed') is None)"; then
+    began=$SECONDS
+    say "building DeepSpeed's CPU comm op once into $ops (a minute or two; later runs skip this step)"
+    mkdir -p "$ops"
+    if TORCH_EXTENSIONS_DIR="$PWD/$ops" .venv/bin/python scripts/build_deepspeed_ops.py; then
+      echo "$want" > "$ops_stamp"
+      say "DeepSpeed's comm op built in $((SECONDS - began)) s"
+    else
+      say "WARNING: building DeepSpeed's comm op failed (output above): the first DeepSpeed test will build it"
+    fi
+  fi
+fi

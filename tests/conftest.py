@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,6 +15,9 @@ from stabilitykit.testing import char_batches, tiny_gpt
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# DeepSpeed's comm op, built once per venv by scripts/setup.sh: every test process (and the ranks they
+# launch) loads it from there instead of compiling it inside a test's time limit
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 torch.set_num_threads(1)
 
 
