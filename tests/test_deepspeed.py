@@ -16,11 +16,16 @@ from typing import Any
 import pytest
 
 from tests.distributed_script_runner import run_torchrun, run_world
+from tests.time_limits import limit, timeout_for
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None,
-    reason="deepspeed is not installed: pip install 'stabilitykit[deepspeed]' (bash scripts/setup.sh installs it)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None,
+        reason="deepspeed is not installed: pip install 'stabilitykit[deepspeed]' (bash scripts/setup.sh installs it)",
+    ),
+    # whichever test uses ``ranks`` first waits for the whole launch (tests/time_limits.py)
+    pytest.mark.timeout(timeout_for("deepspeed_script")),
+]
 
 SCRIPT = Path(__file__).parent / "deepspeed_script.py"
 CASES = [f"stage{s}-{p}" for s in (0, 1, 2, 3) for p in ("fp32", "bf16")]
@@ -40,7 +45,7 @@ HF_CELL_STEPS, HF_FAULT_STEP = 4, 1  # tests/hf_deepspeed_script.py
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_world(SCRIPT, 2, tmp_path_factory.mktemp("deepspeed"), timeout=240)
+    return run_world(SCRIPT, 2, tmp_path_factory.mktemp("deepspeed"), timeout=limit("deepspeed_script"))
 
 
 def _rel(a: float, b: float) -> float:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import stabilitykit as sk
+from tests.time_limits import timeout_for
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -26,6 +27,7 @@ def _load(name: str) -> ModuleType:
     return module
 
 
+@pytest.mark.timeout(timeout_for("demo"))
 def test_demo_skips_the_nan_batch_and_clips_the_spike(tmp_path, capsys) -> None:
     demo = _load("demo")
     summary = demo.main(["--steps", "210", "--out", str(tmp_path)])

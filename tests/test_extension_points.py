@@ -66,13 +66,16 @@ def _check_run(sink: ClosingSink, jsonl: Path, steps: int) -> None:
     skipped = [e for e in sink.events if e.kind == "skipped"]
     assert [(e.step, e.details["reason"]) for e in skipped] == [(BAD_STEP, "quality_gate")]
     assert "QualityGate" in skipped[0].details["rule"]
+    # what tripped the rule: the values it read, as the step recorded them (not only on logging steps)
+    assert skipped[0].details["inputs"] == {"quality": 0.0}
+    assert "skipped: quality_gate (QualityGate flagged it) with quality=0" in skipped[0].message
     assert sink.closed == 1, "the driver closes the user's sinks once, at the end of the run"
     logged = [m for _, m in sink.rows if "stability/metrics/logit_max" in m]
     assert logged and all(m["stability/metrics/logit_max"] > 0 for m in logged)
     assert any(m.get("stability/metrics/quality") == 1.0 for m in logged)
     lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
     events = [r for r in lines if r.get("event") == "skipped"]
-    assert [(r["step"], r["reason"]) for r in events] == [(BAD_STEP, "quality_gate")]
+    assert [(r["step"], r["reason"], r["inputs"]) for r in events] == [(BAD_STEP, "quality_gate", {"quality": 0.0})]
     assert any("stability/metrics/logit_max" in r for r in lines)
     assert max(int(r["step"]) for r in lines) <= steps
 

@@ -41,7 +41,9 @@ def test_setup_says_what_it_does_on_the_first_run_and_nothing_after(tmp_path: Pa
     assert lines[0] == "stabilitykit setup: creating .venv with " + env["PYTHON"] + " (first run only)"
     assert any("installing torch==2.13.0 into .venv" in line and "a few minutes" in line for line in lines)
     assert any("installing stabilitykit with every extra" in line for line in lines)
-    assert any(line.startswith("stabilitykit setup: ready in ") and "later runs skip this step" in line for line in lines)
+    assert any(
+        line.startswith("stabilitykit setup: ready in ") and "later runs skip this step" in line for line in lines
+    )
     # DeepSpeed's comm op is built here, announced, into the venv's own extensions folder
     assert "stabilitykit setup: building DeepSpeed's CPU comm op once into .venv/torch_extensions" in lines[-2]
     assert lines[-1].startswith("stabilitykit setup: DeepSpeed's comm op built in ")

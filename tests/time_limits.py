@@ -16,6 +16,8 @@ import os
 QUIET_S = {
     # examples/demo.py --steps 210, in the test process: 24.7 s user + 0.4 s system
     "demo": 25.0,
+    # tests/deepspeed_script.py on 2 gloo processes (every ZeRO stage x precision case): 30.5 s user + 2.6 s system
+    "deepspeed_script": 33.0,
 }
 
 #: How many times the quiet time a launch may take before it is called hung.
@@ -25,3 +27,9 @@ FACTOR = float(os.environ.get("STABILITYKIT_TIME_FACTOR", "20"))
 def limit(name: str) -> float:
     """The wall-clock limit of launch ``name``: its quiet time times ``FACTOR`` (at least 60 s)."""
     return max(60.0, QUIET_S[name] * FACTOR)
+
+
+def timeout_for(name: str) -> float:
+    """The pytest-timeout of the test that waits for launch ``name`` (the launch's own limit, plus a minute
+    for the test around it), so that the launch's limit, which names what hung, is the one that fires."""
+    return limit(name) + 60.0

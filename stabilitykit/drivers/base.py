@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from stabilitykit.compat.attributes import replace_attribute, route_attribute
 from stabilitykit.compat.schedulers import hold_scheduler, release_scheduler
+from stabilitykit.schedulers import StepWatch
 from stabilitykit.config import StabilityConfig
 from stabilitykit.drivers.core import DriverCore, coerce_config, unwrap_optimizer
 from stabilitykit.engine import StabilityEngine
@@ -104,6 +105,7 @@ class Driver:
         #: outlives the run (undone only by ``release(lasting=True)``).
         self._undo: list[tuple[Callable[[], None], bool]] = []
         self._stepped: dict[int, list[Any]] = {}  # core index -> the schedulers ``step_schedulers`` steps
+        self._scheduler_watch = StepWatch()  # a scheduler stepped here and by hand too is named
 
     # ------------------------------------------------------------------ cores
     def build_cores(
@@ -204,6 +206,7 @@ class Driver:
         core.engine.note_scheduler_held()
         if stepped_here:
             self._stepped.setdefault(self.cores.index(core), []).append(scheduler)
+            self._scheduler_watch.add(scheduler)
         else:
             hold_scheduler(scheduler, core.should_hold_scheduler)
             self.on_release(lambda: release_scheduler(scheduler))
@@ -287,8 +290,10 @@ class Driver:
             self.claim_losses(core)
         core.evaluate(replay=replay, log_step=log_step, backward=backward)
         optimizer_step()
+        self._scheduler_watch.before()
         self.step_schedulers(core)
         report = core.finish()
+        self._scheduler_watch.after()  # after a rollback's restore of the schedulers
         assert report is not None
         return report
 

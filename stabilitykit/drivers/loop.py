@@ -29,6 +29,7 @@ from stabilitykit.nan import NaNTracer, NonFiniteRecord
 from stabilitykit.precision import PrecisionChoice
 from stabilitykit.report import StepReport
 from stabilitykit.rules import SkipRule
+from stabilitykit.schedulers import check_arguments
 from stabilitykit.sinks.base import Sink
 
 
@@ -90,6 +91,7 @@ class StabilityGuard(Driver):
         optimizers = _as_list(optimizer)
         if not optimizers:
             raise ValueError("StabilityGuard needs an optimizer; got an empty list")
+        check_arguments(scaler, _as_list(scheduler), optimizers)  # each mistake named with its fix
         if not self.follows_accumulation:
             _refuse_accumulating(optimizers)
         super().__init__(config, sinks=sinks, hooks=hooks, rules=rules)

@@ -106,7 +106,9 @@ class StepInputs:
         record.put("grads_finite", grads_finite, "all")
         record.put("loss_finite", loss_finite, "all")
         for rule in rules:
+            view.read.clear()
             record.put(f"rule/{rule.name}", rule_flag(rule, view), "any")
+            rules.inputs[rule.name] = tuple(sorted(view.read))
         asked = self._no_request if request == 0 else torch.full((), float(request), device=self.device)
         record.put("request", asked, "max")
         judged = self._no_request if verdict == 0 else torch.full((), float(verdict), device=self.device)

@@ -137,7 +137,7 @@ class Ledger:
             if not row.on_time and self.fused:
                 self.scheduler_debt += 1  # the scheduler already stepped past this skip
             late = not row.on_time and self.fused
-            events.extend(self._skip_events(row.step, verdict, layer, source, late, row.total))
+            events.extend(self._skip_events(row.step, verdict, layer, source, late, row.total, row))
             limit = self.config.skip.max_consecutive
             if limit is not None and counts and c.consecutive >= limit:
                 divergence = Divergence(row.step, c.consecutive, layer, verdict.reason)
@@ -180,6 +180,7 @@ class Ledger:
         source: Any | None,
         late: bool = False,
         total: float = math.nan,
+        row: Row | None = None,
     ) -> list[Event]:
         """The rule's own event (its ``message``) and the ``skipped`` event of a skipped step."""
         reason = verdict.reason or "skipped"
@@ -200,10 +201,14 @@ class Ledger:
             events.append(Event(rule.event_kind, step, rule.message(ctx), details))
         elif rule is not None:
             details["rule"] = type(rule).__name__
+            if row is not None:
+                details["inputs"] = self._rule_inputs(rule.name, row)
             where = f" ({rule.message(SkipContext(step, where, total, details))})"
         skipped = f"step {step} skipped: {reason}"
         if rule is not None and rule.event_kind == "rule_skip":
             skipped += where
+            if details.get("inputs"):
+                skipped += " with " + ", ".join(f"{k}={v:.4g}" for k, v in details["inputs"].items())
         if late:
             details["learned_late"] = True
             skipped += " (skipped on the device by the fused optimizer, learned at this logging step"
@@ -212,6 +217,19 @@ class Ledger:
             )
         events.append(Event("skipped", step, skipped, details))
         return events
+
+    def _rule_inputs(self, name: str, row: Row) -> dict[str, float]:
+        """The values of the step ``row`` that rule ``name`` read (its recorded metrics, the grad norm, the
+        loss), as the journal holds them: what tripped it, in its skip event's details."""
+        found: dict[str, float] = {}
+        for key in self.rules.inputs.get(name, ()):
+            if key in row.metrics:
+                found[key] = row.metrics[key]
+            elif key == "grad_norm":
+                found[key] = row.total
+            elif key == "loss" and row.loss is not None:
+                found[key] = row.loss
+        return found
 
     def fp16_events(self, step: int, scale: float, source: Any | None = None) -> list[Event]:
         """The fp16 monitor's verdict at a logging step (names where the first overflow came from)."""

@@ -31,13 +31,17 @@ class StepValues(Mapping[str, Tensor]):
         self.scaler_active = scaler_active
         self.step = step
         self.has_loss = has_loss
+        #: The names read so far (a rule's inputs: its skip event's details carry their values).
+        self.read: set[str] = set()
 
     def __getitem__(self, name: str) -> Tensor:
         try:
-            return self._values[name]
+            value = self._values[name]
         except KeyError:
             known = ", ".join(sorted(self._values))
             raise KeyError(f"no step value named {name!r} (this step has: {known})") from None
+        self.read.add(name)
+        return value
 
     def __iter__(self) -> Any:
         return iter(self._values)

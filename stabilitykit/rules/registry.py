@@ -53,6 +53,9 @@ class RuleSet:
         if len(rules) > MAX_RULES:
             raise ValueError(f"at most {MAX_RULES} skip rules fit a decision code, got {len(rules)}: {names}")
         self.rules = list(rules)
+        #: The step values each rule read when it last decided (host names, no device work): what its
+        #: skip event reports the values of.
+        self.inputs: dict[str, tuple[str, ...]] = {}
         self._here_bits: Tensor | None = None
         self._agreed_bits: Tensor | None = None
         self._both_bits: Tensor | None = None
