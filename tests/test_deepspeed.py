@@ -218,10 +218,11 @@ def hf_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     script = Path(__file__).parent / "hf_deepspeed_script.py"
     out = tmp_path_factory.mktemp("hf_deepspeed")
     env = {"DS_ACCELERATOR": "cpu", "SK_HF_CELLS": ",".join(HF_CELLS), "SK_HF_RECOVERY": ",".join(HF_RECOVERY)}
-    return run_torchrun(script, 2, out, timeout=1500 if FULL else 280, **env)
+    return run_torchrun(script, 2, out, timeout=1500 if FULL else limit("hf_deepspeed_script"), **env)
 
 
-_HF_TIMEOUT = pytest.mark.timeout(1800 if FULL else 300)  # the first test to use hf_ranks waits for the launch
+#: The first test to use hf_ranks waits for the launch (tests/time_limits.py).
+_HF_TIMEOUT = pytest.mark.timeout(1800 if FULL else timeout_for("hf_deepspeed_script"))
 
 
 @_HF_TIMEOUT

@@ -111,3 +111,34 @@ def test_dashboard_spec_builds_offline_with_the_five_sections() -> None:
     assert [p.y for p in layer_panels[1:]] == [["stability/grad_norm/blocks.0"], ["stability/grad_norm/lm_head"]]
     keys = {y for p in workspace.sections[3].panels for y in p.y}
     assert keys == {"stability/logits/log_z_mean", "stability/logits/log_z_max", "stability/attention/max_logit"}
+
+
+def test_a_wandb_logger_alone_gets_the_event_markers_and_alerts(tmp_path: Path) -> None:
+    """No WandbSink given: the WandbLogger among trainer.loggers is fed through one (markers, alerts), and
+    the metrics are logged once, at Lightning's rows."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import WandbLogger
+
+    from stabilitykit.lightning import StabilityCallback
+    from stabilitykit.testing.lightning_gpt import GPTModule, gpt_dataloader
+
+    logger = WandbLogger(project="stabilitykit-tests", save_dir=str(tmp_path), offline=True)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=10,
+        log_every_n_steps=5,
+        logger=logger,
+        callbacks=[StabilityCallback(sk.StabilityConfig())],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(GPTModule(poison={3: float("nan")}), gpt_dataloader(10))
+    run_dir = Path(logger.experiment.dir).parent
+    wandb.finish()
+    logged = WandbRunFile.read(run_dir)
+    steps = [r["trainer/global_step"] for r in logged.history if "stability/grad_norm/total" in r]
+    assert steps == [4, 9]
+    markers = [r["trainer/global_step"] for r in logged.history if "stability/events/nonfinite" in r]
+    assert markers == [3]
+    assert [a["title"] for a in logged.alerts] == ["stabilitykit: nonfinite at step 3"]

@@ -18,6 +18,8 @@ QUIET_S = {
     "demo": 25.0,
     # tests/deepspeed_script.py on 2 gloo processes (every ZeRO stage x precision case): 30.5 s user + 2.6 s system
     "deepspeed_script": 33.0,
+    # tests/hf_deepspeed_script.py under torchrun on 2 processes (the covering cells): 32.6 s user + 1.9 s system
+    "hf_deepspeed_script": 35.0,
 }
 
 #: How many times the quiet time a launch may take before it is called hung.

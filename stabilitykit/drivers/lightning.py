@@ -32,6 +32,7 @@ from stabilitykit.report import StepReport
 from stabilitykit.rules import SkipRule
 from stabilitykit.run_log import RunSummary
 from stabilitykit.sinks.base import Sink
+from stabilitykit.sinks.loggers import sinks_for_loggers
 
 try:
     import lightning.pytorch as pl
@@ -137,9 +138,8 @@ class StabilityCallback(Callback):
             every = max(1, trainer.log_every_n_steps)  # type: ignore[attr-defined]
             config = config.model_copy(update={"log_every_n_steps": every})
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        for logger in trainer.loggers:
-            if not any(sink is logger for sink in self.hooks.sinks) and not self._wandb_sink_covers(logger):
-                self.hooks.add_sink(logger, owned=False)  # type: ignore[arg-type]  # Lightning finalizes it
+        for sink, owned in sinks_for_loggers(trainer.loggers, self.hooks.sinks, trainer.is_global_zero):
+            self.hooks.add_sink(sink, owned=owned)  # a WandbLogger's run gets a WandbSink: markers and alerts
         self.driver.build_cores(
             pl_module,
             trainer.optimizers,
@@ -153,12 +153,6 @@ class StabilityCallback(Callback):
                 self.driver.add_scheduler(sched_cfg.scheduler, stepped_here=False)
             else:  # recovery restores it with each snapshot
                 self.driver.track_scheduler(sched_cfg.scheduler)
-
-    def _wandb_sink_covers(self, logger: Any) -> bool:
-        """A WandbSink logs to W&B already (with alerts and markers): the WandbLogger is not fed twice."""
-        if type(logger).__name__ != "WandbLogger":
-            return False
-        return any(type(sink).__name__ == "WandbSink" for sink in self.hooks.sinks)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The run is over: the last steps folded and logged, the summary line, wrappers undone, sinks closed."""
