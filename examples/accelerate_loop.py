@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{len(micro_batches)} micro-batches, {summary['steps']} optimizer steps, {summary['skipped']} skipped")
 
     accelerator.load_state(str(out / "checkpoint"))
-    print(f"load_state: the guard is back at step {guard.step_count} with {guard.skipped_total} skipped")
+    print(f"load_state: the guard is back at step {guard.step_count} with {guard.summary().skipped} skipped")
     guard.close()
     return {"summary": summary, "reports": reports, "restored_step": guard.step_count}
 

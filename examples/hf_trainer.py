@@ -98,11 +98,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     last = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     resumed, resumed_callback = make_trainer(out, args.steps + 4)
     resumed.train(resume_from_checkpoint=str(last))
-    print(f"resumed from {last.name}: {resumed_callback.engine.skipped_total} skipped step(s) carried over")
+    resumed_summary = resumed_callback.summary()  # the run's totals, as every driver gives them
+    assert resumed_summary is not None
+    print(f"resumed from {last.name}: {resumed_summary.skipped} skipped step(s) carried over")
+    summary = callback.summary()
+    assert summary is not None
     return {
         "log_history": trainer.state.log_history,
-        "skipped": callback.engine.skipped_total,
-        "resumed_skipped": resumed_callback.engine.skipped_total,
+        "skipped": summary.skipped,
+        "resumed_skipped": resumed_summary.skipped,
         "resumed_steps": resumed.state.global_step,
     }
 

@@ -40,10 +40,8 @@ def main(argv: list[str] | None = None) -> StabilityCallback:
     )
     module = GPTModule(poison={20: float("nan"), 40: 1000.0}, scheduler=True)
     trainer.fit(module, gpt_dataloader(args.steps))
-    assert callback.engine is not None
-    print(
-        "skipped:", int(callback.engine.counters.skipped_total), "clipped:", int(callback.engine.counters.clipped_total)
-    )
+    summary = callback.summary()  # the run's totals, as every driver gives them
+    print("skipped:", summary.skipped, "clipped:", summary.clipped)
     print("metrics:", Path(trainer.logger.log_dir) / "metrics.csv")  # type: ignore[union-attr]
     return callback
 

@@ -56,7 +56,7 @@ def train(clip: sk.ClipConfig, steps: int, spike_at: int, factor: float) -> dict
         last = float(report.loss)  # type: ignore[arg-type]
     guard.close()
     result["final_loss"] = last
-    result["clipped_steps"] = int(guard.engine.counters.clipped_total)
+    result["clipped_steps"] = guard.summary().clipped
     return result
 
 

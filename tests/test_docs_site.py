@@ -69,9 +69,17 @@ def test_the_plain_loop_guides_fp16_snippet_runs_and_uses_the_scaler(tmp_path: P
     assert "stability/scaler/scale" in rows[-1] or "stability/grad_norm/total" in rows[-1]
 
 
-def test_the_configuration_page_says_where_its_field_tables_come_from() -> None:
+def test_the_configuration_pages_field_tables_are_in_the_markdown_and_current() -> None:
+    """The tables read in the Markdown file as on the site, and match the models (regenerate them with
+    ``python docs/hooks/config_reference.py`` after changing a field)."""
+    sys.path.insert(0, str(ROOT / "docs" / "hooks"))
+    try:
+        import config_reference
+    finally:
+        sys.path.pop(0)
     page = (ROOT / "docs" / "configuration.md").read_text()
     head, marker, tail = page.partition("<!-- config-reference -->")
-    assert marker and not tail.strip()  # the hook fills the end of the page
-    assert "generated from the pydantic models when the site is built" in head
-    assert ".venv/bin/mkdocs" in head and "model_json_schema()" in head
+    assert marker and "<!-- /config-reference -->" in tail
+    assert "| `max_norm` | `float` | `1.0` |" in tail  # ClipConfig's table, in the file itself
+    assert page == config_reference.render(page), "stale tables: run python docs/hooks/config_reference.py"
+    assert "python docs/hooks/config_reference.py" in head and "model_json_schema()" in head

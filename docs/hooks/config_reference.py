@@ -1,12 +1,22 @@
-"""mkdocs hook: replace ``<!-- config-reference -->`` with tables generated from the pydantic models."""
+"""The configuration tables, generated from the pydantic models into ``docs/configuration.md``.
+
+The page holds them between ``<!-- config-reference -->`` and ``<!-- /config-reference -->``, so they
+read in the Markdown file as on the site. ``python docs/hooks/config_reference.py`` rewrites them
+(a test fails while they are stale); as an mkdocs hook, the site is built with freshly generated
+tables whatever the file holds.
+"""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
 MARKER = "<!-- config-reference -->"
+END = "<!-- /config-reference -->"
+PAGE = Path(__file__).resolve().parent.parent / "configuration.md"
 
 
 def _type_name(annotation: Any) -> str:
@@ -31,9 +41,8 @@ def _table(model: type[BaseModel]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def on_page_markdown(markdown: str, **kwargs: Any) -> str:
-    if MARKER not in markdown:
-        return markdown
+def tables() -> str:
+    """Every section's table, in the page's order."""
     import stabilitykit as sk
 
     models = [
@@ -53,4 +62,23 @@ def on_page_markdown(markdown: str, **kwargs: Any) -> str:
         sk.RerunConfig,
         sk.ReplicaCheckConfig,
     ]
-    return markdown.replace(MARKER, "\n".join(_table(m) for m in models))
+    return "\n".join(_table(m) for m in models)
+
+
+def render(markdown: str) -> str:
+    """``markdown`` with the block between the markers (or after a lone start marker) generated afresh."""
+    if MARKER not in markdown:
+        return markdown
+    head, rest = markdown.split(MARKER, 1)
+    tail = rest.split(END, 1)[1] if END in rest else "\n"
+    return f"{head}{MARKER}\n\n{tables()}\n{END}{tail}"
+
+
+def on_page_markdown(markdown: str, **kwargs: Any) -> str:
+    return render(markdown)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(PAGE.parent.parent))
+    PAGE.write_text(render(PAGE.read_text()))
+    print(f"wrote the configuration tables into {PAGE}")
