@@ -112,6 +112,17 @@ def _warn_compiled_once() -> None:
         )
 
 
+def _returns_tensors(module: nn.Module) -> bool:
+    """Whether ``module`` returns a Tensor or a tuple, as torch's module backward hooks need (else torch
+    warns "module output should be a Tensor or a tuple of Tensors" and the hook sees nothing).
+
+    A Hugging Face ``PreTrainedModel`` returns a ``ModelOutput`` (a mapping): it gets no backward hook.
+    Its backward is its submodules' (``lm_head``, the layers), which are traced and are where the first
+    non-finite backward value is named. Read from the class names, so transformers is never imported.
+    """
+    return not any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
+
+
 class NaNTracer:
     """Context manager that names the first module whose forward output or input grad is non-finite.
 
@@ -143,18 +154,19 @@ class NaNTracer:
             _warn_compiled_once()
         for raw_name, module in unwrap_model(self.model).named_modules():
             name = clean_name(raw_name)
-            if self.trace_forward or (self.compiled and self.trace_backward):
-                self._handles.append(module.register_forward_hook(self._hook_fn(name, "forward")))
-            if self.trace_backward and not self.compiled:
+            by_outputs = self.compiled
+            if self.trace_forward or (by_outputs and self.trace_backward):
+                self._handles.append(module.register_forward_hook(self._hook_fn(name, "forward", by_outputs)))
+            if self.trace_backward and not by_outputs and _returns_tensors(module):
                 self._handles.append(module.register_full_backward_hook(self._hook_fn(name, "backward")))
         return self
 
-    def _hook_fn(self, name: str, phase: str) -> Any:
+    def _hook_fn(self, name: str, phase: str, by_outputs: bool = False) -> Any:
         """One hook function per module and phase, kept for the tracer's life (so re-attaching changes
-        nothing a compiler guards on)."""
+        nothing a compiler guards on). ``by_outputs``: backward is traced on the module's outputs."""
         key = (name, phase)
         if key not in self._hook_fns:
-            fn = self._forward_hook(name) if phase == "forward" else self._backward_hook(name)
+            fn = self._forward_hook(name, by_outputs) if phase == "forward" else self._backward_hook(name)
             self._hook_fns[key] = dynamo_disable(fn) if self.compiled else fn
         return self._hook_fns[key]
 
@@ -220,13 +232,13 @@ class NaNTracer:
         self._stats = torch.where(newly, stats, self._stats)
         self._first = torch.where(newly, torch.full_like(self._first, index), self._first)
 
-    def _forward_hook(self, name: str) -> Any:
+    def _forward_hook(self, name: str, by_outputs: bool) -> Any:
         def hook(module: nn.Module, inputs: Any, outputs: Any) -> None:
             if self._found is not None:
                 return
             if self.trace_forward:
                 self._record(name, "forward", inputs, outputs)
-            if self.compiled and self.trace_backward:  # module backward hooks need compiled autograd
+            if by_outputs and self.trace_backward:  # module backward hooks need compiled autograd
                 for out in _tensors(outputs):
                     if out.requires_grad:
                         out.register_hook(self._output_grad_hook(name))

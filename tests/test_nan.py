@@ -91,3 +91,24 @@ def test_check_batch_names_the_path() -> None:
         sk.check_batch([torch.zeros(0)])
     with pytest.raises(sk.BadBatchError, match=r"batch\[1\]\['a'\] is an empty sequence"):
         sk.check_batch([torch.ones(1), {"a": []}])
+
+
+def test_tracing_an_hf_model_makes_torch_warn_nothing_and_finds_the_backward_nan() -> None:
+    """A transformers model returns a ModelOutput, on which torch's module backward hooks cannot work
+    (torch warns "module output should be a Tensor or a tuple of Tensors"): the model itself
+    is not hooked for backward (its submodules are), and the first non-finite backward value is still
+    named: a NaN loss (weights of 0/0, as a corrupt shard gives) is found where it enters, lm_head."""
+    import warnings
+
+    from tests.hf_models import tiny_llama, token_batches
+
+    model = tiny_llama()
+    batch = token_batches(1, seed=0)[0]
+    with warnings.catch_warnings(record=True) as caught, sk.NaNTracer(model) as tracer:
+        warnings.simplefilter("always")
+        out = model(**batch)
+        (out.loss * torch.tensor(float("nan"))).backward()
+    assert [str(w.message) for w in caught if "backward hooks" in str(w.message)] == []
+    first = tracer.first
+    assert first is not None and first.phase == "backward"
+    assert first.module == "lm_head", first
