@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 
-
 def _is_scheduler(obj: Any) -> bool:
     """An LR scheduler instance (torch's, or anything that drives an optimizer and steps)."""
     if isinstance(obj, torch.optim.lr_scheduler.LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau):

@@ -31,7 +31,6 @@ from torch import Tensor, nn
 
 from stabilitykit.compat.attributes import replace_attribute, route_attribute
 from stabilitykit.compat.schedulers import hold_scheduler, release_scheduler
-from stabilitykit.schedulers import StepWatch
 from stabilitykit.config import StabilityConfig
 from stabilitykit.drivers.core import DriverCore, coerce_config, unwrap_optimizer
 from stabilitykit.engine import StabilityEngine
@@ -40,6 +39,7 @@ from stabilitykit.recovery import refuse_several_optimizers
 from stabilitykit.report import StepReport
 from stabilitykit.rules import RuleSet, SkipRule
 from stabilitykit.run_log import RunSummary
+from stabilitykit.schedulers import StepWatch
 from stabilitykit.sinks.base import Sink
 from stabilitykit.state import STATE_VERSION, check_version, validate_state
 
