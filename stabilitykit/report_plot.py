@@ -41,6 +41,8 @@ _LINES = (
     "clip/threshold",
     "spikes/z_grad_norm",
     "spikes/max_z_grad_norm",
+    "spikes/z_loss",
+    "spikes/max_z_loss",
     "spikes/z_warning",
     "skipped/total",
     "update_ratio",
@@ -482,9 +484,11 @@ def load_run_log(path: str | os.PathLike[str], prefix: str | None = None, bins: 
     """Read the guard's JSONL log, a Lightning ``CSVLogger`` ``metrics.csv`` (rows merged by step),
     or a Hugging Face Trainer's ``trainer_state.json`` (its ``log_history``).
 
-    A folder: its Lightning ``metrics.csv`` files (the newest run, with the versions it was resumed
-    from, drawn as one), else its ``*.jsonl`` log, else the Trainer's ``trainer_state.json`` (the
-    output folder's own, else the newest ``checkpoint-<n>``'s). What was chosen is in ``notes``.
+    A folder: its ``*.jsonl`` log (the richest source: every event, each skip's step, rollback ranges),
+    else its Lightning ``metrics.csv`` files (the newest run, with the versions it was resumed from,
+    drawn as one), else the Trainer's ``trainer_state.json`` (the output folder's own, else the newest
+    ``checkpoint-<n>``'s). What was chosen is in ``notes``, and why when the folder held both a JSONL
+    log and ``metrics.csv``.
     ``prefix`` is the ``metric_prefix`` the run logged with; by default it is found in the log.
     ``bins``: step bins per series (memory stays bounded by it whatever the log's length).
     Raises ``ReportError`` (or ``JsonlError``), one line naming the file, for anything it cannot draw.
@@ -493,12 +497,18 @@ def load_run_log(path: str | os.PathLike[str], prefix: str | None = None, bins: 
     notes: list[str] = []
     if path.is_dir():
         csvs = sorted(path.rglob("metrics.csv"))
-        if csvs:
+        jsonls = sorted(path.rglob("*.jsonl"))
+        if csvs and jsonls:
+            notes.append(
+                f"drawing {jsonls[-1]}: the JSONL log holds every event and skip, which Lightning's metrics.csv "
+                f"({len(csvs)} in the folder) does not; give a metrics.csv to draw it instead"
+            )
+        if csvs and not jsonls:
             run, notes = _csv_run(csvs)
             log = _load_csv(run, prefix, bins)
             log.notes = notes
             return log
-        found = sorted(path.rglob("*.jsonl")) or _trainer_states(path)
+        found = jsonls or _trainer_states(path)
         if not found:
             raise ReportError(f"{path}: a folder with no metrics.csv, *.jsonl or trainer_state.json log in it")
         if len(found) > 1:
@@ -708,13 +718,18 @@ def z_warning_of(run: RunLog) -> float:
 
 
 def _panel_z_score(ax: Any, run: RunLog) -> None:
-    """The grad-norm z-score and its max since the last log, with the run's warning threshold."""
-    _plot_series(ax, run.lines.get("spikes/z_grad_norm"), color="tab:orange", lw=1.2, label="z-score (logging step)")
+    """The grad-norm and loss z-scores and their max since the last log, with the run's warning
+    threshold: an alert may come from either series."""
+    _plot_series(ax, run.lines.get("spikes/z_grad_norm"), color="tab:orange", lw=1.2,
+                 label="grad-norm z (logging step)")  # fmt: skip
     _plot_series(ax, run.lines.get("spikes/max_z_grad_norm"), color="tab:red", lw=0.8, ls=":",
-                 label="max z since last log")  # fmt: skip
+                 label="grad-norm max z since last log")  # fmt: skip
+    _plot_series(ax, run.lines.get("spikes/z_loss"), color="tab:blue", lw=1.2, label="loss z (logging step)")
+    _plot_series(ax, run.lines.get("spikes/max_z_loss"), color="tab:purple", lw=0.8, ls=":",
+                 label="loss max z since last log")  # fmt: skip
     z_warning = z_warning_of(run)
     ax.axhline(z_warning, color="tab:red", lw=0.8, ls="--", label=f"warning (z = {z_warning:g})")
-    ax.set_ylabel("grad-norm z-score")
+    ax.set_ylabel("z-score")
     ax.legend(loc="upper right", fontsize=8)
 
 

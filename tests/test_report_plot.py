@@ -328,3 +328,19 @@ def test_report_reads_a_hf_trainers_trainer_state_and_output_folder(tmp_path: Pa
     assert main(["report", str(state), "-o", str(tmp_path / "a.png")]) == 0
     assert main(["report", str(out), "-o", str(tmp_path / "b.png")]) == 0
     assert "checkpoint-8" in capsys.readouterr().out
+
+
+def test_report_of_a_folder_with_a_jsonl_and_metrics_csv_draws_the_jsonl_and_says_so(tmp_path: Path) -> None:
+    """Lightning's metrics.csv beside the guard's JSONL: the JSONL (every event, each skip's step) is drawn,
+    and the note says so; the z panel draws the loss z too (an alert may come from it)."""
+    _jsonl_run(tmp_path / "run.jsonl")
+    csv = tmp_path / "lightning_logs" / "version_0" / "metrics.csv"
+    csv.parent.mkdir(parents=True)
+    csv.write_text("step,stability/grad_norm/total,stability/skipped/total\n1,0.5,0\n3,0.6,0\n")
+    log = load_run_log(tmp_path)
+    assert log.sources == [tmp_path / "run.jsonl"]
+    assert any("drawing" in n and "run.jsonl" in n and "metrics.csv" in n for n in log.notes), log.notes
+    assert {e["kind"]: e["step"] for e in log.events}["skipped"] == 11
+    fig = report_figure(tmp_path)
+    labels = [line.get_label() for line in fig.axes[2].get_lines()]
+    assert "loss z (logging step)" in labels and "grad-norm z (logging step)" in labels
