@@ -36,6 +36,7 @@ _MARKERS = {
 #: Series the report draws, by name under the metric prefix.
 _LINES = (
     "loss",
+    "loss/max",
     "grad_norm/total",
     "grad_norm/max",
     "clip/threshold",
@@ -685,13 +686,18 @@ def _plain_log_ticks(ax: Any) -> None:
 def _panel_loss(ax: Any, run: RunLog) -> None:
     """The loss; a log scale when a spike would flatten everything else."""
     loss = run.lines.get("loss")
-    _plot_series(ax, loss, color="tab:blue", lw=1.2)
+    _plot_series(ax, loss, color="tab:blue", lw=1.2, label="loss (logging step)")
+    loss_max = run.lines.get("loss/max")
+    _plot_series(ax, loss_max, color="tab:blue", lw=0.8, ls=":", label="max since last log")
+    if loss_max is not None:
+        ax.legend(loc="upper right", fontsize=8)
     ax.set_ylabel("loss")
     width = max((b.width for b in run.lines.values()), default=1)
     if width > 1:
         ax.set_title(f"{run.n_rows} logging steps: lines are means per {width} steps, bands their min..max", fontsize=8)
     if loss is not None:
-        positive = [v for v in loss.column("lo") + loss.column("hi") if v > 0]
+        extra = loss_max.column("hi") if loss_max is not None else []
+        positive = [v for v in loss.column("lo") + loss.column("hi") + extra if v > 0]
         if positive and max(positive) / min(positive) > 50:
             ax.set_yscale("log")
             _plain_log_ticks(ax)

@@ -344,3 +344,28 @@ def test_report_of_a_folder_with_a_jsonl_and_metrics_csv_draws_the_jsonl_and_say
     fig = report_figure(tmp_path)
     labels = [line.get_label() for line in fig.axes[2].get_lines()]
     assert "loss z (logging step)" in labels and "grad-norm z (logging step)" in labels
+
+
+def test_a_blow_up_between_logging_steps_is_logged_and_drawn(tmp_path: Path) -> None:
+    """A loss x40 and an inf grad norm at step 12, between logging steps (every 5): the next row logs the
+    interval's largest finite loss (loss/max, skipped steps included), and the loss panel draws it."""
+    log = tmp_path / "run.jsonl"
+    model = sk.testing.tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    guard = sk.StabilityGuard(model, opt, {"log_every_n_steps": 5}, sinks=[sk.sinks.JsonlSink(log)])
+    for i, (x, y) in enumerate(batches(20)):
+        loss = model.loss(x, y)
+        if i == 12:
+            loss = loss * 40.0
+            loss.register_hook(lambda g: g * float("inf"))  # finite loss, inf grads: skipped
+        guard.backward(loss)
+        guard.step()
+        guard.zero_grad()
+    guard.close()
+    rows, _ = sk.sinks.read_jsonl(log)
+    row = next(r for r in rows if r["step"] == 15)  # the logging step after it (steps 0, 5, 10, 15)
+    assert row["stability/loss/max"] > 10 * row["stability/loss"]
+    assert all(r["stability/loss/max"] >= r["stability/loss"] for r in rows)
+    fig = report_figure(log)
+    drawn = next(line for line in fig.axes[0].get_lines() if line.get_label() == "max since last log")
+    assert max(drawn.get_ydata()) == row["stability/loss/max"]

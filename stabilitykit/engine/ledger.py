@@ -49,11 +49,15 @@ class Counters:
     skipped_recent: NonNegativeInt = 0
     clipped_recent: NonNegativeInt = 0
     max_norm_recent: float = 0.0
+    #: The largest finite loss of the interval, skipped steps included (a blow-up between logging steps
+    #: shows in ``loss/max``); -inf while the interval has none.
+    max_loss_recent: float = -math.inf
 
     def reset_recent(self) -> None:
         """Start a new logging interval."""
         self.skipped_recent = self.clipped_recent = 0
         self.max_norm_recent = 0.0
+        self.max_loss_recent = -math.inf
 
     def state(self) -> dict[str, Any]:
         """Every field, as plain values."""
@@ -149,6 +153,8 @@ class Ledger:
         if math.isfinite(row.total):
             c.max_norm = max(c.max_norm, row.total)
             c.max_norm_recent = max(c.max_norm_recent, row.total)
+        if row.loss is not None and math.isfinite(row.loss):
+            c.max_loss_recent = max(c.max_loss_recent, row.loss)
         if self.spikes is not None:
             layers = row.layers if self.layer_names and len(row.layers) == len(self.layer_names) else None
             events.extend(self.spikes.update(row.step, row.total, row.loss, layers, signals=signals))

@@ -7,6 +7,7 @@ update ratios. Which layers are logged follows ``GradNormConfig.include`` / ``ex
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -59,6 +60,8 @@ class MetricNames:
             metrics["skipped/ahead"] = c.skipped_ahead_total  # batches a rollback skipped after it
         if last.loss is not None:
             metrics["loss"] = last.loss
+        if math.isfinite(c.max_loss_recent):
+            metrics["loss/max"] = c.max_loss_recent  # the interval's largest finite loss, skipped steps too
         if clipping:
             metrics["clip/coef"] = last.coef
             metrics["clip/threshold"] = last.threshold
