@@ -55,6 +55,7 @@ _RATIO_GUIDE = 1e-3
 _ANCHOR = "grad_norm/total"  # every metric row of the guard holds it: it tells the prefix
 _LINE_BINS = 4096  # per line series; per-layer series get a quarter of it
 _MAX_MARKS = 2000
+_LANE = 0.06  # the height, in axes fractions, between the event kinds' lanes of marks on the top panel
 _FULL_LINES = 200  # up to this many marks of a kind get a full-height line on every panel
 _CHUNK = 65536  # values buffered per series before they are folded into its bins
 _UNSEEN = object()
@@ -775,15 +776,19 @@ def _panel_events(line_axes: list[Any], run: RunLog) -> None:
             by_kind.setdefault(event["kind"], []).append(int(event["step"]))
     top = line_axes[0]
     _shade_rollbacks(line_axes, run)
+    # each kind in a lane of its own at the top, so marks at one step (a skip, an alert and the
+    # rollback they caused) never hide each other
+    lanes = {kind: i for i, kind in enumerate(k for k in _MARKERS if k in by_kind)}
     for kind, steps in by_kind.items():
         marker, color, label = _MARKERS[kind]
+        height = 1.0 - _LANE * lanes[kind]
         steps = _marks(steps)
         bottom = 0.0 if len(steps) <= _FULL_LINES else 0.96  # many marks: ticks at the top, not a red wall
         for ax in line_axes:
             ax.vlines(steps, bottom, 1, transform=ax.get_xaxis_transform(), color=color, lw=0.6, alpha=0.5)
         top.scatter(
             steps,
-            [1.0] * len(steps),
+            [height] * len(steps),
             transform=top.get_xaxis_transform(),
             marker=marker,
             color=color,

@@ -369,3 +369,20 @@ def test_a_blow_up_between_logging_steps_is_logged_and_drawn(tmp_path: Path) -> 
     fig = report_figure(log)
     drawn = next(line for line in fig.axes[0].get_lines() if line.get_label() == "max since last log")
     assert max(drawn.get_ydata()) == row["stability/loss/max"]
+
+
+def test_report_marks_at_one_step_do_not_hide_each_other(tmp_path: Path) -> None:
+    """A skip, a spike alert, a loss spike and a rollback at one step: four marks at four heights."""
+    log = tmp_path / "run.jsonl"
+    sink = sk.sinks.JsonlSink(log)
+    for step in range(0, 40, 2):
+        sink.log_metrics({"stability/loss": 2.0, "stability/grad_norm/total": 1.0}, step)
+    for kind in ("skipped", "loss_spike", "spike_alert", "rollback"):
+        sink.log_event(sk.Event(kind, 20, kind, {}))
+    sink.close()
+    fig = report_figure(log)
+    marks = [c for c in fig.axes[0].collections if c.get_label().endswith("(1)")]
+    assert len(marks) == 4
+    heights = {c.get_label(): float(c.get_offsets()[0][1]) for c in marks}
+    assert len(set(heights.values())) == 4, heights
+    assert {float(c.get_offsets()[0][0]) for c in marks} == {20.0}
