@@ -20,6 +20,11 @@ hits every arm alike. Two tables:
    ``loss.backward()`` + ``optimizer.step()`` on a model so small that the step's own work is
    almost nothing, logging every 1000 steps (no logging step is timed), in microseconds.
    ``--host-only`` runs just this one.
+5. Rerun and replica checks: whole guarded steps with ``RerunConfig`` off, on (no step flagged:
+   what every step pays) and on with every step re-run (a NaN in the logits on every pass: what a
+   rerun step costs); and one replica check (fingerprints of every parameter and AdamW state
+   tensor, the all-gather on a one-process gloo group, the read) amortized over
+   ``every_n_steps=100``. ``--rerun-only`` runs just this table.
 
 This is a script, not a test: timings depend on the machine; the ratios are what to compare.
 """
@@ -44,14 +49,16 @@ def _median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
-def _interleave(arms: dict[str, Callable[[], None]], rounds: int, warmup: int = 3) -> dict[str, float]:
-    """Median seconds per call of each arm, run round-robin."""
+def _interleave(
+    arms: dict[str, Callable[[], None]], rounds: int, warmup: int = 3, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, float]:
+    """Median seconds per call of each arm, run round-robin (``clock``: wall time, or CPU time)."""
     times: dict[str, list[float]] = {name: [] for name in arms}
     for r in range(rounds + warmup):
         for name, fn in arms.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             if r >= warmup:
                 times[name].append(elapsed)
     return {name: _median_ms(t) for name, t in times.items()}
@@ -293,6 +300,85 @@ def update_monitor_cost(args: argparse.Namespace, rounds: int = 200) -> float:
     return _median_ms(samples)
 
 
+def rerun_cost(args: argparse.Namespace) -> dict[str, float]:
+    """Table 4: the rerun's cost per step and per rerun step; one replica check, amortized."""
+    import torch.distributed as dist
+
+    from stabilitykit.replicas import ReplicaCheck
+    from stabilitykit.testing import inject_fault
+
+    data = char_batches(batch_size=8, block_size=64, vocab_size=256)
+    batches = [next(data) for _ in range(8)]
+    arms: dict[str, Callable[[], None]] = {}
+    guards = []
+    for name, rerun, faulty in (
+        ("rerun off", False, False),
+        ("rerun on", True, False),
+        ("every step re-run", True, True),
+    ):
+        torch.manual_seed(0)
+        model = tiny_gpt(n_layer=args.layers, n_embd=args.width, vocab_size=256, block_size=64)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        cfg = sk.StabilityConfig(
+            clip=sk.ClipConfig(mode="fixed", max_norm=1.0),
+            log_every_n_steps=10,
+            skip=sk.SkipConfig(max_consecutive=None),
+            rerun=sk.RerunConfig() if rerun else None,
+        )
+        guard = sk.StabilityGuard(model, opt, cfg)
+        guards.append((model, opt, guard))
+        if faulty:  # a NaN in the logits every time any step is computed: every step is re-run (reproducible)
+            inject_fault(model, "activation", "lm_head", step=0, kind="nan", repeat=True, step_of=lambda: 0)
+        counter = {"i": 0}
+
+        def step(model: torch.nn.Module = model, guard: sk.StabilityGuard = guard, counter: dict = counter) -> None:
+            counter["i"] += 1
+            x, y = batches[counter["i"] % len(batches)]
+
+            def loss_of() -> torch.Tensor:
+                return model.loss(x, y)
+
+            guard.backward(loss_of())
+            guard.step(replay=loss_of)
+            guard.zero_grad()
+
+        arms[name] = step
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    times = _interleave(arms, args.rounds * 5, clock=clock)
+    model, opt, _ = guards[0]
+    if not dist.is_initialized():
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    names = [n for n, _ in model.named_parameters()]
+    check = ReplicaCheck(sk.ReplicaCheckConfig(), list(model.parameters()), names, opt, model, sk.HookManager())
+    samples = []
+    for i in range(args.rounds + 3):
+        start = clock()
+        check.check(i)  # fingerprints, the all-gather, the one read (world of one: the collective's floor)
+        if i >= 3:
+            samples.append(clock() - start)
+    times["replica check (one)"] = _median_ms(samples)
+    return times
+
+
+def _rerun_table(result: dict[str, float]) -> None:
+    print("\n5. rerun and replica checks (interleaved whole guarded steps, median ms; --cpu-time: CPU ms)")
+    for name, ms in result.items():
+        print(f"{name:<28}{ms:>10.3f}")
+    off = result["rerun off"]
+    print(f"rerun on, no step flagged vs off: {100 * (result['rerun on'] / off - 1):+.1f}% per step")
+    print(f"a re-run step vs an ordinary step: {result['every step re-run'] / off:.2f}x")
+    check = result["replica check (one)"]
+    print(
+        f"replica check at every_n_steps=100: {check:.3f} ms per check, "
+        f"{100 * check / 100 / off:.3f}% of a step averaged"
+    )
+
+
 def _update_table(result: dict[str, dict[str, float]]) -> None:
     print("\n3. update ratio: whole guarded step, ms (interleaved; position in a 10-step window)")
     columns = list(next(iter(result.values())))
@@ -325,6 +411,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--update-ratio-only", action="store_true", help="only table 3 (the update ratio's cost)")
     parser.add_argument("--host-only", action="store_true", help="only table 4 (the guard's host time per step)")
+    parser.add_argument("--rerun-only", action="store_true", help="only table 5 (rerun and replica checks)")
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="table 5 in this process's CPU time (a shared machine; use --threads 1)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -333,6 +423,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {args.threads} threads, {size}")
     if args.host_only:
         print(f"4. the guard's host time per ordinary step: {guard_host_us():.0f} us")
+        return
+    if args.rerun_only:
+        _rerun_table(rerun_cost(args))
         return
     if args.update_ratio_only:
         _update_table(update_ratio_cost(args))
@@ -351,6 +444,7 @@ def main(argv: list[str] | None = None) -> None:
     _update_table(update_ratio_cost(args))
     print(f"update ratio's own work on a measured step (copy + norms + ratios): {update_monitor_cost(args):.3f} ms")
     print(f"\n4. the guard's host time per ordinary step: {guard_host_us():.0f} us")
+    _rerun_table(rerun_cost(args))
 
 
 if __name__ == "__main__":

@@ -256,3 +256,17 @@ def test_fp8_example_reports_fp8_rows_and_warns_on_the_massive_activation(tmp_pa
     assert "fp8 vs fp32: forward rms_rel" in capsys.readouterr().out
     _, events = sk.sinks.read_jsonl(tmp_path / "stability.jsonl")
     assert [e["layer"] for e in events if e["event"] == "fp8_warning"] == ["model.layers.0.mlp.down_proj"]
+
+
+def test_rerun_and_replicas_example_tells_the_machine_from_the_data(tmp_path) -> None:
+    script = Path(__file__).parent.parent / "examples" / "rerun_and_replicas.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rerun @ step 5: transient, rank 1" in proc.stdout
+    assert "rerun @ step 12: reproducible, rank None" in proc.stdout
+    assert "replica_mismatch @ step 19: rank 1, 0.weight" in proc.stdout
+    assert "skipped steps: [12]" in proc.stdout
+    line = json.loads((tmp_path / "rerun.jsonl").read_text().splitlines()[-1])
+    assert (line["step"], line["verdict"]) == (12, "reproducible")
