@@ -274,6 +274,12 @@ def _match_reference(saved: Mapping[str, Any], ours: Mapping[str, Any]) -> None:
     for section in ("spikes",):
         if saved["ledger"][section] is None and ours["ledger"][section] is not None:
             raise _Invalid(f"ledger.{section}", "null, but this guard runs the spike monitor (a damaged state?)")
+    if saved["journal"].get("columns") != ours["journal"].get("columns"):
+        raise _Invalid(
+            "journal.columns",
+            f"{saved['journal'].get('columns')!r:.80} is not this release's row layout "
+            f"{ours['journal'].get('columns')} (a damaged state: its unread rows would be misread)",
+        )
     saved_rows = saved["journal"]["rows"]
     columns = saved["journal"].get("columns") or LEGACY_COLUMNS
     width = len(columns) + len(saved["journal"].get("metric_names", []))
