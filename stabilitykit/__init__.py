@@ -39,6 +39,7 @@ from stabilitykit.events import (
 )
 from stabilitykit.grads import clip_grad_norm_, grad_norms
 from stabilitykit.hooks import HookManager
+from stabilitykit.monitors.routers import RouterConfig
 from stabilitykit.nan import NaNTracer, NonFiniteRecord, batch_is_bad, check_batch, replay_nonfinite
 from stabilitykit.precision import PrecisionChoice, configure_tf32, select_precision, set_determinism
 from stabilitykit.report import StepReport
@@ -68,6 +69,7 @@ __all__ = [
     "ReplicaMismatchError",
     "RerunConfig",
     "RollbackLimitError",
+    "RouterConfig",
     "RunSummary",
     "SkipConfig",
     "SkipContext",

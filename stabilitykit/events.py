@@ -22,6 +22,7 @@ EVENT_KINDS = (
     "fp8_warning",
     "rerun",
     "replica_mismatch",
+    "router_collapse",
 )
 
 

@@ -195,6 +195,15 @@ def test_custom_rule_example_skips_the_collapsed_router_step(tmp_path, capsys) -
     assert "reason=router_collapse weights unchanged=True" in capsys.readouterr().out
 
 
+def test_moe_routers_example_names_the_collapsed_router_after_the_bias() -> None:
+    example = _load("moe_routers")
+    result = example.main(["--steps", "36", "--bias-at", "30"])
+    events = result["events"]
+    assert events and all(e.step >= 30 for e in events)
+    assert events[0].details["router"] == "model.layers.0.mlp.gate" and example.EXPERT in events[0].details["experts"]
+    assert result["loads"][29] < 1.5 < result["loads"][30]
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
     reason="deepspeed is not installed: pip install 'stabilitykit[deepspeed]' (bash scripts/setup.sh installs it)",

@@ -82,11 +82,13 @@ class StepInputs:
         request: int = 0,
         scaler_active: bool = False,
         verdict: int = 0,
+        observed: dict[str, Tensor] | None = None,
     ) -> StepRecord:
         """The step record, each value with its cross-rank reduction (agreed in one collective).
 
         A rule decides on this rank's values (skip-on-spike may see another loss than its peers);
-        its flag is OR-ed across ranks with the rest.
+        its flag is OR-ed across ranks with the rest. ``observed``: values the monitors measured for
+        this step (router load...), which rules read by name but the record does not carry.
         """
         grads_finite = norms.finite if norms.finite is not None else torch.isfinite(norms.total)
         loss_finite = torch.isfinite(loss) if loss is not None else self.true
@@ -98,6 +100,7 @@ class StepInputs:
             "bad_batch": force_skip if force_skip is not None else self.false,
             "after_rollback": self.true if skip_ahead else self.false,
             "never": self.false,  # a constant False for a rule that does not apply this step
+            **(observed or {}),
             **metrics,
         }
         view = StepValues(values, scaler_active=scaler_active, step=step, has_loss=loss is not None)

@@ -86,6 +86,11 @@ class MetricSources:
         if self.monitor is not None and state:
             self.monitor.load_state_dict(state)
 
+    def step_values(self) -> dict[str, Tensor]:
+        """Values the monitors measured for the step being decided (device tensors, NaN when unsampled),
+        for the skip rules to read by name; they are not part of the step record."""
+        return self.monitor.step_values() if self.monitor is not None else {}
+
     def discard(self) -> None:
         """Drop the monitor's values measured since the last read (a rollback undid their steps)."""
         if self.monitor is not None:

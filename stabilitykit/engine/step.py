@@ -316,8 +316,19 @@ class StabilityEngine:
             loss, metrics, layout_fixed_now = self.inputs.take()
             if layout_fixed_now:
                 self.journal.relayout(self.inputs.layout.names)
+            observed = self.sources.step_values()  # the monitors' values of this step, for the rules
             record = self.inputs.build_record(
-                norms, loss, metrics, self.rules, step, force_skip, skip_ahead, request, scaler_active, verdict
+                norms,
+                loss,
+                metrics,
+                self.rules,
+                step,
+                force_skip,
+                skip_ahead,
+                request,
+                scaler_active,
+                verdict,
+                observed,
             )
             agreed = record.agree(self.config.skip.sync_ranks)
             code = self.rules.code(*self.inputs.rule_flags(record, agreed, self.rules))

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from stabilitykit.events import Event
 from stabilitykit.monitors.attention import AttentionCapture, attention_modules
 from stabilitykit.monitors.fp8 import FP8_SIGNALS, Fp8Monitor, Fp8MonitorConfig
+from stabilitykit.monitors.routers import RouterConfig, RouterMonitor
 from stabilitykit.monitors.select import MonitorTargets, select_targets
 from stabilitykit.monitors.stats import activation_stats, first_tensor, logit_stats
 from stabilitykit.section import Section
@@ -90,7 +91,27 @@ class MonitorConfig(Section):
             "own matmul. None: all positions."
         ),
     )
-    precursors: list[Literal["attn_logit_max", "logits_max", "log_z", "act_max", "act_rms", "resid_norm"]] = Field(
+    routers: RouterConfig | None = Field(
+        default_factory=RouterConfig,
+        description=(
+            "Mixture-of-experts router monitors (expert_load_max, experts_dead, router_entropy, router_z) and the "
+            "'router_collapse' event; None: off."
+        ),
+    )
+    precursors: list[
+        Literal[
+            "attn_logit_max",
+            "logits_max",
+            "log_z",
+            "act_max",
+            "act_rms",
+            "resid_norm",
+            "expert_load_max",
+            "experts_dead",
+            "router_entropy",
+            "router_z",
+        ]
+    ] = Field(
         default_factory=lambda: ["attn_logit_max", "logits_max", "log_z"],  # type: ignore[arg-type]
         description=(
             "Signals fed to the spike detector's trend warnings (SpikeConfig.trend_warning); the others are "
@@ -134,6 +155,11 @@ SIGNALS = {
     "logits_max": True,
     "log_z": False,
     **FP8_SIGNALS,
+    "expert_load_max": True,
+    "experts_dead": True,
+    "router_entropy": False,
+    "router_z": True,
+    "router_collapsed": True,
 }
 
 
@@ -174,6 +200,8 @@ class ModelMonitor:
         self._sampled = False  # a sampled step has run since the monitor was built
         self._reported = False
         self.capture: AttentionCapture | None = None
+        #: The mixture-of-experts router monitors (``MonitorConfig.routers``), or None.
+        self.routers: RouterMonitor | None = None
         self._mask: Tensor | None = None
         #: The FP8 monitors (``MonitorConfig.fp8``) when the model has torchao Float8Linear layers, else None.
         self.fp8: Fp8Monitor | None = None
@@ -207,6 +235,17 @@ class ModelMonitor:
         if cfg.fp8 is not None:
             fp8 = Fp8Monitor(targets.modules, cfg.fp8, self._active, self.record, self._slot, self._guarded)
             self.fp8 = fp8 if fp8.layers else None
+        if cfg.routers is not None:
+            self.routers = RouterMonitor(
+                targets.model,
+                targets.modules,
+                cfg.routers,
+                self._active,
+                self._slot,
+                self.record,
+                self._failed,
+                self._device,
+            )
 
     def _install_logits(self, root: nn.Module) -> None:
         """Measure the model's own output logits, after any final soft-cap or scale (Gemma 2's cap,
@@ -335,6 +374,8 @@ class ModelMonitor:
         if self._sampled and not self._reported:
             self._report_unmeasured()
         self.sampling = logging if self.every is None else step % self.every == 0
+        if self.routers is not None:
+            self.routers.begin_step(self.sampling)
         if self.sampling:
             self._prime()
 
@@ -344,6 +385,8 @@ class ModelMonitor:
             self._sampled = True  # read on the sampled step itself (every=None)
         if self._sampled and not self._reported:
             self._report_unmeasured()
+        if self.routers is not None:
+            self.routers.finish()
         out = {key: slot.value for key, slot in self._slots.items() if slot.filled and slot.value is not None}
         self._clear()
         if self.sampling:
@@ -369,15 +412,23 @@ class ModelMonitor:
             listed = "; ".join(f"{name}: {reason}" for name, reason in self.unmeasured.items())
             warnings.warn(f"stabilitykit monitors: not measured: {listed}", RuntimeWarning, stacklevel=3)
 
+    def step_values(self) -> dict[str, Tensor]:
+        """This step's router values by metric name (``monitors/<signal>/<router>``), for the skip rules:
+        measured on a sampled step, NaN otherwise (``routers.py``). Called when the step is decided."""
+        return self.routers.finish() if self.routers is not None else {}
+
     def discard(self) -> None:
         """Drop the values measured since the last read (a rollback undid the steps they came from)."""
+        if self.routers is not None:
+            self.routers.discard()
         self._clear()
         if self.sampling:
             self._prime()
 
     def events(self, step: int, values: dict[str, float]) -> list[Event]:
-        """Host-side events from a logging step's values (``values``: host floats by metric name)."""
-        return self.fp8.events(step, values) if self.fp8 is not None else []
+        """Warning events from a logging step's host values (``"fp8_warning"``, ``"router_collapse"``)."""
+        events = self.fp8.events(step, values) if self.fp8 is not None else []
+        return events + (self.routers.events(step, values) if self.routers is not None else [])
 
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs: the FP8 monitors' fallbacks and counters (empty without them)."""
@@ -408,6 +459,8 @@ class ModelMonitor:
             self.capture.close()
         if self.fp8 is not None:
             self.fp8.close()
+        if self.routers is not None:
+            self.routers.close()
         self.sampling = False
 
     @property
@@ -417,4 +470,5 @@ class ModelMonitor:
         names += [n for n, _ in self.targets.blocks if self.config.residual and n not in names]
         if self.config.logits and self.targets.head is not None:
             names.append(self.targets.head[0])
-        return names + (self.capture.names if self.capture is not None else [])
+        names += self.capture.names if self.capture is not None else []
+        return names + (self.routers.names if self.routers is not None else [])
