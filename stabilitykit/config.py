@@ -129,7 +129,7 @@ class StabilityConfig(Section):
 
         A file that cannot be read or parsed is a ``ValueError`` naming the file (and the line, for a
         syntax error); a wrong value is a ``ConfigFileError`` (a ``ValueError``) naming the file, the
-        field and, in YAML, the line; another extension is refused by name. Values are read strictly
+        field and, in YAML and JSON, the line; another extension is refused by name. Values are read strictly
         (``from_mapping``). In YAML, a section left empty (``recovery:``) is that section with its
         defaults, and so on (a section given is on); ``recovery: false`` turns it off.
         """
@@ -237,9 +237,30 @@ def _read_yaml(path: Path, text: str) -> tuple[Any, dict[tuple[str, ...], int]]:
         raise ValueError(f"{path}: invalid YAML{where}: {problem}") from None
 
 
+def _json_lines(data: Any, text: str, prefix: tuple[str, ...] = (), start: int = 0) -> dict[tuple[str, ...], int]:
+    """Each mapping key's 1-based line in a JSON text, by its key path: found in order, each key searched
+    after its parent's (good for config files; a key written twice is found where it is first)."""
+    import re
+
+    found: dict[tuple[str, ...], int] = {}
+    if not isinstance(data, dict):
+        return found
+    at = start
+    for key, value in data.items():
+        match = re.compile(r'"' + re.escape(json.dumps(key)[1:-1]) + r'"\s*:').search(text, at)
+        if match is None:
+            continue
+        path = (*prefix, str(key))
+        found[path] = text.count("\n", 0, match.start()) + 1
+        found.update(_json_lines(value, text, path, match.end()))
+        at = match.end()
+    return found
+
+
 def _read_json(path: Path, text: str) -> tuple[Any, dict[tuple[str, ...], int]]:
     try:
-        return json.loads(text), {}
+        data = json.loads(text)
+        return data, _json_lines(data, text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
 

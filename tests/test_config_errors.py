@@ -162,10 +162,10 @@ def test_a_wrong_value_in_a_yaml_file_names_the_file_line_and_field(tmp_path: Pa
     assert str(info.value) == f"{path}: line 4: clip.max_norm: Input should be a valid number (got 'one')"
 
 
-def test_a_wrong_value_in_a_json_file_names_the_file_and_field(tmp_path: Path) -> None:
+def test_a_wrong_value_in_a_json_file_names_the_file_line_and_field(tmp_path: Path) -> None:
     path = tmp_path / "stability.json"
-    path.write_text('{"skip": {"max_consecutive": 2.5}}')
-    with pytest.raises(ValueError, match=rf"^{path}: skip\.max_consecutive: Input should be a valid integer"):
+    path.write_text('{\n  "log_every_n_steps": 5,\n  "skip": {\n    "max_consecutive": 2.5\n  }\n}\n')
+    with pytest.raises(ValueError, match=rf"^{path}: line 4: skip\.max_consecutive: Input should be a valid integer"):
         sk.StabilityConfig.from_file(path)
 
 
