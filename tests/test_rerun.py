@@ -165,3 +165,50 @@ def test_a_replica_check_without_torch_distributed_does_nothing() -> None:
         model(torch.randn(2, 4)).sum().backward()
         guard.step()
         assert guard.core.replicas is not None and guard.core.replicas.mismatches == []
+
+
+def _driver_run(driver: str, fault: bool) -> list[torch.Tensor]:
+    """A transient NaN in the logits at FAULT_STEP under the Accelerate or Fabric guard (one process)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = sk.StabilityConfig(log_every_n_steps=3, rerun=sk.RerunConfig())
+    if driver == "accelerate":
+        from accelerate import Accelerator
+
+        from stabilitykit.integrations import AccelerateGuard
+
+        accelerator = Accelerator(cpu=True)
+        model, opt = accelerator.prepare(model, opt)
+        guard: sk.StabilityGuard = AccelerateGuard(accelerator, model, opt, cfg)
+    else:
+        from lightning.fabric import Fabric
+
+        from stabilitykit.integrations import FabricGuard
+
+        fabric = Fabric(accelerator="cpu", devices=1)
+        model, opt = fabric.setup(model, opt)
+        guard = FabricGuard(fabric, model, opt, cfg)
+    events: list[sk.Event] = []
+    guard.hooks.on("rerun", events.append)
+    if fault:
+        inject_fault(model, "activation", "3", step=FAULT_STEP, kind="nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x, y in _data():
+
+            def loss_of(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                return nn.functional.cross_entropy(model(x), y)
+
+            guard.backward(loss_of())
+            assert not guard.step(replay=loss_of).skipped
+            guard.zero_grad()
+        guard.close()
+    assert [(e.step, e.details["verdict"]) for e in events] == ([(FAULT_STEP, "transient")] if fault else [])
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("driver", ["accelerate", "fabric"])
+def test_the_accelerate_and_fabric_guards_rerun_through_their_own_backward(driver: str) -> None:
+    clean, faulty = _driver_run(driver, False), _driver_run(driver, True)
+    assert all(torch.equal(a, b) for a, b in zip(clean, faulty, strict=True))

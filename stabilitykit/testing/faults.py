@@ -177,9 +177,8 @@ def _parameter(model: nn.Module, name: str) -> nn.Parameter:
 
 def _clean(name: str) -> str:
     """A module or parameter name without the wrappers' prefixes (DDP's ``module.``, torch.compile's ...)."""
-    for prefix in ("module.", "_orig_mod.", "_forward_module.", "_fsdp_wrapped_module."):
-        name = name.replace(prefix, "")
-    return name
+    wrappers = {"module", "_orig_mod", "_forward_module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
+    return ".".join(part for part in name.split(".") if part not in wrappers)
 
 
 def _first_tensor(output: Any) -> Tensor | None:
