@@ -341,3 +341,41 @@ def test_a_3_percent_bump_on_a_flat_loss_does_not_page_but_a_real_jump_does() ->
     alerts = run(1.5, SpikeConfig())
     assert alerts and alerts[0].step == 150
     assert alerts[0].details["signal"] == "loss" and "advice" in alerts[0].details and "lead" in alerts[0].details
+
+
+def test_precursor_trends_wait_for_the_loss_to_stall_and_the_gate_survives_a_resume() -> None:
+    """Early training grows every signal while the loss falls fast: a trend warns only once the loss has
+    stopped falling (``trend_while_stalled``), and the loss trend behind that gate is in the state."""
+
+    def feed(monitor: SpikeMonitor, steps: range) -> list[Event]:
+        events: list[Event] = []
+        for t in steps:
+            loss = 5.0 * math.exp(-0.02 * min(t, 100))  # falls fast until step 100, then flat
+            logit = 2.0 * 1.04**t  # grows all along
+            events += monitor.update(t, 1.0, loss, None, signals={"monitors/attn_logit_max/blocks.1.attn": logit})
+        return [e for e in events if e.kind == "spike_warning"]
+
+    gated = feed(SpikeMonitor(SpikeConfig(), []), range(320))
+    assert gated and all(e.step > 100 for e in gated), [e.step for e in gated]
+    assert gated[0].details["module"] == "blocks.1.attn"
+    ungated = feed(SpikeMonitor(SpikeConfig(trend_while_stalled=None), []), range(320))
+    assert ungated and ungated[0].step < 100  # without the gate, learning itself warns
+    first, resumed = SpikeMonitor(SpikeConfig(), []), SpikeMonitor(SpikeConfig(), [])
+    feed(first, range(140))
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.loss_trend_value == pytest.approx(first.loss_trend_value)
+    assert [e.step for e in feed(resumed, range(140, 320))] == [e.step for e in feed(first, range(140, 320))]
+
+
+def test_the_corpus_defaults_are_quieter_than_before_on_the_tuning_families() -> None:
+    """The committed early-warning corpus, tuning families (GPT-2, BERT): the defaults look at most
+    twice per 1,000 healthy steps (the before-row: 9) and page at most 3 times per 10k, and still
+    alert 80% of the onsets."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "warning"))
+    from score import TUNE, load, ours, score
+
+    before = ours(scale_floor=0.0, z_warning=4.0, trend_warning=0.7, trend_warmup=50, trend_while_stalled=None)
+    table = score(load(families=TUNE), {"now": ours(), "before": before})
+    now, old = table["now"]["all"].row(), table["before"]["all"].row()
+    assert now["looks_per_1k"] <= 2.0 < old["looks_per_1k"]
+    assert now["pages_per_10k"] <= 3.0 and now["recall"] >= 0.8
