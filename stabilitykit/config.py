@@ -11,6 +11,7 @@ import cycle.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -283,3 +284,101 @@ def _read_toml(path: Path, text: str) -> tuple[Any, dict[tuple[str, ...], int]]:
 
 #: Config file readers by (lower-case) extension.
 _CONFIG_READERS = {".yaml": _read_yaml, ".yml": _read_yaml, ".json": _read_json, ".toml": _read_toml}
+
+
+# ---------------------------------------------------------------------- coercion and cross-section checks
+def coerce_config(config: Any) -> StabilityConfig:
+    """A ``StabilityConfig`` from a config, a mapping, a YAML/JSON/TOML path, or None (defaults).
+
+    Anything else is a ``TypeError`` that names what was passed, so a wrong argument fails here
+    and not deep inside the first step.
+    """
+    if config is None:
+        return StabilityConfig()
+    if isinstance(config, StabilityConfig):
+        return config
+    if isinstance(config, Mapping):
+        return StabilityConfig.from_mapping(config)
+    if isinstance(config, (str, Path)):
+        return StabilityConfig.from_file(config)
+    raise TypeError(
+        f"config must be a stabilitykit.StabilityConfig, a mapping, or a path to a YAML/JSON/TOML file; got "
+        f"{type(config).__name__}. Sections such as ClipConfig go inside one: "
+        "StabilityConfig(clip=ClipConfig(...))"
+    )
+
+
+_WARNED: set[str] = set()
+
+
+def warn_contradictions(config: StabilityConfig) -> None:
+    """Settings that can never take effect: say so once per process.
+
+    Only fields the user set count (``model_fields_set``): a default never warns.
+    """
+    for message in _contradictions(config):
+        if message not in _WARNED:
+            _WARNED.add(message)
+            warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def _contradictions(config: StabilityConfig) -> list[str]:
+    """One message per setting the rest of ``config`` makes ineffective."""
+    found = []
+    skip, clip, data = config.skip, config.clip, config.data
+    if "max_consecutive" in skip.model_fields_set and skip.max_consecutive is not None and not config.can_skip:
+        found.append(
+            "stabilitykit: SkipConfig(max_consecutive=...) has no effect with SkipConfig(nonfinite=False) and no "
+            "other skip source (DataGuardConfig(mode='skip')): nothing is ever skipped, so nothing can diverge"
+        )
+    if "max_norm" in clip.model_fields_set and clip.mode != "fixed":
+        if clip.mode == "off":
+            found.append(
+                f"stabilitykit: ClipConfig(max_norm={clip.max_norm}) has no effect with ClipConfig(mode='off') (the "
+                "default): nothing is clipped. Set ClipConfig(mode='fixed', max_norm=...) to clip"
+            )
+        else:
+            found.append(
+                f"stabilitykit: ClipConfig(max_norm={clip.max_norm}) has no effect with "
+                f"ClipConfig(mode={clip.mode!r}): max_norm is the fixed mode's threshold; the adaptive modes cap "
+                "their warmup with warmup_max_norm"
+            )
+    if "num_classes" in data.model_fields_set and data.num_classes is not None and data.mode == "off":
+        found.append(
+            f"stabilitykit: DataGuardConfig(num_classes={data.num_classes}) has no effect with "
+            "DataGuardConfig(mode='off') (the default): batches are not checked. Set mode='skip' or mode='raise'"
+        )
+    spikes = config.spikes
+    if spikes.enabled and spikes.per_layer and not config.grad_norm.per_layer:  # per_layer=True is never a default
+        found.append(
+            "stabilitykit: SpikeConfig(per_layer=True) has no effect with GradNormConfig(per_layer=False): no "
+            "per-layer norms are measured for it to score. Set GradNormConfig(per_layer=True) (the default)"
+        )
+    found.extend(_recovery_contradictions(config))
+    return found
+
+
+def _recovery_contradictions(config: StabilityConfig) -> list[str]:
+    """Recovery triggers that nothing in the rest of ``config`` can ever fire."""
+    recovery = config.recovery
+    if not recovery.enabled:
+        return []
+    found = []
+    triggers = recovery.trigger
+    if "diverged" in triggers and (config.skip.max_consecutive is None or not config.can_skip):
+        found.append(
+            "stabilitykit: RecoveryConfig(trigger=['diverged', ...]) never fires without skipped steps and "
+            "SkipConfig(max_consecutive=...): nothing can diverge. Set SkipConfig(max_consecutive=10) (the default)"
+        )
+    chosen = "trigger" in recovery.model_fields_set  # the default's spike_alert just rests with spikes off
+    if chosen and any(t in triggers for t in ("spike_alert", "loss_drift")) and not config.spikes.enabled:
+        found.append(
+            "stabilitykit: RecoveryConfig(trigger=['spike_alert' or 'loss_drift']) never fires with "
+            "SpikeConfig(enabled=False): no spike_alert is raised"
+        )
+    if "loss_drift" in triggers and config.spikes.enabled and config.spikes.loss_drift_alert is None:
+        found.append(
+            "stabilitykit: RecoveryConfig(trigger=['loss_drift']) never fires with SpikeConfig(loss_drift_alert=None) "
+            "(the loss-drift test turned off): set loss_drift_alert (4.0 is the default) to run it"
+        )
+    return found

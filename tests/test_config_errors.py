@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import stabilitykit as sk
-from stabilitykit.drivers.core import coerce_config
+from stabilitykit.config import coerce_config
 
 
 def test_malformed_yaml_names_the_file_and_line(tmp_path: Path) -> None:
@@ -77,7 +77,7 @@ def _guard_warnings(config: sk.StabilityConfig, times: int = 2) -> list[str]:
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sk.drivers.core._WARNED.clear()  # once per process: start from a clean slate
+    sk.config._WARNED.clear()  # once per process: start from a clean slate
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(times):

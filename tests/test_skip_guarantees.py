@@ -13,7 +13,6 @@ import torch
 from pydantic import ValidationError
 
 import stabilitykit as sk
-import stabilitykit.drivers.core
 from stabilitykit.state import STATE_VERSION
 
 NAN = float("nan")
@@ -183,7 +182,7 @@ def test_a_contradiction_that_can_never_take_effect_warns_once() -> None:
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = sk.StabilityConfig(skip=sk.SkipConfig(nonfinite=False, max_consecutive=3))
-    sk.drivers.core._WARNED.clear()  # once per process: start this test from a clean slate
+    sk.config._WARNED.clear()  # once per process: start this test from a clean slate
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sk.StabilityGuard(model, opt, cfg)

@@ -6,7 +6,7 @@
   ``fabric``: ``FabricGuard``; ``deepspeed``: ``DeepSpeedGuard``.
 * ``lightning``: ``StabilityCallback``; ``deepspeed_lightning``: ``DeepSpeedStabilityCallback``.
 * ``hf``: ``StabilityTrainerCallback`` / ``stabilize`` for the Hugging Face Trainer;
-  ``deepspeed_hf``: the Trainer with ``deepspeed=``.
+  ``deepspeed_hf``: the Trainer with ``deepspeed=``; ``hf_attach``: their one attach and restore path.
 
 The framework drivers import their framework, so nothing here imports them until asked.
 """

@@ -31,8 +31,8 @@ from torch import Tensor, nn
 
 from stabilitykit.compat.attributes import replace_attribute, route_attribute
 from stabilitykit.compat.schedulers import hold_scheduler, release_scheduler
-from stabilitykit.config import StabilityConfig
-from stabilitykit.drivers.core import DriverCore, coerce_config, unwrap_optimizer
+from stabilitykit.config import StabilityConfig, coerce_config
+from stabilitykit.drivers.core import DriverCore, unwrap_optimizer
 from stabilitykit.engine import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.recovery import refuse_several_optimizers

@@ -26,9 +26,8 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from stabilitykit.config import StabilityConfig
+from stabilitykit.config import StabilityConfig, coerce_config
 from stabilitykit.drivers._extras import missing
-from stabilitykit.drivers.core import coerce_config
 from stabilitykit.drivers.deepspeed import DeepSpeedGuard
 from stabilitykit.events import Event
 from stabilitykit.hooks import HookManager

@@ -23,9 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from stabilitykit.config import StabilityConfig
+from stabilitykit.config import StabilityConfig, coerce_config
 from stabilitykit.drivers._extras import missing
-from stabilitykit.drivers.core import coerce_config
 from stabilitykit.drivers.deepspeed import DeepSpeedGuard
 from stabilitykit.hooks import HookManager
 from stabilitykit.rules import SkipRule
