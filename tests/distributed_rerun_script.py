@@ -8,7 +8,8 @@ model:
 * DDP, the plain loop with ``guard.step(replay=...)``: a clean run; a one-time NaN and a one-time
   exponent bit flip in rank 1's logits at step ``FAULT_STEP``; a one-time flip in rank 1's local
   gradient; a batch of huge inputs on rank 1 (a reproducible fault), then a run started again with
-  the rerun record; the final weights of each as a hash of their bytes;
+  the rerun record; the final weights of each as a hash of their bytes; FSDP2 (2 processes): a
+  clean run and a one-time NaN in rank 1's logits;
 * replica checks: a finite corruption of one parameter on rank 1 under DDP and (4 processes) HSDP
   on a 2 x 2 mesh, checked every ``CHECK_EVERY`` steps; and a long clean run with rerun and replica
   checks on, which must report nothing.
@@ -130,6 +131,9 @@ def worker(rank: int, world: int) -> dict[str, Any]:
         results["hsdp-param"] = train(rank, "hsdp", fault=param, replicas=True, rerun=False)
         results["hsdp-clean"] = train(rank, "hsdp", steps=25, replicas=True)
         return results
+    results["fsdp2-clean"] = train(rank, "fsdp2")
+    nan = {"target": "activation", "name": "head", "kind": "nan", **at}
+    results["fsdp2-nan-activation"] = train(rank, "fsdp2", fault=nan)
     results["clean-spike"] = train(rank, spike=True)
     results["flip-activation"] = train(rank, fault={"target": "activation", "name": "head", **at}, spike=True)
     results["flip-grad"] = train(rank, fault={"target": "grad", "name": "head.weight", **at})

@@ -1,7 +1,8 @@
 """Rerun verdicts and replica checks in real gloo processes, every fault on rank 1 only.
 
 One launch per world size (``distributed_rerun_script.py``): 2 processes (DDP: the plain loop's
-rerun cells, the record and a run started again with it, a parameter corruption, 500 clean steps)
+rerun cells, the record and a run started again with it, a parameter corruption, 500 clean steps;
+FSDP2: a transient NaN)
 and 4 (DDP and HSDP on a 2 x 2 mesh: a parameter corruption on one replica, clean steps).
 """
 
@@ -43,6 +44,15 @@ def test_a_one_time_nan_in_rank_1s_forward_is_transient_names_rank_1_and_ends_bi
         assert cell["skipped"] == []  # the recomputed step was taken
         assert cell["hash"] == rank["clean"]["hash"]  # final weights: a clean run's, bitwise
     assert [r["nan-activation"]["fired"] for r in ranks] == [0, 1] + [0] * (world - 2)
+
+
+def test_fsdp2_a_one_time_nan_in_rank_1s_forward_is_transient_and_ends_bitwise_clean(two: list[dict]) -> None:
+    """FSDP2 over 2 ranks: the recomputation's forward and backward go through the shards' own hooks."""
+    for rank in two:
+        cell = rank["fsdp2-nan-activation"]
+        assert _reruns(cell) == [{"kind": "rerun", "step": FAULT_STEP, "verdict": "transient", "rank": 1}]
+        assert cell["skipped"] == []
+        assert cell["hash"] == rank["fsdp2-clean"]["hash"]  # each rank's shard, bitwise
 
 
 def test_a_one_time_exponent_flip_caught_as_a_spike_is_transient_on_rank_1(two: list[dict]) -> None:
