@@ -23,6 +23,7 @@ EVENT_KINDS = (
     "rerun",
     "replica_mismatch",
     "router_collapse",
+    "recovery",
 )
 
 
@@ -60,7 +61,8 @@ class TrainingDivergedError(RuntimeError):
 
 
 class RollbackLimitError(TrainingDivergedError):
-    """Raised when recovery gives up: a trigger fired after ``max_rollbacks`` rollbacks within ``window`` steps.
+    """Raised when recovery gives up: a divergence after ``max_rollbacks`` rollbacks within ``window`` steps that
+    lowering the learning rate did not fix (``RecoveryConfig.lr_backoff``; ``tried`` says what was tried).
 
     ``last_good_step``: the step of the last healthy snapshot, which ``guard.restore_last_good()`` puts
     back; ``last_good_path``: its file (``last-good-<step>.pt``), when it could be kept on disk.
@@ -75,11 +77,13 @@ class RollbackLimitError(TrainingDivergedError):
         clipping: bool = False,
         last_good_step: int | None = None,
         last_good_path: str | None = None,
+        tried: str | None = None,
     ) -> None:
         self.step = step
         self.consecutive = 0
         self.layer = None
         self.reason = "rollback_limit"
+        self.tried = tried
         self.rollbacks = rollbacks
         self.window = window
         self.trigger = trigger
@@ -90,10 +94,11 @@ class RollbackLimitError(TrainingDivergedError):
         if last_good_step is not None:
             kept = f" The last healthy state (before step {last_good_step}) is restored by guard.restore_last_good()"
             kept += f" and kept in {last_good_path}." if last_good_path else "."
+        lowered = f" Lowering the learning rate did not help ({tried})." if tried else ""
         RuntimeError.__init__(
             self,
             f"training diverged at step {step}: {trigger} again after {rollbacks} rollback(s) within {window} "
-            f"steps (RecoveryConfig.max_rollbacks). {advice}or inspect the skipped data ranges "
+            f"steps (RecoveryConfig.max_rollbacks).{lowered} {advice}or inspect the skipped data ranges "
             f"(skipped_batches.json).{kept}",
         )
 

@@ -53,9 +53,9 @@ if not LOGGER.handlers:
     LOGGER.setLevel(logging.INFO)
 
 #: Event kinds written to the log (a skip's ``nonfinite`` twin is folded into its ``skipped`` line).
-LOGGED_KINDS = frozenset({"skipped", "bad_batch", "diverged", "rollback", "spike_alert"})
+LOGGED_KINDS = frozenset({"skipped", "bad_batch", "diverged", "rollback", "recovery", "spike_alert"})
 #: Event kinds never left out by the rate limit (rare, and each one changes the run).
-ALWAYS_LOGGED = frozenset({"diverged", "rollback"})
+ALWAYS_LOGGED = frozenset({"diverged", "rollback", "recovery"})
 
 
 def _rank_zero() -> bool:
@@ -127,6 +127,10 @@ class RunSummary:
     rollbacks: int = 0
     undone_steps: int = 0
     skipped_ahead: int = 0
+    #: The lowest factor a rollback put on the learning rate (1.0: never lowered), and the rollbacks' causes
+    #: as "cause: count" ("undetermined", "data": bad batches skipped, "lr": the learning rate lowered further).
+    lowest_lr_factor: float = 1.0
+    rollback_causes: tuple[str, ...] = ()
 
     def __getitem__(self, key: str) -> Any:
         if key not in self.__dataclass_fields__:
@@ -149,6 +153,10 @@ class RunSummary:
                 f"; {self.rollbacks} rollback(s): {self.undone_steps} step(s) undone, "
                 f"{self.skipped_ahead} skipped ahead (batches after a rollback, not trained on)"
             )
+            if self.rollback_causes:
+                text += f" (causes: {', '.join(self.rollback_causes)})"
+            if self.lowest_lr_factor < 1.0:
+                text += f", learning rate lowered to {self.lowest_lr_factor:g}x the schedule's at most"
         if self.nonfinite_source:
             text += f"; first non-finite: {self.nonfinite_source}"
         if self.unmeasured:
@@ -161,7 +169,17 @@ class RunSummary:
         if not records:
             return self
         undone = sum(int(r.skipped_steps) for r in records)
-        return dataclasses.replace(self, rollbacks=len(records), undone_steps=undone)
+        causes: dict[str, int] = {}
+        for r in records:
+            cause = str(getattr(r, "cause", "undetermined"))
+            causes[cause] = causes.get(cause, 0) + 1
+        return dataclasses.replace(
+            self,
+            rollbacks=len(records),
+            undone_steps=undone,
+            lowest_lr_factor=min((float(getattr(r, "lr_factor", 1.0)) for r in records), default=1.0),
+            rollback_causes=tuple(f"{cause}: {n}" for cause, n in causes.items()),
+        )
 
     def log(self) -> None:
         """Write ``line()`` to the ``stabilitykit`` logger (INFO, rank zero only)."""

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from stabilitykit.engine.journal import LEGACY_COLUMNS, Row, RowInfo
 from stabilitykit.engine.ledger import Counters
+from stabilitykit.recovery.escalation import LrChange
 from stabilitykit.recovery.record import RollbackRecord
 
 #: Version of the state a driver saves, and the only one this release reads.
@@ -61,6 +62,7 @@ _Counters = schema_of(Counters)
 _RowInfo = schema_of(RowInfo)
 _Row = schema_of(Row)
 _Rollback = schema_of(RollbackRecord)
+_LrChange = schema_of(LrChange)
 
 
 class _Detector(_State):
@@ -183,10 +185,18 @@ class _Engine(_State):
         return self
 
 
+class _Escalation(_State):
+    level: int = Field(ge=0)
+    changes: list[_LrChange]  # type: ignore[valid-type]
+    last_action: int | None = Field(ge=0)
+
+
 class _Recovery(_State):
     rollbacks: list[_Rollback]  # type: ignore[valid-type]
     cooldown_until: int = Field(ge=0)
     skip_until: int = Field(ge=0, default=0)
+    escalation: _Escalation | None = None
+
 
 
 class _Core(_State):

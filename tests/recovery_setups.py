@@ -33,6 +33,7 @@ def diverged_only_config(**recovery: Any) -> sk.StabilityConfig:
         "trigger": ["diverged"],
         "skip_after": 0,
         "cooldown_steps": 0,
+        "max_lookback_share": 1.0,  # these runs are a few dozen steps: any snapshot but the first step's
         **recovery,
     }
     return sk.StabilityConfig(

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import types
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from stabilitykit.compat.private import wrapped_optimizer
 from stabilitykit.config import coerce_config, warn_contradictions
 from stabilitykit.engine import StabilityEngine, StepDecision, StepGate, is_fused
 from stabilitykit.engine.gate import NewStateCheck
+from stabilitykit.engine.lr import noting_lr
 from stabilitykit.events import Event
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import batch_is_bad, check_batch
@@ -371,9 +372,13 @@ class DriverCore:
                 stacklevel=4,
             )
 
-    def _recovery_lr(self) -> contextlib.AbstractContextManager[Any]:
-        """Around the optimizer step: the LR scaled during a rollback's cooldown (nothing without recovery)."""
-        return self.recovery.scaled_lr() if self.recovery is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _recovery_lr(self) -> Iterator[None]:
+        """Around the optimizer step: the LR lowered after a rollback (nothing without recovery), and the LR
+        the step used noted for the logging step's ``lr/<group>`` metrics (``engine/lr.py``)."""
+        scaled = self.recovery.scaled_lr() if self.recovery is not None else contextlib.nullcontext()
+        with scaled, noting_lr(self.optimizer, lambda: self.decision):
+            yield
 
     def should_hold_scheduler(self) -> bool:
         """True when LR schedulers must not advance this step; decided once per step, whoever asks."""

@@ -61,6 +61,7 @@ class StepDecision:
     module_metrics: dict[str, float] = field(default_factory=dict)
     signals: dict[str, float] = field(default_factory=dict)  # the module metrics the spike detector watches
     update_metrics: dict[str, float] = field(default_factory=dict)  # update ratio and weight norms (logging steps)
+    lr_metrics: dict[str, float] = field(default_factory=dict)  # the LR each param group used (logging steps)
     divergence: Any = None  # a run of skips that reached max_consecutive, when ``finish`` did not raise it
 
     @property

@@ -492,7 +492,7 @@ class StabilityEngine:
         if decision.logging:
             for event in self.sources.events(step, decision.module_metrics):
                 self.readout.hooks.emit(event)
-            extra = [decision.module_metrics, decision.update_metrics]
+            extra = [decision.module_metrics, decision.update_metrics, decision.lr_metrics]
             self.readout.log(decision.rows[-1], step if log_step is None else log_step, decision.loss_scale, extra)
         if divergence is not None:
             if not raise_divergence:

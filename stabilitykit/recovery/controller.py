@@ -33,11 +33,12 @@ in the undone steps are skipped, not replayed.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 from torch import nn
@@ -51,6 +52,7 @@ from stabilitykit.engine.ledger import Divergence
 from stabilitykit.events import Event, RollbackLimitError, SnapshotUnavailableError
 from stabilitykit.hooks import HookManager
 from stabilitykit.recovery.agreement import Agreement
+from stabilitykit.recovery.escalation import Cause, Escalation
 from stabilitykit.recovery.files import SnapshotFileError, read_verified
 from stabilitykit.recovery.host_copy import HostCopier
 from stabilitykit.recovery.record import RollbackLog, RollbackRecord
@@ -122,8 +124,43 @@ class RecoveryConfig(Section):
             "skipping the next batches, for bad data that goes on past the trigger. 0: none."
         ),
     )
+    max_lookback: int = Field(
+        500,
+        ge=1,
+        description=(
+            "Restore no snapshot taken more than this many steps before the step that rolls back. With none "
+            "inside the bound an alert lowers the learning rate where the run is, instead of going further back."
+        ),
+    )
+    max_lookback_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description=(
+            "Nor more than this share of the steps done so far: a rollback never puts back the initial weights "
+            "(at step 60 the snapshot of step 1 is 59 steps back, over half the run)."
+        ),
+    )
+    lr_backoff: list[Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]] = Field(
+        default_factory=lambda: [0.5, 0.25],
+        description=(
+            "When trouble comes back after a rollback on data the restored model reads fine, the learning "
+            "rate is to blame: each such rollback lowers it one level further (times 0.5, then 0.25), held for "
+            "backoff_steps. [] turns escalation off (every rollback is a first one)."
+        ),
+    )
+    backoff_steps: int = Field(
+        500, ge=1, description="Steps a backoff level of lr_backoff holds after its rollback (then the schedule's LR)."
+    )
     max_rollbacks: int = Field(
-        3, ge=1, description="Rollbacks allowed within `window` steps; one more trigger raises TrainingDivergedError."
+        3,
+        ge=1,
+        description=(
+            "Rollbacks within `window` steps before recovery stops rolling back. One more trigger then lowers "
+            "the LR to the next lr_backoff level if any is left; once the lowest holds, a divergence raises "
+            "RollbackLimitError (saying what was tried) and an alert leaves the run to skip and clip."
+        ),
     )
     window: int = Field(1000, ge=1, description="Steps over which max_rollbacks is counted.")
     storage: str = Field(
@@ -204,7 +241,7 @@ class Recovery:
         if record_dir is None and config.storage != "memory":
             record_dir = config.storage
         self.log = RollbackLog(Path(record_dir) if record_dir is not None else None)
-        self.cooldown_until = 0  # steps before this one run with lr_scale
+        self.cooldown_until = 0  # steps before this one run with a lowered LR (the latest change's end)
         self.skip_until = 0  # steps before this one skip their batch (``skip_after``)
         #: Snapshot at the end of the next healthy, settled step: the first step of a run (a blow-up before the
         #: first ``snapshot_every`` multiple has a state to go back to), a resume, a snapshot put off while the
@@ -220,6 +257,16 @@ class Recovery:
         self.agreement: Agreement | None = Agreement() if agree else None
         #: With several ranks: this rank's verdicts on snapshots, sent to be agreed (``vetting.py``).
         self.verdicts = Verdicts()
+        #: The LR after rollbacks, and whether trouble was the LR's or the data's (``escalation.py``).
+        self.escalation = Escalation(
+            config.lr_scale,
+            config.cooldown_steps,
+            config.lr_backoff,
+            config.backoff_steps,
+            config.window,
+            judge_data=not agree,
+        )
+        self._no_lr_warned = False  # the one warning for param groups without an "lr"
         self._divergence: Divergence | None = None  # the divergence behind a queued "diverged" trigger
         every = engine.config.log_every_n_steps or 1
         alerts = any(t in config.trigger for t in ("spike_alert", "loss_drift"))
@@ -286,11 +333,23 @@ class Recovery:
         The param groups hold the scheduler's values again right after the step, so no scheduler
         ever sees (or compounds) the scaled value.
         """
-        scale = self.config.lr_scale
-        if scale == 1.0 or self.engine.step >= self.cooldown_until:
+        scale = self.escalation.factor(self.engine.step)
+        if scale == 1.0:
             yield
             return
         groups = self.objects.optimizer.param_groups
+        if not all("lr" in group for group in groups):
+            if not self._no_lr_warned:
+                self._no_lr_warned = True
+                warnings.warn(
+                    f"stabilitykit: {type(self.objects.optimizer).__name__} has param groups without an 'lr': "
+                    f"recovery cannot lower its learning rate (times {scale:g} after a rollback); the rollbacks "
+                    "go on without it",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
+            yield
+            return
         saved = [group["lr"] for group in groups]
         for group in groups:
             group["lr"] = group["lr"] * scale
@@ -319,6 +378,7 @@ class Recovery:
         rollback requests."""
         rows = list(rows)
         self.store.confirm((row.step, not row.skipped) for row in rows)
+        self.escalation.observe(rows)
         if self.agreement is None:
             self._vet()
         else:
@@ -395,6 +455,7 @@ class Recovery:
             for snapshot in [s for s in self.store.snapshots if s.step == snapshot_step and not s.vetted]:
                 if unsettled:
                     self.store.discard(snapshot)
+                    self._snapshot_next = True  # replaced by the next settled step's (the same on every rank)
                 else:
                     snapshot.vetted = changed = True
         if changed:
@@ -414,6 +475,7 @@ class Recovery:
                 snapshot.vetted = changed = True
             else:
                 self.store.discard(snapshot)
+                self._snapshot_next = True  # inside a climb: the next settled step gives the restore point
         if changed:
             self.store.trim()
 
@@ -467,20 +529,21 @@ class Recovery:
     # ------------------------------------------------------------------ the rollback
     def _roll_back(self, trigger: str, trigger_step: int, onset: int, divergence: Divergence | None) -> bool:
         cfg = self.config
+        esc = self.escalation
         at_step = self.engine.step - 1  # the step just finished
+        cause = esc.cause(onset)
         recent = self.log.since(at_step - cfg.window)
         if recent >= cfg.max_rollbacks:
-            error = self._give_up(at_step, recent, trigger)
-            details = {"reason": "rollback_limit", "rollbacks": recent, "window": cfg.window, "trigger": trigger}
-            if error.last_good_step is not None:
-                details.update(last_good_step=error.last_good_step, last_good_path=error.last_good_path)
-            self.hooks.emit(Event("diverged", at_step, str(error), details))
-            raise error
-        found = self._load_newest(onset - cfg.min_lookback, at_step, trigger)
+            if cause == "data" or esc.deepest_in_force(at_step):  # lowering the LR cannot help, or did not
+                if trigger == "diverged":
+                    self._raise_limit(at_step, recent, trigger, cause)
+                return self._stand_down(at_step, recent, trigger, trigger_step, cause)
+            cause = "lr"  # a limit reached with nothing pointing at the data: the LR, one level further
+        found = self._load_newest(onset - cfg.min_lookback, at_step, trigger, self._oldest_restorable(at_step))
         if found is None:
             if divergence is not None:
                 self.engine.readout.report_divergence(divergence)  # nothing to go back to: raise as before
-            return False  # an alert with no snapshot before it stays an alert
+            return self._lower_in_place(at_step, trigger, trigger_step, cause)
         snapshot, tree = found
         self._restore_guard(restore_snapshot(self.objects, tree, rng=cfg.restore_rng))
         self._alert = None  # alerts raised while rewinding belong to the undone steps
@@ -489,6 +552,12 @@ class Recovery:
         self._divergence = None
         self.store.drop_after(snapshot.step)
         self.verdicts.forget_after(snapshot.step)
+        skip = 0 if cause == "lr" and cfg.lr_backoff else cfg.skip_after  # the LR's fault: no data to skip
+        self.skip_until = self.engine.step + skip
+        change = esc.act(cause, at_step, self.skip_until, True)
+        esc.skipping(self.engine.step, self.skip_until, snapshot.step)
+        if change is not None:
+            self.cooldown_until = max(self.cooldown_until, change.until)
         record = RollbackRecord(
             at_step=at_step,
             trigger=trigger,
@@ -497,16 +566,67 @@ class Recovery:
             restored_step=snapshot.step,
             skipped_from=snapshot.step,
             skipped_to=at_step,
-            skip_ahead_to=at_step + cfg.skip_after if cfg.skip_after else None,
+            skip_ahead_to=at_step + skip if skip else None,
+            cause=cause,
+            lr_factor=change.factor if change is not None else 1.0,
+            lr_until=change.until if change is not None else None,
         )
         self.log.add(record)
-        self.skip_until = self.engine.step + cfg.skip_after
-        self.cooldown_until = self.skip_until + cfg.cooldown_steps
         self.hooks.emit(self._event(record))
         return True
 
-    def _load_newest(self, step: int, at_step: int, trigger: str) -> tuple[Snapshot, Any] | None:
-        """The newest snapshot at or before ``step`` that can be read, with its tree; None when there is none.
+    def _oldest_restorable(self, at_step: int) -> int:
+        """The oldest snapshot step a rollback at ``at_step`` may restore (``max_lookback``, ``max_lookback_share``):
+        never the initial weights, never further back than the bound."""
+        cfg = self.config
+        share = math.ceil(at_step - cfg.max_lookback_share * at_step)
+        return max(at_step - cfg.max_lookback, share, 2)
+
+    def _lower_in_place(self, at_step: int, trigger: str, trigger_step: int, cause: Cause) -> bool:
+        """An alert with no restore point inside the bound: no rollback; the LR is lowered where the run is
+        (as a rollback for ``cause`` would), and skipping and clipping go on. Returns False."""
+        change = self.escalation.act(cause, at_step, self.engine.step, False)
+        oldest = self._oldest_restorable(at_step)
+        message = (
+            f"{trigger} at step {trigger_step}: no healthy snapshot from step {oldest} on (RecoveryConfig."
+            f"max_lookback={self.config.max_lookback}, max_lookback_share={self.config.max_lookback_share:g}), so "
+            "nothing is rolled back; training goes on from here with skip and clip"
+        )
+        details: dict[str, Any] = {"action": "lr_backoff", "trigger": trigger, "trigger_step": trigger_step}
+        details.update(cause=cause, oldest_restorable=oldest)
+        if change is not None:
+            self.cooldown_until = max(self.cooldown_until, change.until)
+            message += f", the learning rate times {change.factor:g} until step {change.until - 1} ({_why(cause)})"
+            details.update(lr_factor=change.factor, lr_until=change.until)
+        self.hooks.emit(Event("recovery", at_step, message, details))
+        return False
+
+    def _stand_down(self, at_step: int, rollbacks: int, trigger: str, trigger_step: int, cause: Cause) -> bool:
+        """An alert past ``max_rollbacks`` that lowering the LR cannot or did not fix: no rollback (the run goes
+        on with skip and clip, as the guard alone would), said in a ``recovery`` event. Returns False."""
+        tried = self.escalation.tried() or "no change of the learning rate"
+        message = (
+            f"{trigger} at step {trigger_step} after {rollbacks} rollback(s) within {self.config.window} steps "
+            f"(RecoveryConfig.max_rollbacks): recovery stops rolling back and the run goes on with skip and clip. "
+            f"Tried: {tried}. " + ("The skipped batches were bad: inspect the data" if cause == "data" else "")
+        )
+        details = {"action": "stand_down", "trigger": trigger, "trigger_step": trigger_step, "cause": cause}
+        self.hooks.emit(Event("recovery", at_step, message.strip(), {**details, "rollbacks": rollbacks}))
+        return False
+
+    def _raise_limit(self, at_step: int, rollbacks: int, trigger: str, cause: Cause) -> None:
+        """A divergence past ``max_rollbacks`` that lowering the LR cannot or did not fix: ``RollbackLimitError``."""
+        error = self._give_up(at_step, rollbacks, trigger)
+        details = {"reason": "rollback_limit", "rollbacks": rollbacks, "window": self.config.window, "trigger": trigger}
+        details.update(cause=cause, tried=self.escalation.tried())
+        if error.last_good_step is not None:
+            details.update(last_good_step=error.last_good_step, last_good_path=error.last_good_path)
+        self.hooks.emit(Event("diverged", at_step, str(error), details))
+        raise error
+
+    def _load_newest(self, step: int, at_step: int, trigger: str, oldest: int = 0) -> tuple[Snapshot, Any] | None:
+        """The newest snapshot at or before ``step`` (and not before ``oldest``) that can be read, with its tree;
+        None when there is none.
 
         A missing or damaged snapshot file is a warning; that snapshot is dropped and the next older one
         is tried (with several ranks there is no fallback: every rank must restore the same step). When
@@ -516,7 +636,7 @@ class Recovery:
         problems: list[str] = []
         while True:
             snapshot = self.store.newest_at_or_before(step, vetted_first=self.agreement is not None)
-            if snapshot is None:
+            if snapshot is None or snapshot.step < oldest:
                 break
             try:
                 return snapshot, self.store.load(snapshot)
@@ -552,6 +672,7 @@ class Recovery:
             self.config.window,
             trigger,
             clipping=clipping,
+            tried=self.escalation.tried() or None,
             last_good_step=self.last_good.step if self.last_good is not None else None,
             last_good_path=str(path) if path is not None else None,
         )
@@ -580,7 +701,6 @@ class Recovery:
         return snapshot.step
 
     def _event(self, record: RollbackRecord) -> Event:
-        cfg = self.config
         message = (
             f"rolled back after {record.trigger} at step {record.trigger_step}: restored the state before step "
             f"{record.restored_step}; steps {record.skipped_from}..{record.skipped_to} ({record.skipped_steps} "
@@ -588,13 +708,15 @@ class Recovery:
         )
         if record.skip_ahead_to is not None:
             message += f"; the batches of steps {record.at_step + 1}..{record.skip_ahead_to} are skipped too"
-        if cfg.lr_scale != 1.0 and cfg.cooldown_steps:
-            message += f" with the learning rate times {cfg.lr_scale:g} for {cfg.cooldown_steps} step(s)"
+        if record.lr_until is not None:
+            message += f" with the learning rate times {record.lr_factor:g} until step {record.lr_until - 1}"
+        message += f" ({_why(record.cause)})"
         details: dict[str, Any] = {
             **record.to_dict(),
             "rollbacks": len(self.log.records),
-            "lr_scale": cfg.lr_scale,
+            "lr_scale": record.lr_factor,
             "cooldown_until": self.cooldown_until,
+            "backoff_level": self.escalation.level,
         }
         if self.log.path is not None:
             details["skipped_file"] = str(self.log.path)
@@ -607,11 +729,12 @@ class Recovery:
         return self.store.nbytes
 
     def state_dict(self) -> dict[str, Any]:
-        """The rollbacks so far and the cooldown (the snapshots themselves are not saved)."""
+        """The rollbacks so far, the cooldown and the LR backoff (the snapshots themselves are not saved)."""
         return {
             "rollbacks": self.log.state_dict(),
             "cooldown_until": self.cooldown_until,
             "skip_until": self.skip_until,
+            "escalation": self.escalation.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -623,3 +746,13 @@ class Recovery:
         self.log.load_state_dict(list(state.get("rollbacks", [])))
         self.cooldown_until = int(state.get("cooldown_until", 0))
         self.skip_until = int(state.get("skip_until", 0))
+        self.escalation.load_state_dict(dict(state.get("escalation") or {}))
+
+
+def _why(cause: str) -> str:
+    """Why a rollback did what it did, for its message."""
+    return {
+        "undetermined": "the first trouble in a while: the LR's or the data's, so both are handled",
+        "data": "trouble again after batches that the restored model found bad: the data, skipped",
+        "lr": "trouble again on data the restored model reads fine: the learning rate, lowered further",
+    }[cause]

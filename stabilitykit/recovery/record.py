@@ -34,6 +34,9 @@ class RollbackRecord:
     skipped_from: NonNegativeInt  # first step undone (== restored_step)
     skipped_to: NonNegativeInt  # last step undone (== at_step)
     skip_ahead_to: NonNegativeInt | None = None  # last step of the batches skipped after the rollback (``skip_after``)
+    cause: str = "undetermined"  # "undetermined", "data" or "lr" (``escalation.py``)
+    lr_factor: float = 1.0  # the learning rate's factor after the rollback (1.0: unchanged)
+    lr_until: NonNegativeInt | None = None  # the first step back at the schedule's learning rate
 
     @property
     def skipped_steps(self) -> int:

@@ -1,0 +1,159 @@
+"""What recovery does to the learning rate, and whether trouble was the learning rate's or the data's.
+
+A rollback cannot tell at once why a run blew up. The first one in a while (``cause`` "undetermined")
+does what fixes either: it skips the next ``skip_after`` batches and runs ``cooldown_steps`` steps at
+``lr_scale`` times the learning rate. The skipped batches then say which it was: they are measured
+(never trained on) on the restored, healthy weights, so a loss far above the one the run had at the
+restored step means the data itself is bad (``_judge``; with nothing skipped, the first batch after
+the rollback is judged: its loss, too, is measured before any update). When trouble comes back within ``window``
+steps of that action:
+
+* the skipped batches were bad: the cause is the **data** (a long burst): roll back and skip again;
+* they were not (the trouble recurred on data the healthy model reads fine): the cause is the
+  **learning rate**: roll back without skipping and lower the LR one level further
+  (``lr_backoff``, 0.5 then 0.25 times the schedule's), held for ``backoff_steps``.
+
+Under torch.distributed each rank measures its own batches' loss, so ranks could judge differently;
+there a recurrence is always the learning rate's (a choice every rank makes alike).
+
+Everything here is host bookkeeping over host values the driver already read; the factor in force
+at a step is ``factor(step)``, applied around the optimizer step by the controller.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+Cause = Literal["undetermined", "data", "lr"]
+
+#: The skipped batches' median loss at least this many times the restored state's: the data was bad.
+BAD_DATA_RATIO = 1.5
+#: Taken steps before the restored step whose losses make the restored state's reference loss.
+REFERENCE_STEPS = 20
+
+
+@dataclass(frozen=True)
+class LrChange:
+    """One lowering of the learning rate: from ``step`` on, times ``factor`` until (before) ``until``."""
+
+    step: int
+    factor: float
+    until: int
+    cause: str  # "undetermined", "data" or "lr"
+    rolled_back: bool  # False: lowered where the run was (no restore point within the bound)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (JSON-ready)."""
+        return asdict(self)
+
+
+class Escalation:
+    """The learning-rate factor in force, the backoff level reached, and the verdict on skipped data."""
+
+    def __init__(
+        self,
+        lr_scale: float,
+        cooldown_steps: int,
+        lr_backoff: Sequence[float],
+        backoff_steps: int,
+        window: int,
+        judge_data: bool,
+    ) -> None:
+        self.lr_scale, self.cooldown_steps = lr_scale, cooldown_steps
+        self.lr_backoff, self.backoff_steps, self.window = list(lr_backoff), backoff_steps, window
+        self.judge_data = judge_data
+        self.level = 0  # backoff levels used so far (0: none; len(lr_backoff): the deepest)
+        self.changes: list[LrChange] = []
+        self.last_action: int | None = None  # the step of the last rollback or LR change
+        #: ``(first, end)`` of the batches the last rollback skips ahead, the reference loss, their losses.
+        self._skipped: tuple[int, int] | None = None
+        self._reference: float | None = None
+        self._skipped_losses: list[float] = []
+        self.data_bad: bool | None = None  # the verdict on the last batches skipped ahead (None: none yet)
+        self._losses: deque[tuple[int, float]] = deque(maxlen=256)  # (step, loss) of recent taken steps
+
+    # ------------------------------------------------------------------ reading rows
+    def observe(self, rows: Iterable[Any]) -> None:
+        """Journal rows the host read: losses of taken steps (the reference), and of batches skipped ahead."""
+        for row in rows:
+            loss = row.loss
+            if loss is None:
+                continue
+            if self._skipped is not None and self._skipped[0] <= row.step < self._skipped[1]:
+                self._skipped_losses.append(loss if math.isfinite(loss) else math.inf)
+                if row.step == self._skipped[1] - 1:
+                    self._judge()
+            elif not row.skipped and math.isfinite(loss):
+                self._losses.append((row.step, loss))
+
+    def _judge(self) -> None:
+        """Every batch skipped ahead is measured: were they bad (far above the restored state's loss)?"""
+        if self._reference is not None and self._skipped_losses:
+            self.data_bad = statistics.median(self._skipped_losses) >= BAD_DATA_RATIO * self._reference
+        self._skipped, self._skipped_losses = None, []
+
+    # ------------------------------------------------------------------ deciding
+    def cause(self, onset: int) -> Cause:
+        """Why trouble at ``onset`` came: "undetermined" when nothing was done within ``window`` steps before,
+        else "data" when the batches skipped after the last rollback were bad, else "lr"."""
+        if self.last_action is None or onset - self.last_action > self.window:
+            return "undetermined"
+        return "data" if self.judge_data and self.data_bad else "lr"
+
+    @property
+    def exhausted(self) -> bool:
+        """Every backoff level has been used (or there are none)."""
+        return self.level >= len(self.lr_backoff)
+
+    def deepest_in_force(self, step: int) -> bool:
+        """The lowest backoff level holds at ``step`` (or there is no backoff): lowering did not help."""
+        return not self.lr_backoff or (self.exhausted and self.factor(step) <= self.lr_backoff[-1])
+
+    def act(self, cause: Cause, step: int, restart: int, rolled_back: bool) -> LrChange | None:
+        """Note an action at ``step`` for ``cause``; training goes on at ``restart`` (after the batches skipped
+        ahead). Returns the LR change it makes (None: none)."""
+        self.last_action = step
+        self.data_bad = None
+        if cause == "lr" and self.lr_backoff:
+            self.level = min(self.level + 1, len(self.lr_backoff))
+            change = LrChange(step, self.lr_backoff[self.level - 1], restart + self.backoff_steps, cause, rolled_back)
+        elif self.lr_scale != 1.0 and self.cooldown_steps:
+            change = LrChange(step, self.lr_scale, restart + self.cooldown_steps, cause, rolled_back)
+        else:
+            change = None
+        if change is not None:
+            self.changes.append(change)
+        return change
+
+    def skipping(self, first: int, end: int, restored_step: int) -> None:
+        """A rollback to the snapshot of ``restored_step`` skips the batches of steps ``first .. end - 1``:
+        judge them against the losses of the taken steps just before ``restored_step`` (none skipped: judge the
+        batch of step ``first``, whose loss is also measured on the restored weights, before any update)."""
+        before = [loss for step, loss in self._losses if restored_step - REFERENCE_STEPS <= step < restored_step]
+        self._reference = statistics.median(before) if before else None
+        self._skipped, self._skipped_losses = (first, max(end, first + 1)), []
+
+    def factor(self, step: int) -> float:
+        """The factor on the learning rate at ``step`` (1.0: the schedule's): the lowest change in force."""
+        return min((c.factor for c in self.changes if c.step < step < c.until), default=1.0)
+
+    def tried(self) -> str:
+        """What was tried to lower the learning rate, for a message ("" when nothing)."""
+        return "; ".join(f"the LR times {c.factor:g} from step {c.step + 1} to {c.until - 1}" for c in self.changes)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The level, the LR changes and the last action (the verdict in progress is not kept)."""
+        return {"level": self.level, "changes": [c.to_dict() for c in self.changes], "last_action": self.last_action}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.level = int(state.get("level", 0))
+        self.changes = [LrChange(**c) for c in state.get("changes", [])]
+        last = state.get("last_action")
+        self.last_action = int(last) if last is not None else None
