@@ -20,7 +20,14 @@ Scenarios:
 * ``clean``: nothing goes wrong (a rollback here acts on a run that needed nothing);
 * ``lr_x1000``: the learning rate is 1000 times the schedule's for two steps at half the run (a
   finite blow-up: no non-finite step, so no streak of skips);
-* ``garbled``: 30 steps of random bytes from half the run (bad data); ``garbled_long``: 60 steps.
+* ``garbled``: 30 steps of random bytes from half the run (bad data); ``garbled_long``: 60 steps;
+* persistent trouble, ``hot<k>_w<n>``: the schedule's peak LR k times ``PEAK_LR`` for the whole run,
+  reached after a warm-up of n steps (``PERSISTENT``: levels 3 and 10, warm-ups 20 and 100; any k, n).
+
+A third way to drive a model: ``nanogpt``, a trainer written the way nanoGPT's ``model.py`` and
+``train.py`` are (``nanogpt_style.py``: its GPT, its optimizer groups, betas 0.9/0.95, its hand-set
+warm-up and cosine LR, ``grad_clip=1.0``), adopted as the plain-loop guide says (its clipping as
+``ClipConfig``, ``get_lr(guard.schedule_step)``): a family and a trainer the defaults were not tuned on.
 
 Arms: ``none`` (the library's defaults without recovery: non-finite steps skipped; on the Trainer
 its ``max_grad_norm=1.0`` clips, so there ``none`` is the clipping arm), ``clip`` (plain loop:
@@ -32,7 +39,8 @@ final held-out loss, its gap to the clean run without recovery, rollbacks per ru
 starred), runs that gave up, and runs that end healthy (within 0.15 nats of the clean run of the same
 seed). ``--out`` appends each run (with its train-loss trace, every 10 steps) to a JSONL file and
 skips the runs already there; a run that equals one already made to the bit (``same_run``) is not
-trained again. Prints a markdown table.
+trained again. Prints a markdown table; ``--versus defaults`` also prints every run of an arm against
+the guard alone (``none``) of the same model, scenario and seed, with what recovery did.
 """
 
 from __future__ import annotations
@@ -57,11 +65,23 @@ from train import BATCH, CONTEXT, ByteGPT, batch, corpus, lr_at  # noqa: E402
 import stabilitykit as sk  # noqa: E402
 
 SCENARIOS = ("clean", "lr_x1000", "garbled", "garbled_long")
+#: Persistent trouble: ``hot<k>_w<n>``, the schedule's peak LR k times ``PEAK_LR`` for the whole run, reached
+#: after a warm-up of n steps (short and long).
+PERSISTENT = ("hot3_w20", "hot3_w100", "hot10_w20", "hot10_w100")
 ARMS = ("none", "clip", "old_defaults", "defaults", "blow_up", "bad_data")
-MODELS = ("byte_gpt", "gpt2", "hf_gpt2", "hf_llama")
+MODELS = ("byte_gpt", "gpt2", "hf_gpt2", "hf_llama", "nanogpt")
 PEAK_LR = 0.1
 HEALTHY_GAP = 0.15  # nats above the clean run of the same seed that still count as ending healthy
 BURSTS = {"garbled": 30, "garbled_long": 60}  # steps of random bytes
+
+
+def schedule_of(scenario: str) -> tuple[float, int]:
+    """(peak LR, warm-up steps) of ``scenario``: ``hot<k>_w<n>`` is k times ``PEAK_LR`` after n steps; every
+    other scenario ``PEAK_LR`` after 100."""
+    if scenario.startswith("hot"):
+        level, warmup = scenario.removeprefix("hot").split("_w")
+        return PEAK_LR * float(level), int(warmup)
+    return PEAK_LR, 100
 
 
 def recovery_for(arm: str) -> sk.RecoveryConfig | None:
@@ -123,8 +143,11 @@ def build_model(name: str) -> torch.nn.Module:
 
 
 def logits_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    out = model(x) if isinstance(model, ByteGPT) else model(input_ids=x)
-    return out if isinstance(out, torch.Tensor) else out.logits
+    if isinstance(model, ByteGPT):
+        return model(x)  # type: ignore[no-any-return]
+    if type(model).__name__ == "GPT":  # the nanoGPT-style model: (logits, loss)
+        return model(x)[0]  # type: ignore[no-any-return]
+    return model(input_ids=x).logits  # type: ignore[no-any-return]
 
 
 def held_out_loss(model: torch.nn.Module, heldout: np.ndarray) -> float:
@@ -157,13 +180,17 @@ def train(
     """One run: final held-out loss (NaN when it gave up), rollbacks, gave up, the train-loss trace."""
     if model_name.startswith("hf_"):
         return train_hf_trainer(model_name, arm, scenario, seed, steps, data, heldout)
+    if model_name == "nanogpt":
+        return train_nanogpt(arm, scenario, seed, steps, data, heldout)
     torch.manual_seed(seed)
     model = build_model(model_name)
-    opt = torch.optim.AdamW(model.parameters(), lr=PEAK_LR, betas=(0.9, 0.99), weight_decay=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, steps, PEAK_LR) / PEAK_LR)
+    peak, warmup = schedule_of(scenario)
+    opt = torch.optim.AdamW(model.parameters(), lr=peak, betas=(0.9, 0.99), weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, steps, peak, warmup) / peak)
     guard = sk.StabilityGuard(model, opt, config_for(arm), scheduler=scheduler)
     rollbacks: list[sk.Event] = []
     guard.hooks.on("rollback", rollbacks.append)
+    guard.hooks.on("recovery", rollbacks.append)
     gen = torch.Generator().manual_seed(1000 + seed)
     noise = torch.Generator().manual_seed(5000 + seed)
     middle = steps // 2
@@ -195,15 +222,50 @@ def train(
     return _result(final, rollbacks, gave_up, trace, skipped)
 
 
-def _result(final: float, rollbacks: list[sk.Event], gave_up: bool, trace: list[float], skipped: int) -> Run:
+def _result(final: float, events: list[sk.Event], gave_up: bool, trace: list[float], skipped: int) -> Run:
+    """A run's row: ``events`` are its ``rollback`` and ``recovery`` events (an LR lowered without a rollback,
+    recovery standing down), in order."""
+    rollbacks = [e for e in events if e.kind == "rollback"]
     return {
         "skipped": skipped,
         "final": final if not gave_up else math.nan,
         "rollbacks": len(rollbacks),
         "gave_up": gave_up,
         "at": [(e.details["trigger"], e.details["trigger_step"], e.details["restored_step"]) for e in rollbacks],
+        "restored_first_step": any(e.details["restored_step"] <= 1 for e in rollbacks),
+        "actions": [
+            (e.details.get("cause", "-")[0] if e.kind == "rollback" else e.details["action"][0].upper())
+            + (f"{e.details['lr_factor']:g}" if e.details.get("lr_factor", 1.0) != 1.0 else "")
+            for e in events
+        ],
         "trace": trace,
     }
+
+
+def train_nanogpt(arm: str, scenario: str, seed: int, steps: int, data: np.ndarray, heldout: np.ndarray) -> Run:
+    """One run of the nanoGPT-style trainer (``nanogpt_style.py``: its model, optimizer groups, betas 0.9/0.95,
+    hand-set warm-up and cosine LR, ``grad_clip=1.0`` as ``ClipConfig``), adopted as the plain-loop guide says."""
+    from nanogpt_style import train as nanogpt_train
+
+    peak, warmup = schedule_of(scenario)
+    gen = torch.Generator().manual_seed(1000 + seed)
+    noise = torch.Generator().manual_seed(5000 + seed)
+    middle = steps // 2
+
+    def get_batch(iter_num: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = data_at(iter_num, scenario, data, gen, noise, middle)
+        return x.contiguous(), y.contiguous()  # nanoGPT's get_batch stacks rows: contiguous
+
+    def boost(iter_num: int) -> float:
+        return 1000.0 if scenario == "lr_x1000" and middle <= iter_num < middle + 2 else 1.0
+
+    events: list[sk.Event] = []
+    model, guard, trace, gave_up = nanogpt_train(
+        get_batch, steps, peak, warmup, recovery_for(arm), seed, lr_boost=boost, events=events
+    )
+    skipped = guard.summary().skipped
+    guard.close()
+    return _result(held_out_loss(model, heldout), events, gave_up, trace, skipped)
 
 
 def train_hf_trainer(
@@ -252,8 +314,8 @@ def train_hf_trainer(
             report_to=[],
             per_device_train_batch_size=BATCH,
             max_steps=steps,
-            learning_rate=PEAK_LR,
-            warmup_steps=min(100, steps // 2),
+            learning_rate=schedule_of(scenario)[0],
+            warmup_steps=min(schedule_of(scenario)[1], steps // 2),
             lr_scheduler_type="cosine_with_min_lr",
             lr_scheduler_kwargs={"min_lr_rate": 0.1},
             weight_decay=0.1,
@@ -271,6 +333,7 @@ def train_hf_trainer(
         callback = stabilize(trainer, cfg)
         rollbacks: list[sk.Event] = []
         callback.hooks.on("rollback", rollbacks.append)
+        callback.hooks.on("recovery", rollbacks.append)
         gave_up = False
         try:
             trainer.train()
@@ -315,13 +378,50 @@ def same_run(runs: dict[tuple[str, str, str, int], Run], model: str, scenario: s
             continue
         if other != "clip" and recovery_for(other) == recovery_for(arm):  # the same configuration
             return {**run, "same_as": other}
-        if run["rollbacks"] or run["gave_up"]:
+        if run["rollbacks"] or run["gave_up"] or run.get("actions"):  # recovery acted (an LR lowered in place too)
             continue
         same_triggers = other != "clip" and _triggers(other) == mine
         plain = other == "none" and recovery_for(arm).trigger == ["diverged"] and run["skipped"] < streak  # type: ignore[union-attr]
         if same_triggers or plain:
             return {**run, "same_as": other}
     return None
+
+
+def _scenario_order(scenario: str) -> tuple[int, str]:
+    known = (*SCENARIOS, *PERSISTENT)
+    return (known.index(scenario) if scenario in known else len(known), scenario)
+
+
+NOISE = 0.05  # nats: a final loss this close to the guard alone's is "within noise" (seed-to-seed spread is larger)
+
+
+def versus(runs: dict[tuple[str, str, str, int], Run], arm: str, base: str = "none") -> str:
+    """Every run of ``arm`` against the same model, scenario and seed under ``base`` (the guard alone): the
+    final held-out losses, the difference, what recovery did (``actions``: u/d/l a rollback whose cause was
+    undetermined, the data, the learning rate; L the LR lowered without a rollback; S recovery standing down;
+    each with the LR factor it set) and whether it restored the first step's state or gave up."""
+    lines = [
+        f"| model | scenario | seed | {base} | {arm} | difference | actions | restored step 1 | gave up |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    tally = {"better": 0, "within noise": 0, "worse": 0, "gave up": 0}
+    for key in sorted(runs, key=lambda k: (k[0], _scenario_order(k[1]), k[3])):
+        model, scenario, other, seed = key
+        if other != arm or (model, scenario, base, seed) not in runs:
+            continue
+        mine, theirs = runs[key], runs[model, scenario, base, seed]
+        diff = mine["final"] - theirs["final"]
+        if mine["gave_up"] and not theirs["gave_up"]:
+            tally["gave up"] += 1
+        elif math.isfinite(diff):
+            tally["better" if diff < -NOISE else "worse" if diff > NOISE else "within noise"] += 1
+        lines.append(
+            f"| {model} | {scenario} | {seed} | {theirs['final']:.3f} | {mine['final']:.3f} | {diff:+.3f} | "
+            f"{' '.join(mine.get('actions', [])) or '-'} | {'yes' if mine.get('restored_first_step') else 'no'} | "
+            f"{'yes' if mine['gave_up'] else 'no'} |"
+        )
+    counts = ", ".join(f"{n} {what}" for what, n in tally.items())
+    return "\n".join(lines) + f"\n\n{arm} against {base} (noise: {NOISE} nats): {counts}"
 
 
 def table(runs: dict[tuple[str, str, str, int], Run], held: set[int]) -> str:
@@ -332,7 +432,7 @@ def table(runs: dict[tuple[str, str, str, int], Run], held: set[int]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     models = list(dict.fromkeys(k[0] for k in runs))
-    scenarios = [s for s in SCENARIOS if any(k[1] == s for k in runs)]
+    scenarios = list(dict.fromkeys(k[1] for k in sorted(runs, key=lambda k: _scenario_order(k[1]))))
     arms = list(dict.fromkeys(k[2] for k in runs))
     for model in models:
         clean = {k[3]: r["final"] for k, r in runs.items() if k[:3] == (model, "clean", "none")}
@@ -386,6 +486,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--out", help="append each run to this JSONL file (and read the runs already there)")
     parser.add_argument("--table", action="store_true", help="only print the table of the runs in --out")
+    parser.add_argument("--versus", help="also print every run of this arm against the guard alone (arm none)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     held = {int(s) for s in args.held_out.split(",") if s}
@@ -419,6 +520,8 @@ def main(argv: list[str] | None = None) -> None:
                             flush=True,
                         )
     print("\n" + table(runs, held) + "\n\n(* held-out seed)")
+    if args.versus:
+        print("\n" + versus(runs, args.versus))
     tuning = {k[3] for k in runs} - held
     for name, seeds in (("tuning", tuning), ("held-out", held)):
         if any(k[3] in seeds for k in runs):

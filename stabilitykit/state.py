@@ -198,7 +198,6 @@ class _Recovery(_State):
     escalation: _Escalation | None = None
 
 
-
 class _Core(_State):
     version: int = Field(ge=1)
     engine: _Engine

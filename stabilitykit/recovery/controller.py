@@ -555,7 +555,7 @@ class Recovery:
         skip = 0 if cause == "lr" and cfg.lr_backoff else cfg.skip_after  # the LR's fault: no data to skip
         self.skip_until = self.engine.step + skip
         change = esc.act(cause, at_step, self.skip_until, True)
-        esc.skipping(self.engine.step, self.skip_until, snapshot.step)
+        esc.skipping(self.engine.step, self.skip_until, snapshot.step, onset)
         if change is not None:
             self.cooldown_until = max(self.cooldown_until, change.until)
         record = RollbackRecord(

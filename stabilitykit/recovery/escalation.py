@@ -33,7 +33,7 @@ Cause = Literal["undetermined", "data", "lr"]
 
 #: The skipped batches' median loss at least this many times the restored state's: the data was bad.
 BAD_DATA_RATIO = 1.5
-#: Taken steps before the restored step whose losses make the restored state's reference loss.
+#: Taken steps before the restored step whose losses make the reference loss when the restored step's is unknown.
 REFERENCE_STEPS = 20
 
 
@@ -76,20 +76,21 @@ class Escalation:
         self._skipped_losses: list[float] = []
         self.data_bad: bool | None = None  # the verdict on the last batches skipped ahead (None: none yet)
         self._losses: deque[tuple[int, float]] = deque(maxlen=256)  # (step, loss) of recent taken steps
+        self._onsets: deque[int] = deque(maxlen=16)  # where recent trouble began: never a reference
 
     # ------------------------------------------------------------------ reading rows
     def observe(self, rows: Iterable[Any]) -> None:
         """Journal rows the host read: losses of taken steps (the reference), and of batches skipped ahead."""
         for row in rows:
             loss = row.loss
-            if loss is None:
-                continue
-            if self._skipped is not None and self._skipped[0] <= row.step < self._skipped[1]:
-                self._skipped_losses.append(loss if math.isfinite(loss) else math.inf)
-                if row.step == self._skipped[1] - 1:
-                    self._judge()
-            elif not row.skipped and math.isfinite(loss):
+            window = self._skipped
+            if window is not None and window[0] <= row.step < window[1]:
+                if loss is not None:
+                    self._skipped_losses.append(loss if math.isfinite(loss) else math.inf)
+            elif loss is not None and not row.skipped and math.isfinite(loss):
                 self._losses.append((row.step, loss))
+            if window is not None and row.step >= window[1] - 1:
+                self._judge()  # the window's last row, or a later one (a row may reach the host outside a step)
 
     def _judge(self) -> None:
         """Every batch skipped ahead is measured: were they bad (far above the restored state's loss)?"""
@@ -130,12 +131,18 @@ class Escalation:
             self.changes.append(change)
         return change
 
-    def skipping(self, first: int, end: int, restored_step: int) -> None:
+    def skipping(self, first: int, end: int, restored_step: int, onset: int) -> None:
         """A rollback to the snapshot of ``restored_step`` skips the batches of steps ``first .. end - 1``:
-        judge them against the losses of the taken steps just before ``restored_step`` (none skipped: judge the
-        batch of step ``first``, whose loss is also measured on the restored weights, before any update)."""
+        judge them against the loss of step ``restored_step`` (the same weights on the batch it trained on)
+        unless trouble began at that step (``onset`` now, or an earlier one), else against the losses of the
+        taken steps just before it. None skipped: judge the batch of step ``first``,
+        whose loss is also measured on the restored weights, before any update."""
+        # the loss step ``restored_step`` had (the restored weights on that step's batch, before its update),
+        # unless trouble began at that batch (now or at an earlier rollback): it may be the bad data itself
+        self._onsets.append(onset)
+        same = [loss for step, loss in self._losses if step == restored_step and step not in self._onsets]
         before = [loss for step, loss in self._losses if restored_step - REFERENCE_STEPS <= step < restored_step]
-        self._reference = statistics.median(before) if before else None
+        self._reference = same[0] if same else statistics.median(before) if before else None
         self._skipped, self._skipped_losses = (first, max(end, first + 1)), []
 
     def factor(self, step: int) -> float:

@@ -20,8 +20,15 @@ from typing import Any
 from stabilitykit.events import Event
 
 #: Event kinds that raise a W&B alert by default.
-ALERT_KINDS = ("spike_alert", "nonfinite", "diverged", "fp16_warning", "rollback")
-_LEVELS = {"diverged": "ERROR", "nonfinite": "WARN", "spike_alert": "WARN", "fp16_warning": "WARN", "rollback": "WARN"}
+ALERT_KINDS = ("spike_alert", "nonfinite", "diverged", "fp16_warning", "rollback", "recovery")
+_LEVELS = {
+    "diverged": "ERROR",
+    "nonfinite": "WARN",
+    "spike_alert": "WARN",
+    "fp16_warning": "WARN",
+    "rollback": "WARN",
+    "recovery": "WARN",
+}
 _PER_LAYER_FAMILIES = ("grad_norm/", "update_ratio/", "weight_norm/")
 
 

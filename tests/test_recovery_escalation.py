@@ -1,0 +1,214 @@
+"""Recovery on trouble that comes back: the LR lowered one level at a time when the LR is to blame, the data
+skipped again when the data is, never a restore of the initial weights; the LR each step used, logged."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import stabilitykit as sk
+from tests.recovery_setups import diverged_only_config, mlp, mlp_batches
+
+
+def _problem(steps: int, seed: int = 0) -> tuple[nn.Linear, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A noisy linear regression and its batches: SGD on it diverges once its LR passes about 0.7."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    w = torch.randn(16, 1, generator=gen)
+    batches = []
+    for _ in range(steps):
+        x = torch.randn(32, 16, generator=gen)
+        batches.append((x, x @ w + 0.3 * torch.randn(32, 1, generator=gen)))
+    return nn.Linear(16, 1), batches
+
+
+class Metrics:
+    """A sink keeping every logging step's metrics."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, dict[str, float]] = {}
+
+    def log_metrics(self, metrics: Any, step: int) -> None:
+        self.rows.setdefault(step, {}).update(metrics)
+
+
+def _hot_run(recovery: sk.RecoveryConfig | None, peak: float = 1.2, steps: int = 170) -> dict[str, Any]:
+    """SGD warmed up over 30 steps to ``peak`` (past the edge) and held there, as a user's schedule would."""
+    model, batches = _problem(steps)
+    opt = torch.optim.SGD(model.parameters(), lr=peak)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
+    cfg = sk.StabilityConfig(log_every_n_steps=5, **({"recovery": recovery} if recovery is not None else {}))
+    sink = Metrics()
+    guard = sk.StabilityGuard(model, opt, cfg, scheduler=sched, sinks=[sink])
+    events: list[sk.Event] = []
+    guard.hooks.on("rollback", events.append)
+    guard.hooks.on("recovery", events.append)
+    error = None
+    try:
+        for x, y in batches:
+            guard.backward(nn.functional.mse_loss(model(x), y))
+            guard.step()
+            guard.zero_grad()
+    except sk.TrainingDivergedError as exc:
+        error = exc
+    with torch.no_grad():
+        final = float(sum(nn.functional.mse_loss(model(x), y) for x, y in batches[-20:])) / 20
+    summary = guard.summary()
+    guard.close()
+    return {"error": error, "events": events, "final": final, "summary": summary, "metrics": sink.rows}
+
+
+def test_a_learning_rate_past_the_edge_is_lowered_one_level_at_a_time() -> None:
+    """The guard alone diverges (a streak of non-finite steps); the defaults roll back, find the trouble back on
+    data the restored model reads fine, lower the LR to 0.5x then 0.25x (held backoff_steps, nothing skipped for
+    it), and the run ends converged. No rollback restores the first step's state."""
+    alone = _hot_run(None)
+    assert isinstance(alone["error"], sk.TrainingDivergedError)
+    run = _hot_run(sk.RecoveryConfig(snapshot_every=10))
+    assert run["error"] is None and run["final"] < 0.3, run["final"]
+    rollbacks = [e.details for e in run["events"] if e.kind == "rollback"]
+    assert [(d["cause"], d["lr_factor"]) for d in rollbacks] == [("undetermined", 0.5), ("lr", 0.5), ("lr", 0.25)]
+    assert rollbacks[0]["skip_ahead_to"] is not None  # the first: the data may be to blame too
+    for d in rollbacks[1:]:
+        assert d["skip_ahead_to"] is None and d["lr_until"] == d["at_step"] + 1 + 500  # held backoff_steps
+    assert all(d["restored_step"] > 1 for d in rollbacks)
+    assert "learning rate, lowered further" in run["events"][-1].message
+    line = run["summary"].line()
+    assert "causes: undetermined: 1, lr: 2" in line and "lowered to 0.25x" in line, line
+    # what the steps used, as logged: a quarter of the schedule's 1.2 after the last rollback
+    last = rollbacks[-1]["at_step"]
+    after = [m["stability/lr/0"] for s, m in run["metrics"].items() if s > last + 1 and "stability/lr/0" in m]
+    assert after and all(lr == pytest.approx(0.3) for lr in after)
+
+
+def test_a_long_burst_of_bad_data_is_named_the_data_and_recovery_stands_down_without_raising() -> None:
+    """Targets 30x off for steps 60-149, 20 batches skipped after each rollback: the skipped batches are bad on
+    the restored weights, so each recurrence is the data's (skipped again, the LR not lowered further). Past
+    max_rollbacks an alert stops the rollbacks with a "recovery" event and the run goes on, as the guard alone
+    would: RollbackLimitError is for a divergence that lowering the LR did not fix."""
+    model, batches = _problem(170)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    recovery = sk.RecoveryConfig(snapshot_every=20, skip_after=20)
+    guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(log_every_n_steps=5, recovery=recovery))
+    events: list[sk.Event] = []
+    guard.hooks.on("rollback", events.append)
+    guard.hooks.on("recovery", events.append)
+    for step, (x, y) in enumerate(batches):
+        target = y * 30.0 if 60 <= step < 150 else y
+        guard.backward(nn.functional.mse_loss(model(x), target))
+        guard.step()
+        guard.zero_grad()
+    guard.close()
+    rollbacks = [e.details for e in events if e.kind == "rollback"]
+    assert [d["cause"] for d in rollbacks] == ["undetermined", "data", "data"], events
+    assert all(d["skip_ahead_to"] == d["at_step"] + 20 and d["lr_factor"] == 0.5 for d in rollbacks)
+    stand_down = [e for e in events if e.kind == "recovery"]
+    assert stand_down and stand_down[0].details["action"] == "stand_down" and stand_down[0].details["cause"] == "data"
+    assert "stops rolling back" in stand_down[0].message and "inspect the data" in stand_down[0].message
+
+
+def test_the_rollback_limit_error_says_what_was_tried() -> None:
+    """Non-finite steps from step 10 on, except the first batch after each rollback (so the restored model reads
+    the new data fine: the LR is blamed): the LR lowered to 0.5x, then 0.25x, and the next divergence raises
+    RollbackLimitError naming each LR it tried."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = sk.StabilityGuard(model, opt, diverged_only_config())
+    rollbacks: list[sk.Event] = []
+    guard.hooks.on("rollback", rollbacks.append)
+    with pytest.raises(sk.RollbackLimitError) as info:
+        for i, x in enumerate(mlp_batches(60)):
+            loss = model(x).pow(2).mean()
+            fresh = bool(rollbacks) and i == rollbacks[-1].step + 1
+            guard.backward(loss * float("nan") if i >= 10 and not fresh else loss)
+            guard.step()
+            guard.zero_grad()
+    causes = [(e.details["cause"], e.details["lr_factor"]) for e in rollbacks]
+    assert causes == [("undetermined", 1.0), ("lr", 0.5), ("lr", 0.25)], causes
+    error = info.value
+    assert "Lowering the learning rate did not help" in str(error) and "times 0.25" in str(error)
+    assert error.tried is not None and "times 0.5" in error.tried
+    guard.close()
+
+
+class NoLrOptimizer(torch.optim.Optimizer):
+    """A real optimizer whose param groups have no "lr" (A2Grad-like: its step size comes from ``lips`` and the
+    step count), so nothing can be lowered."""
+
+    def __init__(self, params: Any, lips: float = 10.0) -> None:
+        super().__init__(params, {"lips": lips})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                p.add_(p.grad, alpha=-2.0 / (group["lips"] * (state["step"] + 1)))
+        return None
+
+
+def test_an_optimizer_without_lr_rolls_back_with_one_warning() -> None:
+    """The rollback's LR cooldown is skipped with one warning naming the optimizer (not KeyError: 'lr'), the
+    rollback itself happens, and no lr metric is logged for the groups without one."""
+    model = mlp()
+    opt = NoLrOptimizer(model.parameters())
+    cfg = diverged_only_config(cooldown_steps=10)
+    sink = Metrics()
+    guard = sk.StabilityGuard(model, opt, cfg, sinks=[sink])
+    rollbacks: list[sk.Event] = []
+    guard.hooks.on("rollback", rollbacks.append)
+    with pytest.warns(RuntimeWarning, match="NoLrOptimizer has param groups without an 'lr'") as caught:
+        for i, x in enumerate(mlp_batches(30)):
+            loss = model(x).pow(2).mean()
+            guard.backward(loss * float("nan") if 10 <= i < 13 else loss)
+            guard.step()
+            guard.zero_grad()
+    assert sum("without an 'lr'" in str(w.message) for w in caught) == 1
+    assert len(rollbacks) == 1 and all(torch.isfinite(p).all() for p in model.parameters())
+    assert sink.rows and not any(k.startswith("stability/lr") for m in sink.rows.values() for k in m)
+    guard.close()
+
+
+def test_the_lr_each_group_used_is_logged_cooldown_included() -> None:
+    """``stability/lr/<group>`` on logging steps: what the step used (the rollback's cooldown included), while
+    the param groups outside the step keep the schedule's values."""
+    model = mlp()
+    opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[3].parameters(), "lr": 0.01}], lr=0.1)
+    cfg = diverged_only_config(lr_scale=0.5, cooldown_steps=3).model_copy(update={"log_every_n_steps": 1})
+    sink = Metrics()
+    guard = sk.StabilityGuard(model, opt, cfg, sinks=[sink])
+    for i, x in enumerate(mlp_batches(20)):
+        loss = model(x).pow(2).mean() * (float("nan") if 10 <= i < 13 else 1.0)
+        guard.backward(loss)
+        guard.step()
+        guard.zero_grad()
+    guard.close()
+    logged = {s: (m["stability/lr/0"], m["stability/lr/1"]) for s, m in sink.rows.items() if "stability/lr/0" in m}
+    assert logged[9] == (0.1, 0.01) and logged[16] == (0.1, 0.01)
+    assert logged[13] == logged[15] == (pytest.approx(0.05), pytest.approx(0.005))
+    assert opt.param_groups[0]["lr"] == 0.1
+
+
+def test_several_optimizers_log_their_lr_under_their_own_prefix() -> None:
+    model = mlp()
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    second = torch.optim.AdamW(model[3].parameters(), lr=3e-3)
+    sink = Metrics()
+    guard = sk.StabilityGuard(model, [first, second], sk.StabilityConfig(log_every_n_steps=2), sinks=[sink])
+    for x in mlp_batches(4):
+        guard.backward(model(x).pow(2).mean())
+        guard.step(optimizer=first)
+        guard.step(optimizer=second)
+        guard.zero_grad()
+    guard.close()
+    keys = {k for m in sink.rows.values() for k in m if "/lr/" in k}
+    assert keys == {"stability/opt0/lr/0", "stability/opt1/lr/0"}
+    values = {k: v for m in sink.rows.values() for k, v in m.items() if "/lr/" in k}
+    assert values["stability/opt1/lr/0"] == 3e-3 and math.isclose(values["stability/opt0/lr/0"], 0.1)
