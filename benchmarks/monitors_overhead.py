@@ -6,7 +6,9 @@
 Models, all 4 layers x 256 wide with 4 heads and a vocabulary of 8192 at context 256: HF GPT-2 (SDPA),
 HF Llama (SDPA, 2 key-value heads), HF Gemma 2 (eager: a sliding window of 128, attention and final
 logit soft-caps), HF BERT (masked LM, SDPA); and a tiny HF Llama (2 layers, 32 wide, the test
-suite's ``tiny_llama``) at context 16. Arms, run interleaved in one
+suite's ``tiny_llama``) at context 16; and MoE families (``mixtral``, ``qwen2_moe``, ``qwen3_moe``,
+``olmoe``: 4 layers x 128, 8 experts, top-2, vocabulary 8192, context 128, from ``tests/moe_models.py``)
+timed with the router monitors alone (``MonitorConfig`` with the other signals off). Arms, run interleaved in one
 process (round-robin, same batch, each its own copy of the same weights), every one a whole step
 (forward, backward, ``guard.step()`` with fused AdamW, ``zero_grad``) with no logging step inside
 the timed region (the tiny Llama gets ten times the rounds: its steps take milliseconds):
@@ -26,8 +28,10 @@ import argparse
 import copy
 import io
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from transformers import (
@@ -97,12 +101,50 @@ def _llama(context: int) -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
-def _arm(model: torch.nn.Module, monitors: bool, sampled: bool, batch: dict[str, torch.Tensor]) -> Callable[[], None]:
+#: The MoE families timed with their router monitors alone (``--models mixtral,...``).
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ROUTERS_ONLY = sk.MonitorConfig(activations=False, attention=False, logits=False, residual=False)
+
+
+def _moe(family: str) -> Callable[[int], torch.nn.Module]:
+    """A 4-layer x 128 MoE of ``family`` (8 experts, top-2, vocabulary 8192), random init."""
+
+    def make(context: int) -> torch.nn.Module:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from moe_models import tiny_moe
+
+        changes = {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "moe_intermediate_size": 128,
+            "shared_expert_intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "head_dim": 32,
+            "vocab_size": 8192,
+            "max_position_embeddings": max(context, 64),
+        }
+        model = tiny_moe(family, seed=0)
+        fields = {k: v for k, v in model.config.to_dict().items() if k != "layer_types"}  # rebuilt for 4 layers
+        fields.update({k: v for k, v in changes.items() if k in fields})
+        config = type(model.config)(**fields)
+        torch.manual_seed(0)
+        return type(model)(config)
+
+    return make
+
+
+def _arm(
+    model: torch.nn.Module,
+    monitors: bool,
+    sampled: bool,
+    batch: dict[str, torch.Tensor],
+    config: sk.MonitorConfig | None = None,
+) -> Callable[[], None]:
     """One whole training step of ``model`` under a guard; the monitor's sampling is set by hand."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     cfg = sk.StabilityConfig(
         log_every_n_steps=10**9,  # step 0 logs (untimed warm-up); no timed step does
-        monitors=sk.MonitorConfig() if monitors else None,
+        monitors=(config or sk.MonitorConfig()) if monitors else None,
         precision=sk.PrecisionConfig(report_choice=False),
     )
     guard = sk.StabilityGuard(model, opt, config=cfg, sinks=[sk.sinks.ConsoleSink(stream=io.StringIO())])
@@ -135,14 +177,15 @@ def measure(
 ) -> None:
     device = torch.device(args.device)
     base_model = make(context).to(device)
+    config = ROUTERS_ONLY if getattr(base_model.config, "model_type", "") in MOE_FAMILIES else None
     vocab = base_model.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, context), generator=torch.Generator().manual_seed(0)).to(device)
     batch = {"input_ids": ids, "labels": ids}
     arms = {
         "base": _arm(copy.deepcopy(base_model), False, False, batch),
         "base_again": _arm(copy.deepcopy(base_model), False, False, batch),
-        "sampled": _arm(copy.deepcopy(base_model), True, True, batch),
-        "unsampled": _arm(copy.deepcopy(base_model), True, False, batch),
+        "sampled": _arm(copy.deepcopy(base_model), True, True, batch, config),
+        "unsampled": _arm(copy.deepcopy(base_model), True, False, batch, config),
     }
     for fn in arms.values():  # warm-up: the logging step 0, allocator, kernels
         for _ in range(2):
@@ -184,6 +227,15 @@ def main() -> None:
         "gemma2": ("HF Gemma 2 (eager, window, soft-caps), 4 layers x 256", _gemma2, args.context, args.rounds),
         "bert": ("HF BERT masked LM, 4 layers x 256", _bert, args.context, args.rounds),
         "tiny_llama": ("tiny HF Llama, 2 layers x 32", _llama, 16, args.rounds * 10),  # ms steps: more rounds
+        **{
+            family: (
+                f"HF {family}, 4 layers x 128, 8 experts top-2, router monitors only",
+                _moe(family),
+                128,
+                args.rounds,
+            )
+            for family in MOE_FAMILIES
+        },
     }
     for key in args.models.split(","):
         name, make, context, rounds = models[key]
