@@ -337,3 +337,24 @@ def test_compiled_mixtral_logs_the_same_values_with_no_graph_breaks_from_the_mon
     assert len(keys) == 2 * 5
     for key in keys:
         assert with_monitors[key] == pytest.approx(eager[key], abs=1e-4), key
+
+
+def test_router_monitors_add_no_host_sync_on_unsampled_steps_and_ride_the_logging_read() -> None:
+    from stabilitykit.testing.syncs import count_host_syncs
+
+    model = tiny_mixtral()
+    cfg = sk.StabilityConfig(log_every_n_steps=4, monitors=sk.MonitorConfig(every=2, **ONLY_ROUTERS))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = sk.StabilityGuard(model, opt, config=cfg, sinks=[sk.sinks.ConsoleSink(stream=io.StringIO())])
+    counts = []
+    for seed in range(9):
+        with count_host_syncs() as counter:
+            guard.backward(model(**padded_batch(seed=seed)).loss)
+            guard.step()
+            guard.zero_grad()
+        counts.append(len(counter.library_sites()))  # Mixtral's own expert loop syncs: not ours
+    guard.close()
+    assert counts == [1 if i % 4 == 0 else 0 for i in range(9)], counts
+    assert (
+        "stability/monitors/expert_load_max/model.layers.1.mlp.gate" in guard.cores[0].engine.readout.last_host_metrics
+    )
