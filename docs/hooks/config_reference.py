@@ -58,6 +58,7 @@ def tables() -> str:
         sk.QKClipConfig,
         sk.MonitorConfig,
         sk.Fp8MonitorConfig,
+        sk.RouterConfig,
         sk.RecoveryConfig,
         sk.RerunConfig,
         sk.ReplicaCheckConfig,
