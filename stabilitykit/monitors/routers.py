@@ -122,6 +122,7 @@ class Router:
     entropy: Tensor | None = None  # sum over tokens
     z: Tensor | None = None  # sum over tokens
     streak: Tensor | None = None  # sampled steps in a row collapsed
+    streak_before: Tensor | None = None  # the streak when the step in flight began
     last_counts: Tensor | None = None  # the counts of the newest finished sampled step
     pending: bool = False  # forward passes measured since the step was last finished
     warned: bool = False  # a "router_collapse" event was raised for the current streak
@@ -367,6 +368,8 @@ class RouterMonitor:
         """Before a step's forward passes: finish the step before it; say once if the aux loss is off."""
         self.finish()
         self._mask = None
+        for router in self.routers:
+            router.streak_before = router.streak
         if sampling:
             self._prime()
         if self._seen_sample and not self._aux_checked:
@@ -402,7 +405,9 @@ class RouterMonitor:
                 router.k,
                 self.config,
             )
-            streak = router.streak if router.streak is not None else torch.zeros((), device=down.device)
+            # counted from the streak before this step: a step measured twice (a rerun recomputes its forward)
+            # counts once
+            streak = router.streak_before if router.streak_before is not None else torch.zeros((), device=down.device)
             router.streak = torch.where(down, streak + 1.0, torch.zeros_like(streak))
             stats["router_collapsed"] = router.streak
             for signal, value in stats.items():
@@ -418,7 +423,7 @@ class RouterMonitor:
         """Forget what was measured since the last read and every streak (a rollback undid those steps)."""
         for router in self.routers:
             router.counts = router.tokens = router.entropy = router.z = None
-            router.pending, router.streak, router.warned = False, None, False
+            router.pending, router.streak, router.streak_before, router.warned = False, None, None, False
 
     def events(self, step: int, values: Mapping[str, float]) -> list[Event]:
         """``"router_collapse"`` events from a logging step's host values: one per streak that reached
