@@ -279,3 +279,13 @@ def test_rerun_and_replicas_example_tells_the_machine_from_the_data(tmp_path) ->
     assert "skipped steps: [12]" in proc.stdout
     line = json.loads((tmp_path / "rerun.jsonl").read_text().splitlines()[-1])
     assert (line["step"], line["verdict"]) == (12, "reproducible")
+
+
+def test_recovery_lr_edge_example_lowers_the_lr_where_the_guard_alone_diverges(capsys) -> None:
+    result = _load("recovery_lr_edge").main([])
+    assert isinstance(result["alone"]["error"], sk.TrainingDivergedError)
+    healed = result["recovery"]
+    assert healed["error"] is None and healed["loss"] < 0.5
+    assert [e.details["cause"] for e in healed["rollbacks"]] == ["undetermined", "lr", "lr"]
+    assert list(healed["lr"].values())[-1] == pytest.approx(0.3)  # a quarter of the schedule's 1.2
+    assert "cause lr, LR x0.25" in capsys.readouterr().out
