@@ -228,6 +228,7 @@ def _rollback(engine: Any, rank: int, dtype: torch.dtype) -> dict[str, Any]:
 
     recovery = sk.RecoveryConfig(
         enabled=True, snapshot_every=2, keep=2, trigger=["diverged"], min_lookback=0, skip_after=0,
+        max_lookback_share=1.0,  # a few steps: any snapshot but the first's (the rollback is agreed at step 5)
         cooldown_steps=0,
     )
     cfg = sk.StabilityConfig(
@@ -450,6 +451,7 @@ def _fp16(stage: int, rank: int) -> dict[str, Any]:
     engine = _fp16_engine(stage)
     recovery = sk.RecoveryConfig(
         enabled=True, snapshot_every=2, keep=2, trigger=["diverged"], min_lookback=0, skip_after=0,
+        max_lookback_share=1.0,  # a few steps: any snapshot but the first's (the rollback is agreed at step 5)
         cooldown_steps=0,
     )
     # no spike detection: the overflow is injected as a loss 1e6x on rank 1, which its detectors would
