@@ -58,7 +58,8 @@ def main() -> None:
             clip=sk.ClipConfig(mode="fixed", max_norm=1.0),
             skip=sk.SkipConfig(max_consecutive=3),
             recovery=sk.RecoveryConfig(
-                enabled=True, snapshot_every=2, keep=2, trigger=["diverged"], skip_after=0, cooldown_steps=0
+                enabled=True, snapshot_every=2, keep=2, trigger=["diverged"], skip_after=0, cooldown_steps=0,
+                max_lookback_share=1.0,  # a few steps: any snapshot but the first's
             ),
         )
         poison = {5: float("nan"), 6: float("nan"), 7: float("nan")}
