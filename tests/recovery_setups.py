@@ -41,3 +41,16 @@ def diverged_only_config(**recovery: Any) -> sk.StabilityConfig:
         skip=sk.SkipConfig(max_consecutive=3),
         recovery=sk.RecoveryConfig(**settings),
     )
+
+
+def regression(steps: int = 120, seed: int = 0) -> tuple[nn.Linear, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A noisy linear regression the model learns in a few dozen steps, and its batches (SGD on it diverges
+    once its LR passes about 0.7)."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    w = torch.randn(16, 1, generator=gen)
+    batches = []
+    for _ in range(steps):
+        x = torch.randn(32, 16, generator=gen)
+        batches.append((x, x @ w + 0.3 * torch.randn(32, 1, generator=gen)))
+    return nn.Linear(16, 1), batches

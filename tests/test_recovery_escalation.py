@@ -11,19 +11,7 @@ import torch
 from torch import nn
 
 import stabilitykit as sk
-from tests.recovery_setups import diverged_only_config, mlp, mlp_batches
-
-
-def _problem(steps: int, seed: int = 0) -> tuple[nn.Linear, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """A noisy linear regression and its batches: SGD on it diverges once its LR passes about 0.7."""
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    w = torch.randn(16, 1, generator=gen)
-    batches = []
-    for _ in range(steps):
-        x = torch.randn(32, 16, generator=gen)
-        batches.append((x, x @ w + 0.3 * torch.randn(32, 1, generator=gen)))
-    return nn.Linear(16, 1), batches
+from tests.recovery_setups import diverged_only_config, mlp, mlp_batches, regression
 
 
 class Metrics:
@@ -38,7 +26,7 @@ class Metrics:
 
 def _hot_run(recovery: sk.RecoveryConfig | None, peak: float = 1.2, steps: int = 170) -> dict[str, Any]:
     """SGD warmed up over 30 steps to ``peak`` (past the edge) and held there, as a user's schedule would."""
-    model, batches = _problem(steps)
+    model, batches = regression(steps)
     opt = torch.optim.SGD(model.parameters(), lr=peak)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
     cfg = sk.StabilityConfig(log_every_n_steps=5, **({"recovery": recovery} if recovery is not None else {}))
@@ -90,7 +78,7 @@ def test_a_long_burst_of_bad_data_is_named_the_data_and_recovery_stands_down_wit
     the restored weights, so each recurrence is the data's (skipped again, the LR not lowered further). Past
     max_rollbacks an alert stops the rollbacks with a "recovery" event and the run goes on, as the guard alone
     would: RollbackLimitError is for a divergence that lowering the LR did not fix."""
-    model, batches = _problem(170)
+    model, batches = regression(170)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     recovery = sk.RecoveryConfig(snapshot_every=20, skip_after=20)
     guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(log_every_n_steps=5, recovery=recovery))

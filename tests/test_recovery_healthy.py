@@ -11,24 +11,13 @@ from torch import nn
 
 import stabilitykit as sk
 from tests.hf_models import SEQ, VOCAB, tiny_llama
-
-
-def _problem(seed: int = 0, steps: int = 120) -> tuple[nn.Linear, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """A linear regression the model learns in a few dozen steps, and its batches."""
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    w = torch.randn(16, 1, generator=gen)
-    batches = []
-    for _ in range(steps):
-        x = torch.randn(32, 16, generator=gen)
-        batches.append((x, x @ w + 0.3 * torch.randn(32, 1, generator=gen)))
-    return nn.Linear(16, 1), batches
+from tests.recovery_setups import regression
 
 
 def _run(config: sk.StabilityConfig, loss_factor: Any, lr_boost: set[int] | None = None) -> list[sk.Event]:
     """Train the regression under ``config``; the loss the guard sees times ``loss_factor(step)``; the LR 1000x
     at the steps in ``lr_boost``. The rollback events."""
-    model, batches = _problem()
+    model, batches = regression()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     guard = sk.StabilityGuard(model, opt, config)
     rollbacks: list[sk.Event] = []
@@ -58,7 +47,7 @@ def test_a_blow_up_before_the_first_snapshot_multiple_never_restores_the_initial
     """Two steps at 1000x the LR at step 30, with snapshot_every=100: the only snapshot is the first step's, 30
     steps back (over max_lookback_share of the run): nothing is rolled back; the LR is lowered where the run is,
     said in a "recovery" event, and training goes on."""
-    model, batches = _problem()
+    model, batches = regression()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     logged: dict[int, dict[str, float]] = {}
 
@@ -118,7 +107,7 @@ def test_without_spike_detection_snapshots_are_taken_on_their_cadence() -> None:
         spikes=sk.SpikeConfig(enabled=False),
         recovery=sk.RecoveryConfig(snapshot_every=10, keep=50),
     )
-    model, batches = _problem()
+    model, batches = regression()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     guard = sk.StabilityGuard(model, opt, config)
     for x, y in batches[:35]:
@@ -146,7 +135,7 @@ def test_presets_are_named_recipes_that_are_on_and_take_overrides() -> None:
 def test_bad_data_preset_rolls_back_a_burst_of_bad_labels_and_skips_past_it() -> None:
     """Targets 30x off for steps 60-79: the bad_data preset rolls back once and skips the next 100 batches;
     the batches skipped were bad (measured on the restored weights), so the data is named the cause."""
-    model, batches = _problem()
+    model, batches = regression()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     preset = sk.RecoveryConfig.preset("bad_data", snapshot_every=20)  # a restore point inside max_lookback_share
     guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(log_every_n_steps=5, recovery=preset))
@@ -170,7 +159,7 @@ def test_bad_data_preset_rolls_back_a_burst_of_bad_labels_and_skips_past_it() ->
 def _train(config: sk.StabilityConfig, lr_boost: range = range(0), bad_labels: range = range(0)) -> tuple[int, float]:
     """The regression under ``config`` with the LR 1000x at the steps of ``lr_boost`` and targets 30x off at
     those of ``bad_labels``: (rollbacks, the final loss on the true targets of the last 20 batches)."""
-    model, batches = _problem(steps=250)
+    model, batches = regression(steps=250)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     guard = sk.StabilityGuard(model, opt, config)
     rollbacks: list[sk.Event] = []
@@ -210,7 +199,7 @@ def test_the_default_trigger_rests_quietly_with_spike_detection_off() -> None:
     warns that it cannot fire (tests/test_recovery.py), the default does not."""
     import warnings
 
-    model, _ = _problem()
+    model, _ = regression()
     config = sk.StabilityConfig(spikes=sk.SpikeConfig(enabled=False), recovery=sk.RecoveryConfig())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
