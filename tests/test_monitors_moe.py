@@ -196,6 +196,7 @@ def test_the_aux_loss_warning_appears_once_when_router_logits_are_not_output() -
     guard.close()
     aux = [w for w in caught if "load-balancing loss is not in your loss" in str(w.message)]
     assert len(aux) == 1, [str(w.message) for w in caught]
+    assert aux[0].filename == __file__, aux[0].filename  # the user's guard.step() line, not the monitor's
 
 
 @pytest.mark.parametrize("how", ["config", "keyword"])

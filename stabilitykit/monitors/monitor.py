@@ -17,9 +17,6 @@ name and reason, after the first sampled step (``unmeasured``).
 
 from __future__ import annotations
 
-import logging
-import warnings
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -28,10 +25,13 @@ from torch import Tensor, nn
 
 from stabilitykit.events import Event
 from stabilitykit.monitors.attention import AttentionCapture, attention_modules
-from stabilitykit.monitors.fp8 import FP8_SIGNALS, Fp8Monitor, Fp8MonitorConfig
+from stabilitykit.monitors.failures import Unmeasured
+from stabilitykit.monitors.fp8 import Fp8Monitor, Fp8MonitorConfig
+from stabilitykit.monitors.logits import OutputLogits
 from stabilitykit.monitors.routers import RouterConfig, RouterMonitor
 from stabilitykit.monitors.select import MonitorTargets, select_targets
-from stabilitykit.monitors.stats import activation_stats, first_tensor, logit_stats
+from stabilitykit.monitors.stats import activation_stats, first_tensor
+from stabilitykit.monitors.store import MetricStore
 from stabilitykit.section import Section
 
 
@@ -143,46 +143,14 @@ class MonitorConfig(Section):
         return value
 
 
-LOGGER = logging.getLogger("stabilitykit")
-
-#: Every signal a monitor records, and whether values measured on several sampled steps between
-#: two reads keep their running maximum (True) or the latest value (False).
-SIGNALS = {
-    "act_rms": False,
-    "act_max": True,
-    "resid_norm": False,
-    "attn_logit_max": True,
-    "logits_max": True,
-    "log_z": False,
-    **FP8_SIGNALS,
-    "expert_load_max": True,
-    "experts_dead": True,
-    "router_entropy": False,
-    "router_z": True,
-    "router_collapsed": True,
-}
-
-
-class _Slot:
-    """One metric's value since the last read. Its value is always a tensor on a sampled step (primed
-    before the step by ``begin_step``, outside any compiled code), so a hook's running max reads no
-    Python state that changes between forward passes: a compiled model keeps one graph for sampled
-    forward passes, whether values from earlier micro-batches or steps are waiting or not."""
-
-    __slots__ = ("filled", "value")
-
-    def __init__(self) -> None:
-        self.value: Tensor | None = None
-        self.filled = False
-
-
 class ModelMonitor:
     """Activation, residual, attention-logit and output-logit monitors over ``model``.
 
     Sampled on the engine's logging steps when ``MonitorConfig.every`` is None (whatever cadence the
     driver follows: Lightning and the HF Trainer log after steps n-1, 2n-1, ...), else on the
     optimizer steps ``0, every, 2 * every, ...``. Hooks measure only while the hooked module is in
-    training mode.
+    training mode. The values live in a ``MetricStore`` (``store.py``); what could not be measured is
+    kept by ``Unmeasured`` (``failures.py``); the output logits are ``OutputLogits`` (``logits.py``).
     """
 
     def __init__(self, model: nn.Module, config: MonitorConfig) -> None:
@@ -191,49 +159,54 @@ class ModelMonitor:
         #: True while the coming forward passes belong to a sampled step.
         self.sampling = False
         self.targets: MonitorTargets = select_targets(model, config.modules)
-        self._slots: dict[str, _Slot] = {}
-        self._device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+        device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+        self.store = MetricStore(device)
         self._handles: list[Any] = []
+        self._failures = Unmeasured()
         #: Modules (and the output logits) that are not measured, with the reason: a hook that
         #: raised, an attention module whose forward made no attention call we can read.
-        self.unmeasured: dict[str, str] = {}
+        self.unmeasured: dict[str, str] = self._failures.reasons
         self._sampled = False  # a sampled step has run since the monitor was built
         self._reported = False
         self.capture: AttentionCapture | None = None
+        #: The output-logit monitor (``MonitorConfig.logits``), or None.
+        self.logits: OutputLogits | None = None
         #: The mixture-of-experts router monitors (``MonitorConfig.routers``), or None.
         self.routers: RouterMonitor | None = None
-        self._mask: Tensor | None = None
         #: The FP8 monitors (``MonitorConfig.fp8``) when the model has torchao Float8Linear layers, else None.
         self.fp8: Fp8Monitor | None = None
-        self._install(model)
+        self._install()
 
     # ------------------------------------------------------------------ hooks
 
     def _active(self) -> bool:
         return self.sampling
 
-    def _install(self, model: nn.Module) -> None:
-        cfg, targets = self.config, self.targets
+    def _install(self) -> None:
+        cfg, targets, store, failures = self.config, self.targets, self.store, self._failures
         block_names = {n for n, _ in targets.blocks} if cfg.residual else set()
         act_names = {n for n, _ in targets.activations} if cfg.activations else set()
         for name, module in targets.modules:
             if name in block_names or name in act_names:
                 if name in act_names:
-                    self._slot("act_rms", name)
-                    self._slot("act_max", name)
+                    store.declare("act_rms", name)
+                    store.declare("act_max", name)
                 if name in block_names:
-                    self._slot("resid_norm", name)
+                    store.declare("resid_norm", name)
                 hook = self._activation_hook(name, name in act_names, name in block_names)
                 self._handles.append(module.register_forward_hook(hook))
         if cfg.attention:
-            record = self._recorder("attn_logit_max")
-            self.capture = AttentionCapture(attention_modules(targets.modules), self._active, record, self._failed)
+
+            def record(module: str, value: Tensor) -> None:
+                store.record("attn_logit_max", module, value)
+
+            self.capture = AttentionCapture(attention_modules(targets.modules), self._active, record, failures.failed)
             for name in self.capture.names:
-                self._slot("attn_logit_max", name)
+                store.declare("attn_logit_max", name)
         if cfg.logits:
-            self._install_logits(targets.root)
+            self.logits = OutputLogits(targets, cfg.log_z_positions, self._active, store, failures)
         if cfg.fp8 is not None:
-            fp8 = Fp8Monitor(targets.modules, cfg.fp8, self._active, self.record, self._slot, self._guarded)
+            fp8 = Fp8Monitor(targets.modules, cfg.fp8, self._active, store.record, store.declare, failures.guarded)
             self.fp8 = fp8 if fp8.layers else None
         if cfg.routers is not None:
             self.routers = RouterMonitor(
@@ -241,60 +214,22 @@ class ModelMonitor:
                 targets.modules,
                 cfg.routers,
                 self._active,
-                self._slot,
-                self.record,
-                self._failed,
-                self._device,
+                store.declare,
+                store.record,
+                failures.failed,
+                store.device,
             )
 
-    def _install_logits(self, root: nn.Module) -> None:
-        """Measure the model's own output logits, after any final soft-cap or scale (Gemma 2's cap,
-        Cohere's ``logit_scale``): the ``logits`` of the output of the module that owns the LM head
-        when it is a Hugging Face model (it has a ``config``), else the LM head's output. The model's
-        ``attention_mask`` keyword (read by a pre-hook on the model) keeps padding out."""
-        head = self.targets.head
-        self.logits_name = head[0] if head is not None else "logits"
-        self._slot("logits_max", self.logits_name)
-        self._slot("log_z", self.logits_name)
-        from_output = head is None or getattr(root, "config", None) is not None
-        model = self.targets.model
-        self._handles.append(model.register_forward_pre_hook(self._take_mask, with_kwargs=True))
-        if from_output:
-            self._handles.append(root.register_forward_hook(self._output_hook))
-        elif head is not None:
-            self._handles.append(head[1].register_forward_hook(self._head_hook))
-
-    def _failed(self, name: str, reason: str) -> None:
-        """A measurement raised: that module is left alone from now on, said once."""
-        if name in self.unmeasured:
-            return
-        self.unmeasured[name] = reason
-        warnings.warn(f"stabilitykit monitors: {name} is not measured: {reason}", RuntimeWarning, stacklevel=2)
-
-    def _guarded(self, name: str, measure: Callable[[], None]) -> None:
-        """Run one measurement; an exception disables ``name`` with one warning, the step goes on."""
-        if name in self.unmeasured:
-            return
-        try:
-            measure()
-        except Exception as error:  # a monitor never breaks a step
-            message = str(error).splitlines()[0][:200] if str(error) else ""
-            self._failed(name, f"measuring it raised {type(error).__name__}: {message}")
-
-    def _recorder(self, signal: str) -> Callable[[str, Tensor], None]:
-        def record(module: str, value: Tensor) -> None:
-            self.record(signal, module, value)
-
-        return record
-
     def _activation_hook(self, name: str, activations: bool, residual: bool) -> Any:
+        store = self.store
+
         def measure(x: Tensor) -> None:
             rms, top, norm = activation_stats(x)
             if activations:
-                self.record("act_rms", name, rms)
-                self.record("act_max", name, top)
+                store.record("act_rms", name, rms)
+                store.record("act_max", name, top)
             if residual:
-                self.record("resid_norm", name, norm)
+                store.record("resid_norm", name, norm)
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self.sampling or not module.training:
@@ -302,68 +237,9 @@ class ModelMonitor:
             x = first_tensor(output)
             if x is None or not x.is_floating_point() or x.dim() == 0:
                 return
-            self._guarded(name, lambda: measure(x))
+            self._failures.guarded(name, lambda: measure(x))
 
         return hook
-
-    def _take_mask(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        if not self.sampling or not module.training:
-            return
-        encoder_decoder = bool(getattr(getattr(module, "config", None), "is_encoder_decoder", False))
-        mask = kwargs.get("decoder_attention_mask" if encoder_decoder else "attention_mask")
-        self._mask = mask if isinstance(mask, Tensor) else None
-
-    def _head_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self.sampling or not module.training:
-            return
-        logits = first_tensor(output)
-        if logits is not None and logits.is_floating_point() and logits.dim() > 0:
-            self._logits(logits)
-
-    # The output hook runs where the model returns, outside a compiled model's graph when the model
-    # itself is compiled: kept out of Dynamo so that it compiles no graph of its own.
-    @torch.compiler.disable
-    def _output_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self.sampling or not module.training:
-            return
-        logits = getattr(output, "logits", None)
-        if logits is None and isinstance(output, dict):
-            logits = output.get("logits")
-        if isinstance(logits, Tensor) and logits.is_floating_point() and logits.dim() > 0:
-            self._logits(logits)
-
-    def _logits(self, logits: Tensor) -> None:
-        mask, self._mask = self._mask, None
-        if mask is not None and tuple(mask.shape) != tuple(logits.shape[:-1]):
-            mask = None  # not a mask over these logits' positions
-        self._guarded(self.logits_name, lambda: self._measure_logits(logits, mask))
-
-    def _measure_logits(self, logits: Tensor, mask: Tensor | None) -> None:
-        top, log_z = logit_stats(logits, self.config.log_z_positions, mask)
-        self.record("logits_max", self.logits_name, top)
-        self.record("log_z", self.logits_name, log_z)
-
-    def _slot(self, signal: str, module: str) -> None:
-        """Declare a metric when its hook is installed (the set of slots never changes afterwards)."""
-        self._slots.setdefault(f"monitors/{signal}/{module}", _Slot())
-
-    def record(self, signal: str, module: str, value: Tensor) -> None:
-        """Keep one measured value on the device (a running max for max signals) until the next read."""
-        slot = self._slots.get(f"monitors/{signal}/{module}")
-        if slot is None:
-            return
-        if SIGNALS[signal] and slot.value is not None:
-            slot.value = torch.maximum(slot.value, value.float())
-        else:
-            slot.value = value.float()
-        slot.filled = True
-
-    def _prime(self) -> None:
-        """Before a sampled step: every unfilled slot holds its own -inf (one tensor per slot: a compiled
-        graph must not see two slots as one input; sampled steps only)."""
-        empty = [slot for slot in self._slots.values() if slot.value is None]
-        for slot in empty:
-            slot.value = torch.full((), -torch.inf, device=self._device)
 
     # ------------------------------------------------------------------ the engine's side
 
@@ -377,7 +253,7 @@ class ModelMonitor:
         if self.routers is not None:
             self.routers.begin_step(self.sampling)
         if self.sampling:
-            self._prime()
+            self.store.prime()
 
     def stability_metrics(self) -> dict[str, Tensor]:
         """The values measured since the last read (device tensors), emptied: each is read once."""
@@ -387,30 +263,23 @@ class ModelMonitor:
             self._report_unmeasured()
         if self.routers is not None:
             self.routers.finish()
-        out = {key: slot.value for key, slot in self._slots.items() if slot.filled and slot.value is not None}
-        self._clear()
+        out = self.store.take()
         if self.sampling:
-            self._prime()  # read in the middle of a sampled step: its later forward passes still measure
+            self.store.prime()  # read in the middle of a sampled step: its later forward passes still measure
         return out
-
-    def _clear(self) -> None:
-        for slot in self._slots.values():
-            slot.value, slot.filled = None, False
 
     def _report_unmeasured(self) -> None:
         """After the first sampled step: list once every module that was not measured, and why."""
         self._reported = True
         if self.capture is not None:
             for name in self.capture.names:
-                slot = self._slots.get(f"monitors/attn_logit_max/{name}")
-                if (slot is None or not slot.filled) and name not in self.unmeasured:
-                    self.unmeasured[name] = (
+                if not self.store.filled("attn_logit_max", name):
+                    self._failures.note(
+                        name,
                         "no scaled_dot_product_attention or softmax call in its forward on a sampled step "
-                        "(a flash or custom kernel, Tensor.softmax, or not run in training mode)"
+                        "(a flash or custom kernel, Tensor.softmax, or not run in training mode)",
                     )
-        if self.unmeasured:
-            listed = "; ".join(f"{name}: {reason}" for name, reason in self.unmeasured.items())
-            warnings.warn(f"stabilitykit monitors: not measured: {listed}", RuntimeWarning, stacklevel=3)
+        self._failures.report()
 
     def step_values(self) -> dict[str, Tensor]:
         """This step's router values by metric name (``monitors/<signal>/<router>``), for the skip rules:
@@ -421,9 +290,9 @@ class ModelMonitor:
         """Drop the values measured since the last read (a rollback undid the steps they came from)."""
         if self.routers is not None:
             self.routers.discard()
-        self._clear()
+        self.store.clear()
         if self.sampling:
-            self._prime()
+            self.store.prime()
 
     def events(self, step: int, values: dict[str, float]) -> list[Event]:
         """Warning events from a logging step's host values (``"fp8_warning"``, ``"router_collapse"``)."""
@@ -455,12 +324,9 @@ class ModelMonitor:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self.capture is not None:
-            self.capture.close()
-        if self.fp8 is not None:
-            self.fp8.close()
-        if self.routers is not None:
-            self.routers.close()
+        for part in (self.capture, self.logits, self.fp8, self.routers):
+            if part is not None:
+                part.close()
         self.sampling = False
 
     @property

@@ -40,6 +40,7 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
+from stabilitykit.caller import user_stacklevel
 from stabilitykit.compat.moe import RouterSpec, hf_router_specs
 from stabilitykit.events import Event
 from stabilitykit.section import Section
@@ -504,7 +505,7 @@ class RouterMonitor:
             "output router logits, so the load-balancing loss is not in your loss: set "
             "`output_router_logits=True` (in the model config, or as a keyword of its forward)",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
     def close(self) -> None:
