@@ -55,6 +55,18 @@ NOT_TESTED: dict[str, str] = {
 }
 
 
+#: The tested families that score experts with a sigmoid (normalised for the entropy), read in their code.
+SIGMOID_FAMILIES = {
+    "afmoe", "axk1", "axk2", "deepseek_v3", "deepseek_v32", "exaone_moe", "flint", "glm4_moe", "glm4_moe_lite",
+    "hy_v3", "hy_v4", "kolibri1", "laguna", "minimax_m2", "solar_open",
+}  # fmt: skip
+#: Tested families whose routers return no top-k weights to compare the scoring with, and why.
+OWN_WEIGHTS_NOT_COMPARED = {
+    "jetmoe": "its gate returns the top-k weights flattened and sorted by expert (a softmax over the top-k logits)",
+    "phimoe": "its weights come from sparsemixer (a masked softmax per chosen expert, with jitter), no scoring of all",
+}
+
+
 def _guard(model: torch.nn.Module, rules: list[Any] | None = None, **monitors: Any) -> sk.StabilityGuard:
     cfg = sk.StabilityConfig(log_every_n_steps=1, monitors=sk.MonitorConfig(**{**ONLY_ROUTERS, **monitors}))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -63,7 +75,15 @@ def _guard(model: torch.nn.Module, rules: list[Any] | None = None, **monitors: A
     )
 
 
-def reference(logits: torch.Tensor, mask: torch.Tensor | None, k: int) -> dict[str, float]:
+def routing_probs(rows: torch.Tensor, scoring: str) -> torch.Tensor:
+    """The routing distribution as the family computes it: softmax, or sigmoid scores normalised to 1."""
+    if scoring == "sigmoid":
+        scores = rows.sigmoid()
+        return scores / scores.sum(-1, keepdim=True)
+    return rows.softmax(-1)
+
+
+def reference(logits: torch.Tensor, mask: torch.Tensor | None, k: int, scoring: str = "softmax") -> dict[str, float]:
     """The four router values computed from one router's logits the model returned (``output.router_logits``)."""
     rows = logits.detach().float().reshape(-1, logits.shape[-1])
     experts = rows.shape[-1]
@@ -75,7 +95,7 @@ def reference(logits: torch.Tensor, mask: torch.Tensor | None, k: int) -> dict[s
     for row in range(rows.shape[0]):
         for e in chosen[row].tolist():
             counts[e] += w[row]
-    p = rows.softmax(-1)
+    p = routing_probs(rows, scoring)
     entropy = -(p * p.log()).sum(-1) / math.log(experts)
     z = rows.logsumexp(-1) ** 2
     return {
@@ -94,15 +114,49 @@ def _step(guard: sk.StabilityGuard, model: torch.nn.Module, batch: dict[str, tor
     return out
 
 
+def _weights_follow_the_scoring(outputs: list[Any], scoring: str) -> int:
+    """Each router output that holds the family's own top-k weights (a float (rows, k) tensor beside the
+    chosen experts): those weights, normalised, are the routing probabilities of the chosen experts,
+    normalised (``scoring`` is the family's own computation). Returns how many outputs were checked."""
+    checked = 0
+    for output in outputs:
+        if not isinstance(output, tuple):
+            continue
+        logits = next(t for t in output if isinstance(t, torch.Tensor) and t.is_floating_point())
+        rows = logits.detach().float().reshape(-1, logits.shape[-1])
+        ints = [t for t in output if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() == 2]
+        weights = [t for t in output if isinstance(t, torch.Tensor) and t is not logits and t.is_floating_point()]
+        weights = [t for t in weights if ints and tuple(t.shape) == tuple(ints[0].shape)]
+        if not ints or not weights or ints[0].shape[-1] < 2:
+            continue
+        chosen = ints[0].long()
+        own = weights[0].detach().float()
+        own = own / own.sum(-1, keepdim=True)
+        ours = routing_probs(rows, scoring).gather(1, chosen)
+        torch.testing.assert_close(ours / ours.sum(-1, keepdim=True), own, atol=1e-4, rtol=1e-3)
+        checked += 1
+    return checked
+
+
 def _check_against_reference(model: torch.nn.Module, guard: sk.StabilityGuard, batch: dict[str, torch.Tensor]) -> int:
-    out = _step(guard, model, batch)
     monitor = guard.cores[0].engine.monitor
     assert monitor is not None and monitor.routers is not None
+    outputs: list[Any] = []
+    handles = [
+        r.module.register_forward_hook(lambda m, a, output: outputs.append(output)) for r in monitor.routers.routers
+    ]
+    out = _step(guard, model, batch)
+    for handle in handles:
+        handle.remove()
+    scoring = monitor.routers.scoring
+    assert scoring == ("sigmoid" if model.config.model_type in SIGMOID_FAMILIES else "softmax")
+    if model.config.model_type not in OWN_WEIGHTS_NOT_COMPARED:
+        assert _weights_follow_the_scoring(outputs, scoring), "no router output with top-k weights to compare"
     names = monitor.routers.names
     logits = [t for t in (out.router_logits or ()) if t is not None]
     assert names and len(logits) == len(names), (names, [tuple(t.shape) for t in logits])
     metrics = guard.cores[0].engine.readout.last_host_metrics
-    expected = [reference(t, batch.get("attention_mask"), TOP_K) for t in logits]
+    expected = [reference(t, batch.get("attention_mask"), TOP_K, scoring) for t in logits]
     for name in names:  # the model's order of calls may differ from its modules' (JetMoE: attention experts)
         got = {signal: metrics[f"stability/monitors/{signal}/{name}"] for signal in expected[0]}
         match = [e for e in expected if all(got[k] == pytest.approx(v, abs=1e-4, rel=1e-4) for k, v in e.items())]

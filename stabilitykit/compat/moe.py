@@ -53,3 +53,38 @@ def hf_router_specs(model: nn.Module) -> list[RouterSpec]:
             if spec not in specs:
                 specs.append(spec)
     return specs
+
+
+#: ``transformers`` model types whose routers score the experts with a sigmoid of the router logits (each
+#: expert on its own, DeepSeek-V3 style) instead of a softmax over them: their routing distribution is the
+#: sigmoid scores normalised to sum to 1. Read from each family's router ``forward`` in transformers 5.24.
+SIGMOID_SCORED = frozenset(
+    {
+        "afmoe", "axk1", "axk2", "bailing_hybrid", "beam", "deepseek_v3", "deepseek_v32", "dots1", "dots3_note",
+        "exaone_moe", "flint", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "hy_v3", "hy_v4", "kimi_linear",
+        "kolibri1", "laguna", "lfm2_moe", "llama4", "llama4_text", "mimo_v2_flash", "minimax_m2", "nemotron_h",
+        "solar_open",
+    }
+)  # fmt: skip
+
+#: Config fields that name a family's scoring function, where the family lets the config choose.
+_SCORING_FIELDS = ("expert_selection_fn", "scoring_func")
+
+
+def router_scoring(model: nn.Module) -> str | None:
+    """How a ``transformers`` MoE turns router logits into routing probabilities: ``"softmax"``,
+    ``"sigmoid"`` (normalised sigmoid scores) or the name its config gives (``scoring_func``); None for a
+    model that is not a ``transformers`` model."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    for source in (config, getattr(config, "text_config", None)):
+        if source is None:
+            continue
+        for field in _SCORING_FIELDS:
+            value = getattr(source, field, None)
+            if isinstance(value, str) and value:
+                return value
+        if getattr(source, "model_type", None) in SIGMOID_SCORED:
+            return "sigmoid"
+    return "softmax"

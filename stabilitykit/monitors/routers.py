@@ -9,8 +9,10 @@ router, under the metric prefix:
 * ``monitors/expert_load_max/<router>``: the largest expert's share of the routed tokens divided by
   the mean share (1.0 is perfect balance; ``experts / k`` is every token on the same experts);
 * ``monitors/experts_dead/<router>``: the fraction of experts that received no token;
-* ``monitors/router_entropy/<router>``: the mean over tokens of the entropy of the softmax of the
-  router logits, divided by ``log(experts)`` (1.0 is uniform);
+* ``monitors/router_entropy/<router>``: the mean over tokens of the entropy of the router's routing
+  distribution, divided by ``log(experts)`` (1.0 is uniform): the softmax of the router logits, or for
+  a sigmoid-scored router (DeepSeek-V3, GLM-4-MoE, ...) its sigmoid scores normalised to sum to 1, as
+  the family itself scores the experts (``compat/moe.py``);
 * ``monitors/router_z/<router>``: the mean over tokens of ``logsumexp(router logits)²`` (the router
   z-loss value);
 * ``monitors/router_collapsed/<router>``: how many sampled steps in a row the router has been
@@ -23,7 +25,15 @@ the logging step's one device-to-host copy.
 
 Routers are found in every ``transformers`` MoE from the model's own record of where its router
 logits come from (``compat/moe.py``); in a user's own MoE they are named with
-``RouterConfig(modules=[...])``. The load-balancing-loss trap (a positive ``router_aux_loss_coef``
+``RouterConfig(modules=[...])``.
+
+The values are per rank: under data parallelism each rank measures the tokens it routed (its own
+micro-batches), and the logging step reads them with its one device-to-host copy, with no collective
+of its own. A router that concentrates does so on every rank (the router is the same function of
+each rank's tokens), so a collapse shows on rank 0 as on the others; ``experts_dead`` of one rank is an
+upper bound of the global share (an expert idle on one rank may have had tokens on another).
+
+The load-balancing-loss trap (a positive ``router_aux_loss_coef``
 while ``output_router_logits`` is off, so the loss is not in the loss) is warned once.
 """
 
@@ -34,19 +44,22 @@ import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
 from torch import Tensor, nn
 
 from stabilitykit.caller import user_stacklevel
-from stabilitykit.compat.moe import RouterSpec, hf_router_specs
+from stabilitykit.compat.moe import RouterSpec, hf_router_specs, router_scoring
 from stabilitykit.events import Event
 from stabilitykit.section import Section
 
 #: The per-router signals, in the order they are declared.
 ROUTER_SIGNALS = ("expert_load_max", "experts_dead", "router_entropy", "router_z", "router_collapsed")
+
+#: How routers turn their logits into routing probabilities (each normalised to sum to 1 over the experts).
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 #: An expert must expect at least this many routed tokens in a sampled step for "no token at all" to
 #: say it is dead rather than that the batch was small (chance of an empty expert: about exp(-8)).
@@ -76,6 +89,14 @@ class RouterConfig(Section):
         description=(
             "Experts per token, for routers that do not return their choice (None: the router's `top_k` "
             "attribute, else the model config's `num_experts_per_tok`)."
+        ),
+    )
+    scoring: Literal["softmax", "sigmoid", "sqrtsoftplus"] | None = Field(
+        None,
+        description=(
+            "How the routers score experts, for router_entropy: 'softmax' of the logits, or 'sigmoid' / "
+            "'sqrtsoftplus' scores normalised to sum to 1. None: as the transformers family does (sigmoid for "
+            "DeepSeek-V3, GLM-4-MoE and their kin, softmax for Mixtral, Qwen-MoE, OLMoE, ...); softmax for your own."
         ),
     )
     collapse_load: float = Field(
@@ -116,6 +137,7 @@ class Router:
     module: nn.Module
     index: int | None  # the logits' position in the output tuple; None: the first floating tensor
     top_k: int | None
+    scoring: str = "softmax"  # how the router scores experts (``SCORINGS``)
     experts: int = 0  # known after the first measured forward
     k: int = 0
     counts: Tensor | None = None  # tokens routed to each expert in this sampled step
@@ -211,12 +233,27 @@ def chosen_experts(output: Any, rows: int) -> Tensor | None:
     return None
 
 
-def router_step_sums(logits: Tensor, chosen: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def routing_log_probs(logits: Tensor, scoring: str = "softmax") -> Tensor:
+    """Log of the routing distribution over the experts from float32 ``logits`` (rows, experts): the
+    softmax, or the ``sigmoid`` / ``sqrtsoftplus`` scores normalised to sum to 1 over each row."""
+    if scoring == "sigmoid":
+        log_scores = torch.nn.functional.logsigmoid(logits)
+    elif scoring == "sqrtsoftplus":
+        log_scores = 0.5 * torch.log(torch.nn.functional.softplus(logits).clamp_min(1e-30))
+    else:
+        log_scores = logits
+    return log_scores - torch.logsumexp(log_scores, dim=-1, keepdim=True)
+
+
+def router_step_sums(
+    logits: Tensor, chosen: Tensor, weights: Tensor | None, scoring: str = "softmax"
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One forward pass of one router: (tokens per expert, token count, entropy sum, z sum), float32.
 
     ``logits``: (rows, experts); ``chosen``: (rows, k) expert indices (an index outside the experts,
     a dropped token, counts for none); ``weights``: (rows,) 1 for a real token, 0 for padding, or None.
-    The entropy is of the softmax of the logits, divided by log(experts); z is logsumexp(logits)².
+    The entropy is of the routing distribution (``routing_log_probs`` with ``scoring``), divided by
+    log(experts); z is logsumexp(logits)².
     """
     experts = logits.shape[-1]
     rows = logits.detach().float()
@@ -228,7 +265,7 @@ def router_step_sums(logits: Tensor, chosen: Tensor, weights: Tensor | None) -> 
     tokens = weights.sum()
     counts = torch.zeros(experts + 1, device=rows.device).scatter_add_(0, index.reshape(-1), spread)[:experts]
     lse = torch.logsumexp(rows, dim=-1)
-    logp = rows - lse[:, None]
+    logp = routing_log_probs(rows, scoring)
     entropy = -(logp.exp() * logp).sum(-1) / math.log(max(experts, 2))
     return counts, tokens, (entropy * weights).sum(), (lse.square() * weights).sum()
 
@@ -284,8 +321,10 @@ class RouterMonitor:
         self._failed = failed
         self.device = device
         self.disabled: set[str] = set()
+        scoring = config.scoring or router_scoring(model) or "softmax"
+        self.scoring = scoring if scoring in SCORINGS else "softmax"  # a name we do not know: the softmax
         self.routers = [
-            Router(name, module, index, _top_k(module, model, config), experts=_experts(module))
+            Router(name, module, index, _top_k(module, model, config), self.scoring, experts=_experts(module))
             for name, module, index in _router_modules(named, model, config)
         ]
         self._mask: Tensor | None = None
@@ -346,7 +385,7 @@ class RouterMonitor:
         weights = None
         if mask is not None and mask.numel() == rows.shape[0]:
             weights = mask.detach().reshape(-1).to(device=rows.device, dtype=torch.float32).clamp(0, 1)
-        counts, tokens, entropy, z = router_step_sums(rows, chosen, weights)
+        counts, tokens, entropy, z = router_step_sums(rows, chosen, weights, router.scoring)
         router.experts, router.k = rows.shape[-1], chosen.shape[-1]
         if (
             router.counts is None
