@@ -9,6 +9,10 @@ padding), every step sampled:
 
 * ``healthy``: the load-balancing loss on (``output_router_logits=True``), ``--steps`` steps;
 * ``no_aux``: the same without it (the transformers default: the trap the aux-loss warning names);
+* ``bias_update``: healthy, and every router with a score-correction bias (DeepSeek-V3's
+  ``e_score_correction_bias``) has it updated after each step as DeepSeek-V3's aux-loss-free balancing
+  does (``bias += gamma * sign(mean load - expert load)``, gamma 0.001 as in the DeepSeek-V3 report):
+  the balancing the family is built for and ``transformers`` does not run in training;
 * ``biased``: healthy, with one expert's gate row in layer 0 pushed along the mean hidden-state
   direction (strength 20), 3 steps.
 
@@ -26,11 +30,15 @@ import sys
 from pathlib import Path
 
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from moe_models import padded_batch, tiny_moe
 
 import stabilitykit as sk
+from stabilitykit.monitors.routers import chosen_experts
+
+BIAS_GAMMA = 1e-3
 
 ONLY_ROUTERS = {"activations": False, "attention": False, "logits": False, "residual": False}
 CANDIDATES = (0.3, 0.4, 0.5, 0.6)
@@ -38,6 +46,37 @@ CANDIDATES = (0.3, 0.4, 0.5, 0.6)
 
 def _gate(model: torch.nn.Module, routers: list[str]) -> torch.nn.Module:
     return dict(model.named_modules())[routers[0]]
+
+
+def _balance_by_bias(model: nn.Module) -> list[object]:
+    """Hooks that keep, per router with an ``e_score_correction_bias``, the tokens each expert got in the
+    step; ``_update_biases`` moves the bias against the load (aux-loss-free balancing)."""
+    handles: list[object] = []
+    for module in model.modules():
+        bias = getattr(module, "e_score_correction_bias", None)
+        if not isinstance(bias, torch.Tensor):
+            continue
+
+        def count(m: nn.Module, args: object, output: object, bias: torch.Tensor = bias) -> None:
+            rows = bias.numel()
+            logits = output[0] if isinstance(output, tuple) else output
+            chosen = chosen_experts(output, logits.reshape(-1, rows).shape[0])
+            if chosen is not None:
+                load = torch.bincount(chosen.reshape(-1), minlength=rows).float()
+                BIAS_LOADS.setdefault(id(bias), [bias, torch.zeros(rows)])[1].add_(load)
+
+        handles.append(module.register_forward_hook(count))
+    return handles
+
+
+BIAS_LOADS: dict[int, list[torch.Tensor]] = {}
+
+
+def _update_biases() -> None:
+    with torch.no_grad():
+        for bias, load in BIAS_LOADS.values():
+            bias.add_(BIAS_GAMMA * torch.sign(load.mean() - load))
+            load.zero_()
 
 
 def run(family: str, arm: str, steps: int, seed: int, aux: float | None = None, lr: float = 1e-3) -> dict[str, float]:
@@ -65,6 +104,10 @@ def run(family: str, arm: str, steps: int, seed: int, aux: float | None = None, 
         with torch.no_grad():
             gate.weight[1] += 20.0 * direction / direction.norm()
         steps = 3
+    if arm == "bias_update":
+        BIAS_LOADS.clear()
+        balancing = _balance_by_bias(model)
+        assert balancing, f"{family} has no e_score_correction_bias to update"
     worst, dead = 0.0, 0.0
     streaks = {c: 0 for c in CANDIDATES}
     longest = {c: 0 for c in CANDIDATES}
@@ -74,6 +117,8 @@ def run(family: str, arm: str, steps: int, seed: int, aux: float | None = None, 
         guard.backward(out.loss)
         guard.step()
         guard.zero_grad()
+        if arm == "bias_update":
+            _update_biases()
         metrics = guard.cores[0].engine.readout.last_host_metrics
         step_worst = 0.0
         for name in routers if arm != "biased" else routers[:1]:

@@ -199,10 +199,15 @@ def _bias_gate_row(model: torch.nn.Module, expert: int, strength: float = 20.0) 
         gate.weight[expert] += strength * direction / direction.norm()
 
 
-def test_a_biased_gate_row_raises_router_collapse_naming_that_router_within_three_sampled_steps() -> None:
-    model = tiny_mixtral()
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_a_biased_gate_row_raises_router_collapse_naming_that_router_within_three_sampled_steps(family: str) -> None:
+    model = tiny_mixtral() if family == "mixtral" else tiny_moe(family)
     model.train()
-    _bias_gate_row(model, expert=5)
+    if family == "mixtral":
+        _bias_gate_row(model, expert=5)
+    else:  # a stuck score-correction bias: +1 on a sigmoid score in (0, 1) wins every token's top-k
+        with torch.no_grad():
+            model.model.layers[0].mlp.gate.e_score_correction_bias[5] += 1.0
     guard = _guard(model)
     events: list[sk.Event] = []
     guard.hooks.on("router_collapse", events.append)
@@ -211,6 +216,10 @@ def test_a_biased_gate_row_raises_router_collapse_naming_that_router_within_thre
     assert events, "no router_collapse within 3 sampled steps"
     assert {e.details["router"] for e in events} == {"model.layers.0.mlp.gate"}
     assert 5 in events[0].details["experts"]
+    # DeepSeek-V3 balances with a score-correction bias transformers never updates: the advice names it
+    bias = events[0].details["balancing_bias"]
+    assert bias == (None if family == "mixtral" else "model.layers.0.mlp.gate.e_score_correction_bias")
+    assert ("score-correction bias" in events[0].message) == (family != "mixtral")
     guard.close()
 
 

@@ -138,6 +138,7 @@ class Router:
     index: int | None  # the logits' position in the output tuple; None: the first floating tensor
     top_k: int | None
     scoring: str = "softmax"  # how the router scores experts (``SCORINGS``)
+    balancing_bias: str | None = None  # the clean name of its score-correction bias, where it has one
     experts: int = 0  # known after the first measured forward
     k: int = 0
     counts: Tensor | None = None  # tokens routed to each expert in this sampled step
@@ -192,6 +193,23 @@ def _top_k(module: nn.Module, model: nn.Module, config: RouterConfig) -> int | N
             value = getattr(source, attr, None)
             if isinstance(value, int) and value >= 1:
                 return value
+    return None
+
+
+#: Buffers through which a router balances its load without an aux loss (DeepSeek-V3's score-correction
+#: bias, added to the scores before the top-k): the training loop must update them after each step.
+BALANCING_BIASES = ("e_score_correction_bias", "expert_bias")
+
+
+def _balancing_bias(name: str, named: Mapping[str, nn.Module]) -> str | None:
+    """The clean name of the score-correction bias of router ``name`` (on the router or the block that
+    holds it), or None."""
+    parent = name.rpartition(".")[0]
+    for owner in (name, parent) if parent else (name,):
+        module = named.get(owner)
+        for attr in BALANCING_BIASES:
+            if isinstance(getattr(module, attr, None), Tensor):
+                return f"{owner}.{attr}"
     return None
 
 
@@ -323,8 +341,17 @@ class RouterMonitor:
         self.disabled: set[str] = set()
         scoring = config.scoring or router_scoring(model) or "softmax"
         self.scoring = scoring if scoring in SCORINGS else "softmax"  # a name we do not know: the softmax
+        by_name = dict(named)
         self.routers = [
-            Router(name, module, index, _top_k(module, model, config), self.scoring, experts=_experts(module))
+            Router(
+                name,
+                module,
+                index,
+                _top_k(module, model, config),
+                self.scoring,
+                _balancing_bias(name, by_name),
+                experts=_experts(module),
+            )
             for name, module, index in _router_modules(named, model, config)
         ]
         self._mask: Tensor | None = None
@@ -497,10 +524,21 @@ class RouterMonitor:
         if dead:
             parts.append(f"{len(dead)} of {len(counts)} experts got no token")
         what = "; ".join(parts) or f"the load is {load:.2f}x the mean"
+        if router.balancing_bias is not None:
+            advice = (
+                f"This router balances its load with a score-correction bias ({router.balancing_bias}) that the "
+                "training loop must update after each step (aux-loss-free balancing: bias += gamma * sign(mean load "
+                "- expert load)); transformers does not update it in training, so without that update nothing "
+                "balances the router and the concentration is real. Update the bias, or add a load-balancing loss."
+            )
+        else:
+            advice = (
+                "Check the load-balancing loss (output_router_logits, router_aux_loss_coef), the router's learning "
+                "rate and its z-loss."
+            )
         message = (
             f"router {router.name} has collapsed for {streak} sampled steps in a row: {what} "
-            f"(most concentrated possible: {router.experts / max(router.k, 1):.2f}x). Check the load-balancing "
-            "loss (output_router_logits, router_aux_loss_coef), the router's learning rate and its z-loss."
+            f"(most concentrated possible: {router.experts / max(router.k, 1):.2f}x). {advice}"
         )
         details = {
             "router": router.name,
@@ -510,6 +548,7 @@ class RouterMonitor:
             "expert_load_max": load,
             "experts_dead": dead_share,
             "steps": streak,
+            "balancing_bias": router.balancing_bias,
         }
         return Event("router_collapse", step, message, details)
 
