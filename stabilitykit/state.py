@@ -173,6 +173,7 @@ class _Engine(_State):
     journal: _Journal
     layer_names: list[str]
     monitors: dict[str, Any] = Field(default_factory=dict)  # the model monitor's own state (FP8 fallbacks)
+    rerun: dict[str, Any] = Field(default_factory=dict)  # transient faults per rank (RerunConfig)
 
     @model_validator(mode="after")
     def _layer_detector_per_layer(self) -> _Engine:

@@ -33,7 +33,8 @@ def _train(
     torch.manual_seed(0)  # dropout and batch norm: the recomputation must start from the step's random state
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    cfg = sk.StabilityConfig(log_every_n_steps=3, rerun=sk.RerunConfig(record_path=record and str(record), **rerun))
+    # FAULT_STEP is a logging step: re-run after the logging read (non-logging steps: the distributed cells)
+    cfg = sk.StabilityConfig(log_every_n_steps=2, rerun=sk.RerunConfig(record_path=record and str(record), **rerun))
     events: list[sk.Event] = []
     fired = None
     with warnings.catch_warnings():
@@ -118,6 +119,37 @@ def test_rules_see_a_rerun_step_once_and_steps_not_flagged_are_not_rerun(clean: 
     nan = {"target": "activation", "name": "4", "step": FAULT_STEP, "kind": "nan"}
     run = _train(nan, on=["spike"])  # a NaN is not among the reasons: skipped, not re-run
     assert run["reruns"] == [] and run["skipped"] == [FAULT_STEP]
+
+
+def test_transient_counts_per_rank_survive_a_resume() -> None:
+    """``max_transient=2``: one fault before the resume and one after it make two on rank 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    cfg = sk.StabilityConfig(rerun=sk.RerunConfig(max_transient=2))
+    state: dict[str, Any] = {}
+    for run in range(2):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with sk.StabilityGuard(model, opt, cfg) as guard:
+            if state:
+                guard.load_state_dict(state)
+            inject_fault(model, "activation", "2", step=guard.core.engine.step, kind="nan")
+            x, y = _data()[run]
+
+            def loss_of(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                return nn.functional.cross_entropy(model(x), y)
+
+            guard.backward(loss_of())
+            if run == 0:
+                with pytest.warns(RuntimeWarning, match="transient"):
+                    guard.step(replay=loss_of)
+                state = guard.state_dict()  # without the count in it, the second fault would only warn
+            else:
+                with (
+                    pytest.raises(sk.TransientFaultError, match="2 transient faults on rank 0"),
+                    warnings.catch_warnings(),
+                ):
+                    warnings.simplefilter("ignore")
+                    guard.step(replay=loss_of)
 
 
 def test_without_a_replay_or_with_a_grad_scaler_it_says_so() -> None:

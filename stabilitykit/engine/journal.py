@@ -133,6 +133,11 @@ class Journal:
             row[len(COLUMNS) + len(self.metric_names) :].copy_(layer_norms)
         self.infos.append(info)
 
+    def drop_last(self, step: int) -> None:
+        """Forget the newest row if it is step ``step``'s and still held (the step is written again: a rerun)."""
+        if self.infos and self.infos[-1].step == step:
+            self.infos.pop()
+
     def rewrite_last(self, scalars: list[Tensor], layer_norms: Tensor | None) -> None:
         """Overwrite the newest row's first ``len(scalars)`` columns and its layer norms while it is still
         held (a step re-measured after it was written; its ``request`` and metrics stay)."""

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from stabilitykit.compat.private import supports_amp_scaling
 from stabilitykit.distributed import is_distributed, mark_collective_step, reducer_for
 from stabilitykit.engine.clipping import ClipStrategy, PerTensorClip, make_clip_strategy
-from stabilitykit.engine.decision import TAKEN, StepDecision
+from stabilitykit.engine.decision import TAKEN, Known, StepDecision
 from stabilitykit.engine.gate import StepGate
 from stabilitykit.engine.inputs import StepInputs
 from stabilitykit.engine.journal import MAX_JOURNAL_ROWS, Journal, RowInfo
@@ -334,22 +334,48 @@ class StabilityEngine:
             code = self.rules.code(*self.inputs.rule_flags(record, agreed, self.rules))
             return norms, grouped, loss, metrics, agreed, code
 
-        rerun = self.rerun if self.rerun is not None and self.rerun.armed else None
-        rule_states = [rule.state_dict() for rule in self.rules] if rerun is not None else []
-        norms, grouped, loss, metrics, agreed, code = measure()
-        if rerun is not None and rerun.wanted(code, self.rules):  # one read of the code (rerun on only)
-            first = (loss, norms.total)  # this rank's own values, before they were agreed
+        rerun = self.rerun if self.rerun is not None and self.rerun.armed and self.can_skip else None
+        saved = self._saved_statistics() if rerun is not None else None
+        measured = measure()
+        decision = self._decide(step, measured, scaler_active)
+        if skip_ahead:
+            decision.settle(self.rules.constant("after_rollback"), "after_rollback")  # known on the host: no sync
+        if decision.logging or self.journal.full:
+            self.readout.read(decision, self.sources, loss_scale)
+        elif self.can_skip and (not self.fused or (rerun is not None and rerun.config.read_every_step)):
+            self.resolve(decision)  # the one sync a non-fused optimizer pays to skip (or rerun asked for it)
+        elif not self.can_skip and not skip_ahead:
+            decision.settle(TAKEN.code, None)
+        outcome = decision.outcome
+        if rerun is not None and isinstance(outcome, Known) and rerun.wanted(outcome.code, self.rules):
+            # a step the host reads anyway is re-run (no read of its own): see ``rerun/policy.py``
+            assert saved is not None
+            first = (measured[2], measured[0].total)  # this rank's own loss and norm, before they were agreed
+            self._load_statistics(saved)  # the rules and clipping see the step once
             rerun.recompute()  # the batch's forward and backward again, from the step's random state
-            for rule, state in zip(self.rules, rule_states, strict=True):
-                if state:
-                    rule.load_state_dict(state)  # the rules see the step once (skip-on-spike's statistics)
-            norms, grouped, loss, metrics, agreed, code = measure()
-            rerun.judge(step, first, (loss, norms.total))  # transient: this recomputed step goes on
+            measured = measure()
+            decision = self._redecide(decision, self._decide(step, measured, scaler_active, rewrite=True))
+            rerun.judge(step, first, (measured[2], measured[0].total))  # transient: this recomputed step goes on
+        if decision.skipped_now and self._overflowed(decision):
+            self._remeasure(decision, measured[1], grad_scale, force_skip)
+        if self.updates is not None and self.is_logging_step(step + 1):
+            self.updates.snapshot(step)  # the parameters before this step's update, read at the next step
+        return decision
+
+    def _decide(self, step: int, measured: _Measured, scaler_active: bool, rewrite: bool = False) -> StepDecision:
+        """Clip from a measurement and write its journal row; the decision, not read yet (no sync).
+
+        ``rewrite``: the step was measured again (a rerun): its row replaces the one written before, if the
+        journal still holds it.
+        """
+        norms, grouped, loss, metrics, agreed, code = measured
         skip = code > 0
         total = agreed["grad_norm"]
         coef, threshold = self._clip(norms, grouped, total, agreed["grads_finite"], agreed["loss_finite"], skip)
         layer_norms = norms.layer_norms
         agreed_metrics = {name: agreed[f"metric/{name}"] for name in metrics}
+        if rewrite:
+            self.journal.drop_last(step)
         self.journal.write(
             RowInfo(step, loss is not None, scaler_active),
             [total, self.inputs.or_nan(loss), code, coef, threshold, agreed["request"], agreed["verdict"]],
@@ -369,20 +395,32 @@ class StabilityEngine:
             decode=self.reason_of,
             values=agreed_metrics,
         )
-        decision = StepDecision(report=report, skip=skip, code=code, logging=self.is_logging_step(step))
-        if skip_ahead:
-            decision.settle(self.rules.constant("after_rollback"), "after_rollback")  # known on the host: no sync
-        if decision.logging or self.journal.full:
-            self.readout.read(decision, self.sources, loss_scale)
-        elif self.can_skip and not self.fused:
-            self.resolve(decision)  # the one sync a non-fused optimizer pays to skip
-        elif not self.can_skip and not skip_ahead:
-            decision.settle(TAKEN.code, None)
-        if decision.skipped_now and self._overflowed(decision):
-            self._remeasure(decision, grouped, grad_scale, force_skip)
-        if self.updates is not None and self.is_logging_step(step + 1):
-            self.updates.snapshot(step)  # the parameters before this step's update, read at the next step
-        return decision
+        return StepDecision(report=report, skip=skip, code=code, logging=self.is_logging_step(step))
+
+    def _redecide(self, first: StepDecision, again: StepDecision) -> StepDecision:
+        """The decision of a step measured again (``again``, its row just written) in place of ``first``, whose
+        reads it keeps (earlier rows, a logging step's metrics): its own row read now (the rerun's one read)."""
+        row = self.journal.read_last()  # stays held, marked as taken: a later read does not fold it again
+        rows = [r for r in first.rows if r.step != again.report.step]
+        again.rows = [*rows, row]
+        for name in ("loss_scale", "module_metrics", "signals", "update_metrics", "lr_metrics"):
+            setattr(again, name, getattr(first, name))
+        again.settle(row.code, self.reason_of(row.code))
+        return again
+
+    def _saved_statistics(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        """The skip rules' and the clipping's state before a step (device copies, no sync): a rerun puts them
+        back so that the step is seen once."""
+        clip = self.clip.state_dict() if self.clip is not None else None
+        return [rule.state_dict() for rule in self.rules], clip
+
+    def _load_statistics(self, saved: tuple[list[dict[str, Any]], dict[str, Any] | None]) -> None:
+        rules, clip = saved
+        for rule, state in zip(self.rules, rules, strict=True):
+            if state:
+                rule.load_state_dict(state)
+        if self.clip is not None and clip:
+            self.clip.load_state_dict(clip)
 
     def reason_of(self, code: int) -> str | None:
         """Why a step with decision ``code`` was skipped (None: taken): the rule set decodes it."""
@@ -514,6 +552,7 @@ class StabilityEngine:
             "journal": self.journal.state_dict(),
             "layer_names": list(self.layer_names),
             **({"monitors": monitors} if (monitors := self.sources.state_dict()) else {}),
+            **({"rerun": self.rerun.state_dict()} if self.rerun is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -531,6 +570,8 @@ class StabilityEngine:
         parts = self._parts_from(state)
         self.sources.load_state_dict(state.get("monitors") or {})  # raises before changing anything
         self.step = int(state["step"])
+        if self.rerun is not None:
+            self.rerun.load_state_dict(state.get("rerun") or {})
         self._install(parts)
         if self.updates is not None:
             self.updates.reset()

@@ -41,6 +41,16 @@ class RerunConfig(Section):
             "Raise TransientFaultError when one rank has had this many transient faults (None: never; each one warns)."
         ),
     )
+    read_every_step: bool = Field(
+        False,
+        description=(
+            "Read every step's decision so that every flagged step is re-run. Off: rerun adds no host sync, and "
+            "a step is re-run where the host reads its decision anyway: every step of a non-fused optimizer "
+            "(which reads to skip), logging steps of a fused one (a fused optimizer's step flagged between "
+            "logging steps is skipped on the device without a rerun). On: one host read per step with a fused "
+            "optimizer."
+        ),
+    )
     record_path: str | None = Field(
         None,
         description=(

@@ -2,11 +2,16 @@
 
 Per step: the core arms the policy with the driver's way to compute the step's batch again (its
 replay) and the random state is taken when the step's first forward starts (a forward pre-hook on
-the model, once per step). The engine asks ``wanted`` once the step's decision code exists (one host
-read of the code per step while rerun is on): a step skipped for a reason in ``RerunConfig.on``, and
-for none that blames the data or a rollback, is re-run: the random state put back, the grads
-dropped, running statistics put back, the batch's forward and backward computed again
-(``recompute``), then measured again by the engine, which passes both passes' values to ``judge``.
+the model, once per step). The engine asks ``wanted`` only where the host reads the step's decision
+code anyway (a logging step's read; every step of a non-fused optimizer with skipping on, which reads
+to skip on the host), so rerun adds no host sync to a step: with a fused optimizer a step flagged
+between logging steps is skipped on the device as without rerun, unless
+``RerunConfig.read_every_step`` pays one read per step to re-run every flagged step. A step skipped
+for a reason in ``RerunConfig.on``, and for none that blames the data or a rollback, is re-run: the
+rules' and clipping's statistics and the random state put back, the grads dropped, running statistics
+put back, the batch's forward and backward computed again (``recompute``), then measured again by
+the engine (its row read: the rerun step's one more read), which passes both passes' values to
+``judge``.
 
 Verdicts: ``reproducible`` (the same values: the data or the model) keeps the skip and records the
 batch; ``transient`` (other values: the machine) takes the recomputed step (its decision is the
@@ -84,6 +89,16 @@ class Rerun:
         """Step ``step`` was judged reproducible-bad before (in this run or one whose record this run reads)."""
         return step in self.record.bad_steps
 
+    def state_dict(self) -> dict[str, Any]:
+        """Transient faults per rank (``[[rank, count], ...]``; rank None: no single rank to blame), so that
+        ``max_transient`` counts across a resume."""
+        return {"transient": [[rank, count] for rank, count in self.transient.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (an empty state: no faults so far)."""
+        pairs = state.get("transient") or []
+        self.transient = {(None if rank is None else int(rank)): int(count) for rank, count in pairs}
+
     def close(self) -> None:
         """Remove the forward pre-hook."""
         if self._hook is not None:
@@ -91,11 +106,11 @@ class Rerun:
             self._hook = None
 
     # ------------------------------------------------------------------ the engine's side
-    def wanted(self, code: Tensor, rules: RuleSet) -> bool:
-        """This step's decision (agreed across ranks; one host read) calls for a rerun."""
+    def wanted(self, code: int, rules: RuleSet) -> bool:
+        """This step's decision code (agreed across ranks, read by the host) calls for a rerun."""
         if self._recompute is None:
             return False
-        value = int(code.item())
+        value = code
         if not value & SKIP:
             return False
         raised = rules.raised_anywhere(value)
