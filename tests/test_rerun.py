@@ -152,6 +152,25 @@ def test_transient_counts_per_rank_survive_a_resume() -> None:
                     guard.step(replay=loss_of)
 
 
+def test_a_step_with_gradient_accumulation_is_not_rerun_and_it_says_so() -> None:
+    """Two micro-batches per step: a replay recomputes one batch, so a flagged step is skipped, not re-run."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sk.StabilityGuard(model, opt, sk.StabilityConfig(rerun=sk.RerunConfig())) as guard:
+        reruns: list[sk.Event] = []
+        guard.hooks.on("rerun", reruns.append)
+        (x, y), (x2, y2) = _data()[:2]
+
+        def loss_of(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            return nn.functional.cross_entropy(model(x), y) / 2
+
+        guard.backward(loss_of() * float("nan"))
+        guard.backward(nn.functional.cross_entropy(model(x2), y2) / 2)
+        with pytest.warns(RuntimeWarning, match="gradient accumulation \\(2 micro-batches"):
+            assert bool(guard.step(replay=loss_of).skipped)
+        assert reruns == []
+
+
 def test_without_a_replay_or_with_a_grad_scaler_it_says_so() -> None:
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -244,3 +263,103 @@ def _driver_run(driver: str, fault: bool) -> list[torch.Tensor]:
 def test_the_accelerate_and_fabric_guards_rerun_through_their_own_backward(driver: str) -> None:
     clean, faulty = _driver_run(driver, False), _driver_run(driver, True)
     assert all(torch.equal(a, b) for a, b in zip(clean, faulty, strict=True))
+
+
+def _lightning_run(tmp_path: Path, fault: str | None) -> dict[str, Any]:
+    """The Lightning callback, 6 steps of the test GPT: a one-time NaN in ``ln_f``'s output at step 3
+    (``"transient"``), or a NaN loss every time step 3's training_step runs (``"bad-batch"``)."""
+    import lightning.pytorch as pl
+
+    from stabilitykit.lightning import StabilityCallback
+    from stabilitykit.testing.lightning_gpt import GPTModule, gpt_dataloader
+
+    module = GPTModule(fused=False, poison={3: math.nan} if fault == "bad-batch" else None)
+    record = tmp_path / f"{fault}.jsonl"
+    cfg = sk.StabilityConfig(log_every_n_steps=2, rerun=sk.RerunConfig(record_path=str(record)))
+    callback = StabilityCallback(cfg)
+    reruns: list[sk.Event] = []
+    callback.hooks.on("rerun", reruns.append)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    if fault == "transient":
+        inject_fault(module, "activation", "model.ln_f", step=3, kind="nan", step_of=lambda: trainer.global_step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, gpt_dataloader(6))
+    assert callback.engine is not None
+    return {
+        "state": [t.clone() for t in module.state_dict().values()],
+        "reruns": [(e.step, e.details["verdict"], e.details["rank"]) for e in reruns],
+        "skipped": callback.engine.skipped_total,
+        "record": [json.loads(line)["verdict"] for line in record.read_text().splitlines()] if record.exists() else [],
+    }
+
+
+def test_the_lightning_callback_reruns_through_training_step_and_lightnings_backward(tmp_path: Path) -> None:
+    clean = _lightning_run(tmp_path, None)
+    transient = _lightning_run(tmp_path, "transient")
+    assert transient["reruns"] == [(3, "transient", 0)] and transient["skipped"] == 0
+    assert _bitwise(transient, clean)  # the recomputed step was taken: a clean run's weights, bitwise
+    bad = _lightning_run(tmp_path, "bad-batch")
+    assert bad["reruns"] == [(3, "reproducible", None)] and bad["skipped"] == 1
+    assert bad["record"] == ["reproducible"]
+    assert clean["reruns"] == [] and clean["skipped"] == 0
+
+
+def _hf_run(tmp_path: Path, fault: str | None) -> dict[str, Any]:
+    """The Hugging Face Trainer, 4 steps of a tiny Llama: a one-time NaN in ``lm_head``'s output at step 2
+    (``"transient"``), or a NaN there every time step 2 is computed (``"bad-batch"``)."""
+    from hf_models import tiny_llama, token_batches
+    from transformers import Trainer, TrainingArguments
+
+    from stabilitykit.integrations import stabilize
+
+    model = tiny_llama()
+    rows = [{k: v[0] for k, v in b.items()} for b in token_batches(16, batch_size=1, seed=3)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / str(fault)),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=4,
+        max_steps=4,
+        learning_rate=1e-2,
+        logging_steps=2,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        optim="adamw_torch",
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=rows)
+    callback = stabilize(trainer, sk.StabilityConfig(rerun=sk.RerunConfig()))
+    reruns: list[sk.Event] = []
+    callback.hooks.on("rerun", reruns.append)
+    if fault is not None:
+        inject_fault(
+            model, "activation", "lm_head", step=2, kind="nan", repeat=fault == "bad-batch",
+            step_of=lambda: trainer.state.global_step,
+        )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    return {
+        "state": [t.clone() for t in model.state_dict().values()],
+        "reruns": [(e.step, e.details["verdict"], e.details["rank"]) for e in reruns],
+        "skipped": callback.summary().skipped,
+    }
+
+
+def test_the_hf_trainer_reruns_its_own_training_step(tmp_path: Path) -> None:
+    clean = _hf_run(tmp_path, None)
+    transient = _hf_run(tmp_path, "transient")
+    assert transient["reruns"] == [(2, "transient", 0)] and transient["skipped"] == 0
+    assert _bitwise(transient, clean)
+    bad = _hf_run(tmp_path, "bad-batch")
+    assert bad["reruns"] == [(2, "reproducible", None)] and bad["skipped"] == 1
+    assert clean["reruns"] == [] and clean["skipped"] == 0

@@ -65,11 +65,12 @@ def test_a_one_time_exponent_flip_caught_as_a_spike_is_transient_on_rank_1(two: 
         assert cell["hash"] == clean["hash"]
 
 
-def test_a_one_time_flip_in_rank_1s_local_gradient_is_transient(two: list[dict]) -> None:
-    """Before DDP's all-reduce: every rank's grads carry it, no loss differs, so no single rank is named."""
+def test_a_one_time_flip_in_rank_1s_local_gradient_is_transient_and_names_rank_1(two: list[dict]) -> None:
+    """Before DDP's all-reduce every rank's grads carry it and no loss differs: rank 1 is named by its own
+    grads as DDP's communication hook saw them before the all-reduce (``rerun/local.py``)."""
     for rank in two:
         cell = rank["flip-grad"]
-        assert [(e["step"], e["verdict"]) for e in _reruns(cell)] == [(FAULT_STEP, "transient")]
+        assert _reruns(cell) == [{"kind": "rerun", "step": FAULT_STEP, "verdict": "transient", "rank": 1}]
         assert cell["skipped"] == []
         assert cell["hash"] == rank["clean"]["hash"]
 

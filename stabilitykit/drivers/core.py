@@ -256,6 +256,7 @@ class DriverCore:
         replay: Callable[[], Tensor] | None = None,
         log_step: int | None = None,
         backward: Callable[[Tensor], None] | None = None,
+        rerun_replay: Callable[[], Tensor] | None = None,
     ) -> StepDecision:
         """Grads are final: measure, clip and decide this step (a step still in flight is finished first).
 
@@ -263,6 +264,7 @@ class DriverCore:
         a skipped step is replayed once to name where it went non-finite (one sync per step); with
         ``config.rerun`` a flagged step is computed again through it and ``backward`` (how the driver
         backpropagates and records a loss; a driver that passes none does not re-run).
+        ``rerun_replay``: the forward a rerun uses instead of ``replay`` (a framework's own training step).
         ``log_step``: the step number sinks see for this step (a framework's global step).
         Inside a step whose closure already decided (a closure evaluated twice), that decision stands.
         """
@@ -274,7 +276,7 @@ class DriverCore:
         grad_scale = self.scaler.grads_scale(self.optimizer, self.engine.fused)
         force_skip = self._bad_batch
         if self.rerun is not None:
-            self.rerun.arm(self._recompute(replay, backward))
+            self.rerun.arm(self._recompute(rerun_replay or replay, backward))
             if self.rerun.known_bad(self.engine.step):  # judged reproducible before: not trained on again
                 force_skip = self.engine.inputs.true if force_skip is None else force_skip | True
         decision = self.engine.evaluate(
@@ -318,7 +320,8 @@ class DriverCore:
                 how = (
                     "pass guard.step(replay=...)"
                     if backward is not None
-                    else "this driver cannot re-run a step yet (the plain loop, Accelerate and Fabric guards can)"
+                    else "this driver cannot re-run a step yet (the plain loop, Accelerate, Fabric and Lightning's "
+                    "automatic optimization can)"
                 )
                 warnings.warn(
                     f"stabilitykit: RerunConfig is on but a step's batch cannot be computed again ({how}): "

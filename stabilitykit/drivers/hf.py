@@ -22,6 +22,7 @@ Requires the ``transformers`` extra: ``pip install 'stabilitykit[transformers]'`
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import warnings
@@ -132,6 +133,7 @@ class StabilityTrainerCallback(AttachedCallback):
         self._warned_fallback = False
         #: steps the Trainer's own max_grad_norm clipped (a device count; None before the first)
         self._trainer_clipped: Tensor | None = None
+        self._rerun_step: Callable[[], Any] | None = None  # the step's training_step again (RerunConfig)
 
     # ------------------------------------------------------------------ attaching
     def attach(self, trainer: Trainer) -> StabilityTrainerCallback:
@@ -231,6 +233,8 @@ class StabilityTrainerCallback(AttachedCallback):
         if trainer.lr_scheduler is not None:  # the Trainer steps it: held on skipped steps, restored by recovery
             self.driver.add_scheduler(trainer.lr_scheduler, stepped_here=False)
         self.driver.patch(accelerator, "backward", self._backward_route(accelerator))
+        if self.core is not None and self.core.rerun is not None:  # what a rerun computes again: the Trainer's step
+            self.driver.patch(trainer, "training_step", self._step_route())
         self.driver.patch(accelerator, "clip_grad_norm_", self._clip_route(accelerator))
         self.driver.patch(trainer, "log", self._log_route(trainer))
         for printer in trainer.callback_handler.callbacks:  # the console: no per-layer keys
@@ -293,13 +297,36 @@ class StabilityTrainerCallback(AttachedCallback):
 
         return route
 
+    def _step_route(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Keep the micro-batch's ``training_step`` call (a shallow copy of its inputs: ``compute_loss`` may
+        pop the labels) and take the random state it starts with: a rerun calls it again."""
+
+        def route(original: Callable[..., Any]) -> Callable[..., Any]:
+            def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+                core = self.core
+                if core is not None and core.rerun is not None:
+                    core.rerun.start_step()
+                    kept = copy.copy(inputs)
+                    self._rerun_step = lambda: original(model, copy.copy(kept), *args, **kwargs)
+                return original(model, inputs, *args, **kwargs)
+
+            return training_step
+
+        return route
+
+    def _rerun_args(self) -> dict[str, Any]:
+        """``core.evaluate``'s rerun arguments: the Trainer's own step again (forward, and backward through
+        ``accelerator.backward``, whose route records the loss), so the backward given has nothing to do."""
+        step, self._rerun_step = self._rerun_step, None
+        return {} if step is None else {"rerun_replay": step, "backward": lambda _loss: None}
+
     def _clip_route(self, accelerator: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def route(original: Callable[..., Any]) -> Callable[..., Any]:
             def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
                 core = self.core
                 if core is None or core.decision is not None or not accelerator.sync_gradients:
                     return original(parameters, max_norm, norm_type)
-                decision = core.evaluate(log_step=self._global_step + 1)  # final grads, before any clipping
+                decision = core.evaluate(log_step=self._global_step + 1, **self._rerun_args())  # before any clipping
                 norm = decision.report.grad_norm
                 if max_norm is not None and math.isfinite(max_norm) and max_norm > 0:
                     self._trainer_clip(core, norm, float(max_norm))
@@ -363,7 +390,7 @@ class StabilityTrainerCallback(AttachedCallback):
                 stacklevel=2,
             )
             self._warned_fallback = True
-        core.evaluate(log_step=state.global_step + 1)
+        core.evaluate(log_step=state.global_step + 1, **self._rerun_args())
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """After the optimizer and scheduler: events, sinks, the divergence check; events to the Trainer's logs."""

@@ -177,6 +177,8 @@ class StabilityCallback(Callback):
         self._batch = (batch, batch_idx)
         for core in self.cores:
             core.check_batch(batch)
+            if core.rerun is not None:
+                core.rerun.start_step()  # the random state training_step starts with, for a rerun
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Remember each micro-batch's loss (stays on the device) for the optimizer that steps next."""
@@ -197,9 +199,21 @@ class StabilityCallback(Callback):
             out = pl_module.training_step(*batch)
             return out["loss"] if isinstance(out, Mapping) else out  # type: ignore[return-value]
 
+        def rerun_replay() -> Tensor:  # through the strategy: its DDP wrapper and precision context
+            assert batch is not None
+            out = trainer.strategy.training_step(*batch)
+            return out["loss"] if isinstance(out, Mapping) else out  # type: ignore[return-value]
+
+        def backward(loss: Tensor) -> None:  # Lightning's own backward (its hooks record the loss)
+            trainer.strategy.backward(loss, optimizer)
+            self.driver.claim_losses(core)
+
+        automatic = batch is not None and pl_module.automatic_optimization
         core.evaluate(
-            replay=replay if batch is not None and pl_module.automatic_optimization else None,
+            replay=replay if automatic else None,
             log_step=trainer.global_step,
+            backward=backward if automatic else None,
+            rerun_replay=rerun_replay if automatic else None,
         )
 
     def on_train_batch_end(

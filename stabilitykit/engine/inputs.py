@@ -28,6 +28,9 @@ class StepInputs:
         self.layout = RecordLayout()
         self._metrics: dict[str, Tensor] = {}
         self._loss_sum: Tensor | None = None
+        self._losses = 0
+        #: Losses (micro-batches) the step taken last had (``take``): more than one is gradient accumulation.
+        self.micro_batches = 0
         self.false = torch.zeros((), dtype=torch.bool, device=device)
         self.true = ~self.false
         self.nan = torch.full((), math.nan, dtype=torch.float32, device=device)
@@ -41,6 +44,7 @@ class StepInputs:
         you) that is the mean loss of the whole batch.
         """
         value = loss.detach().float().mean()
+        self._losses += 1
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
 
     def add_metric(self, name: str, value: Tensor | float, reduce: str, step: int) -> None:
@@ -63,6 +67,7 @@ class StepInputs:
         if fixed_now:
             self.layout.fix()
         loss, self._loss_sum = self._loss_sum, None
+        self.micro_batches, self._losses = self._losses, 0
         recorded, self._metrics = self._metrics, {}
         return loss, {name: recorded.get(name, self.nan) for name in self.layout.names}, fixed_now
 

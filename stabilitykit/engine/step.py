@@ -347,7 +347,11 @@ class StabilityEngine:
         elif not self.can_skip and not skip_ahead:
             decision.settle(TAKEN.code, None)
         outcome = decision.outcome
-        if rerun is not None and isinstance(outcome, Known) and rerun.wanted(outcome.code, self.rules):
+        if (
+            rerun is not None
+            and isinstance(outcome, Known)
+            and rerun.wanted(outcome.code, self.rules, self.inputs.micro_batches)
+        ):
             # a step the host reads anyway is re-run (no read of its own): see ``rerun/policy.py``
             assert saved is not None
             first = (measured[2], measured[0].total)  # this rank's own loss and norm, before they were agreed

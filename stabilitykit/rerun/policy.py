@@ -37,6 +37,7 @@ from stabilitykit.hooks import HookManager
 from stabilitykit.recovery.rng import capture_rng, restore_rng
 from stabilitykit.rerun.compare import compare
 from stabilitykit.rerun.config import NOT_RERUN, RerunConfig
+from stabilitykit.rerun.local import LocalGrads
 from stabilitykit.rerun.record import RerunRecord
 from stabilitykit.rules import RuleSet
 from stabilitykit.rules.registry import SKIP
@@ -63,6 +64,10 @@ class Rerun:
         self._rng: dict[str, Any] = capture_rng()
         self._captured = False
         self._hook = model.register_forward_pre_hook(self._on_forward) if model is not None else None
+        #: This rank's own grads before DDP's all-reduce (``local.py``): names the rank of a local-gradient fault.
+        self.local = LocalGrads(model)
+        self._first_local: Tensor | None = None
+        self._warned_accumulation = False
 
     # ------------------------------------------------------------------ the core's side
     def _on_forward(self, _module: nn.Module, _args: Any) -> None:
@@ -70,6 +75,13 @@ class Rerun:
         if not self._captured:
             self._rng = capture_rng()
             self._captured = True
+
+    def start_step(self) -> None:
+        """A driver that knows where the step starts (Lightning's ``on_train_batch_start``): the random
+        state is taken now, before anything of the step draws from it (not at the model's first forward,
+        which a framework's training step may never call)."""
+        self._rng = capture_rng()
+        self._captured = True
 
     def arm(self, recompute: Callable[[], None] | None) -> None:
         """This step can be computed again by ``recompute`` (None: it cannot; it is never re-run)."""
@@ -84,6 +96,7 @@ class Rerun:
         """The step is over: the next step's first forward takes the random state anew."""
         self._recompute = None
         self._captured = False
+        self.local.take()
 
     def known_bad(self, step: int) -> bool:
         """Step ``step`` was judged reproducible-bad before (in this run or one whose record this run reads)."""
@@ -104,28 +117,45 @@ class Rerun:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self.local.close()
 
     # ------------------------------------------------------------------ the engine's side
-    def wanted(self, code: int, rules: RuleSet) -> bool:
-        """This step's decision code (agreed across ranks, read by the host) calls for a rerun."""
-        if self._recompute is None:
+    def wanted(self, code: int, rules: RuleSet, micro_batches: int = 1) -> bool:
+        """This step's decision code (agreed across ranks, read by the host) calls for a rerun.
+
+        ``micro_batches``: the losses backpropagated into this step's grads. With more than one (gradient
+        accumulation) the driver's replay recomputes one batch, not the step: such a step is not re-run
+        (one warning); the count comes from the configuration, so it is the same on every rank.
+        """
+        if self._recompute is None or not code & SKIP:
             return False
-        value = code
-        if not value & SKIP:
-            return False
-        raised = rules.raised_anywhere(value)
+        raised = rules.raised_anywhere(code)
         self._reasons = raised
-        return any(r in self.config.on for r in raised) and not any(r in NOT_RERUN for r in raised)
+        if not any(r in self.config.on for r in raised) or any(r in NOT_RERUN for r in raised):
+            return False
+        if micro_batches > 1:
+            if not self._warned_accumulation:
+                self._warned_accumulation = True
+                warnings.warn(
+                    f"stabilitykit: RerunConfig does not re-run a step with gradient accumulation ({micro_batches} "
+                    "micro-batches backpropagated into this step's grads, and a replay recomputes one batch): "
+                    "flagged steps with accumulation are skipped without a rerun",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
+            return False
+        return True
 
     def recompute(self) -> None:
         """Compute the step's batch again from the random state the step started with."""
         assert self._recompute is not None
+        self._first_local = self.local.take()
         restore_rng(self._rng)
         self._recompute()
 
     def judge(self, step: int, first: tuple[Tensor | None, Tensor], again: tuple[Tensor | None, Tensor]) -> Event:
         """Compare the passes, emit the ``rerun`` event, record it; raise after too many transient faults."""
-        found = compare(first, again, self.rtol)
+        found = compare((first[0], self._first_local, first[1]), (again[0], self.local.take(), again[1]), self.rtol)
         verdict = "transient" if found.transient else "reproducible"
         rank = found.rank if found.transient else None
         hosts = _hosts(found.world) if found.transient else []
