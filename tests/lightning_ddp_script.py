@@ -1,7 +1,10 @@
 """Run by test_lightning.py: Lightning on 2 CPU processes with a NaN on rank 1 only.
 
 ``SK_RULE=1``: no NaN; a user's skip rule (``QualityGate``) and a recorded metric instead, rank 1 alone
-recording a bad ``quality`` at step 5 from ``training_step`` (``sk.record``): both ranks must skip it.
+recording a bad ``quality`` at step 5 from ``training_step`` (``sk.record``): both ranks must skip it;
+and replica checks every 4 steps with one weight of rank 1 corrupted (a flipped mantissa bit) before
+step 6's forward: reported at the check after step 7, naming rank 1 and the weight. DDP applies the
+same averaged update on every rank, so every other tensor stays bitwise equal across the ranks.
 ``SK_STRATEGY``: "ddp" (default), or "fsdp2" (``ModelParallelStrategy`` with ``fully_shard`` in
 ``configure_model``; Lightning's ``FSDPStrategy`` requires CUDA). ``SK_RECOVERY=1``: recovery on
 (a snapshot every 2 steps, a divergence after 3 skips) and a NaN on rank 1 only at steps 5-7, so
@@ -20,8 +23,12 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 import stabilitykit as sk
 from stabilitykit.lightning import StabilityCallback
+from stabilitykit.testing import inject_fault
 from stabilitykit.testing.lightning_gpt import GPTModule, gpt_dataloader
 from tests.custom_rules import QualityGate
+
+#: The weight rank 1 corrupts in the ``SK_RULE=1`` run (replica checks).
+CORRUPTED = "model.blocks.0.mlp.fc.weight"
 
 
 class RecordingGPT(GPTModule):
@@ -58,7 +65,12 @@ def main() -> None:
             clip=sk.ClipConfig(mode="fixed", max_norm=1.0),
             skip=sk.SkipConfig(max_consecutive=3),
             recovery=sk.RecoveryConfig(
-                enabled=True, snapshot_every=2, keep=2, trigger=["diverged"], skip_after=0, cooldown_steps=0,
+                enabled=True,
+                snapshot_every=2,
+                keep=2,
+                trigger=["diverged"],
+                skip_after=0,
+                cooldown_steps=0,
                 max_lookback_share=1.0,  # a few steps: any snapshot but the first's
             ),
         )
@@ -75,9 +87,15 @@ def main() -> None:
         def log_event(self, event: sk.Event) -> None:
             if event.kind == "skipped":
                 skipped.append([event.step, str(event.details.get("reason"))])
+            if event.kind == "replica_mismatch":
+                mismatches.append(
+                    {"step": event.step, "rank": event.details["rank"], "tensor": event.details["tensor"]}
+                )
 
     if rule:
         poison = {}
+        cfg = cfg.model_copy(update={"replicas": sk.ReplicaCheckConfig(every_n_steps=4)})
+    mismatches: list[dict] = []
     callback = StabilityCallback(cfg, sinks=[Rows()], rules=[QualityGate()] if rule else [])
     rollbacks: list[dict[str, int]] = []
     callback.hooks.on(
@@ -97,8 +115,14 @@ def main() -> None:
     )
     cls = FullyShardedGPT if kind == "fsdp2" else RecordingGPT if rule else GPTModule
     module = cls(fused=False, poison=poison, poison_rank=1)
+    if rule:
+        inject_fault(  # on the inner model, whose forward training_step calls
+            module.model, "param", CORRUPTED.removeprefix("model."), step=6, rank=1, kind="bitflip", bit=12, index=3,
+            step_of=lambda: trainer.global_step,
+        )  # fmt: skip
     trainer.fit(module, gpt_dataloader(30))
-    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in module.parameters()]
+    named = [(n, p) for n, p in module.named_parameters() if not (rule and n == CORRUPTED)]
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for _, p in named]
     checksum = sum(float(p.detach().double().sum()) for p in full)
     assert callback.engine is not None
     result = {
@@ -109,6 +133,7 @@ def main() -> None:
         "finite": all(bool(torch.isfinite(p).all()) for p in full),
         "skipped_events": skipped,
         "rank_id": sorted(set(rows.values())),
+        "mismatches": mismatches,
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

@@ -168,12 +168,16 @@ def test_two_processes_nan_on_one_rank(tmp_path: Path, strategy: str) -> None:
 
 def test_two_processes_a_custom_rule_on_one_rank_skips_both_and_a_recorded_metric_is_summed(tmp_path: Path) -> None:
     """A user's skip rule raised on rank 1 only (from training_step, through sk.record) skips the step on
-    both ranks; a metric recorded with reduce="sum" is logged agreed (1 + 2) on both."""
+    both ranks; a metric recorded with reduce="sum" is logged agreed (1 + 2) on both. The same launch:
+    replica checks under Lightning DDP, one weight of rank 1 corrupted before step 6, reported at step 7's
+    check (and 11's) on both ranks (two replicas: the second, rank 1, is named); the other tensors stay equal."""
     results = _two_process_lightning(tmp_path, "ddp", rule=True)
     for result in results:
         assert result["skipped_events"] == [[5, "quality_gate"]]
         assert result["skipped"] == 1
         assert result["rank_id"] == [3.0]
+        corrupted = {"rank": 1, "tensor": "model.blocks.0.mlp.fc.weight"}  # it stays corrupted: every check after
+        assert result["mismatches"] == [{"step": 7, **corrupted}, {"step": 11, **corrupted}]
     assert results[0]["checksum"] == results[1]["checksum"]
 
 
