@@ -27,7 +27,7 @@ from stabilitykit.config import (
 from stabilitykit.dashboard import wandb_dashboard
 from stabilitykit.drivers.base import record
 from stabilitykit.drivers.loop import StabilityGuard
-from stabilitykit.engine import StabilityEngine
+from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.events import (
     BadBatchError,
     Event,

@@ -2,10 +2,10 @@
 
 Each section is defined beside the module that owns what it configures (``ClipConfig`` in
 ``engine/clipping.py``, ``SpikeConfig`` in ``spikes.py``, ``RecoveryConfig`` in
-``recovery/controller.py``, ...) on the base in ``section.py``: unknown fields are rejected (a typo
+``recovery/config.py``, ...) on the base in ``section.py``: unknown fields are rejected (a typo
 in a YAML file fails loudly with the field's name) and a config is immutable. This module imports
-the owners; none of them imports this module at run time (only to annotate), so there is no
-import cycle.
+the owners' sections; nothing it imports imports this module, not even to annotate (the engine's
+and recovery's packages import their step and controller on first use), so there is no import cycle.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from stabilitykit.monitors.monitor import MonitorConfig
 from stabilitykit.nan import DataGuardConfig
 from stabilitykit.nn.qk_clip import QKClipConfig
 from stabilitykit.precision import PrecisionConfig
-from stabilitykit.recovery.controller import RecoveryConfig
+from stabilitykit.recovery.config import RecoveryConfig
 from stabilitykit.replicas import ReplicaCheckConfig
 from stabilitykit.rerun.config import RerunConfig
 from stabilitykit.rules import SkipConfig

@@ -33,7 +33,7 @@ from stabilitykit.compat.attributes import replace_attribute, route_attribute
 from stabilitykit.compat.schedulers import hold_scheduler, release_scheduler
 from stabilitykit.config import StabilityConfig, coerce_config
 from stabilitykit.drivers.core import DriverCore, unwrap_optimizer
-from stabilitykit.engine import StabilityEngine
+from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.recovery import refuse_several_optimizers
 from stabilitykit.report import StepReport

@@ -36,7 +36,8 @@ from stabilitykit.config import StabilityConfig
 from stabilitykit.drivers._extras import missing
 from stabilitykit.drivers.base import Driver
 from stabilitykit.drivers.core import DriverCore
-from stabilitykit.engine import StabilityEngine, TrainerAlignedEngine
+from stabilitykit.engine.cadence import TrainerAlignedEngine
+from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.events import Event
 from stabilitykit.grads import CLIP_EPS, apply_clip_coefficient, clip_coefficient, device_groups
 from stabilitykit.report import StepReport

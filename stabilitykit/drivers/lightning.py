@@ -25,7 +25,8 @@ from torch import Tensor
 from stabilitykit.config import StabilityConfig
 from stabilitykit.drivers.base import Driver
 from stabilitykit.drivers.core import DriverCore
-from stabilitykit.engine import StabilityEngine, TrainerAlignedEngine
+from stabilitykit.engine.cadence import TrainerAlignedEngine
+from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.nan import NonFiniteRecord
 from stabilitykit.precision import PrecisionChoice
 from stabilitykit.report import StepReport

@@ -23,7 +23,7 @@ from stabilitykit.config import StabilityConfig
 from stabilitykit.drivers.base import Driver
 from stabilitykit.drivers.base import scheduler_target as scheduler_target
 from stabilitykit.drivers.core import DriverCore
-from stabilitykit.engine import StabilityEngine
+from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NaNTracer, NonFiniteRecord
 from stabilitykit.precision import PrecisionChoice

@@ -2,7 +2,7 @@
 
 A snapshot of step ``s`` (the state after step ``s - 1``) is a restore point only if the spike
 detectors were settled after scoring step ``s - 1`` (``SpikeMonitor.was_settled``): a state inside a
-climb or an alert is not one. In one process the monitor decides at once (``Recovery._vet``). Under
+climb or an alert is not one. In one process the monitor decides at once (``RestorePoints._vet``). Under
 torch.distributed each rank's monitor scores its own loss, so one rank may be inside a climb the
 others do not see; if each rank kept or dropped on its own verdict, ranks would hold different
 snapshots and a rollback would restore different steps. So, with several ranks:
