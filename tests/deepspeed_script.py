@@ -227,7 +227,12 @@ def _rollback(engine: Any, rank: int, dtype: torch.dtype) -> dict[str, Any]:
     from stabilitykit.integrations.deepspeed import DeepSpeedGuard
 
     recovery = sk.RecoveryConfig(
-        enabled=True, snapshot_every=2, keep=2, trigger=["diverged"], min_lookback=0, skip_after=0,
+        enabled=True,
+        snapshot_every=2,
+        keep=2,
+        trigger=["diverged"],
+        min_lookback=0,
+        skip_after=0,
         max_lookback_share=1.0,  # a few steps: any snapshot but the first's (the rollback is agreed at step 5)
         cooldown_steps=0,
     )
@@ -382,12 +387,13 @@ def _user_rule(stage: int, rank: int) -> dict[str, Any]:
             rows.append(dict(metrics))
 
     guard.hooks.add_sink(Rows())
-    skipped, reasons, unchanged = [], [], []
+    skipped, reasons, unchanged, used = [], [], [], []
     for i in range(4):
         before = _state(engine)
         sk.record("quality", torch.tensor(0.0 if (rank == 1 and i == 2) else 1.0))
         sk.record("rank_id", torch.tensor(float(rank + 1)), reduce="sum")
         guard.backward(_loss(engine, i, rank, torch.float32, None, 0))
+        used.append(float(engine.get_lr()[0]))  # the LR this step runs with (DeepSpeed's WarmupLR)
         report = guard.step()
         assert report is not None
         skipped.append(bool(report.skipped))
@@ -396,7 +402,15 @@ def _user_rule(stage: int, rank: int) -> dict[str, Any]:
             unchanged.append(_same(before, _state(engine)))
     guard.close()
     sums = sorted({r["stability/metrics/rank_id"] for r in rows if "stability/metrics/rank_id" in r})
-    return {"skipped": skipped, "reasons": reasons, "unchanged": unchanged, "rank_id_sums": sums}
+    lrs = [r.get("stability/lr/0") for r in rows if "stability/metrics/rank_id" in r]  # every step's row
+    return {
+        "skipped": skipped,
+        "reasons": reasons,
+        "unchanged": unchanged,
+        "rank_id_sums": sums,
+        "lrs": lrs,
+        "used": used,
+    }
 
 
 FP16_PLAN = [(0, None), (1, None), (2, "overflow"), (3, None), (4, "nan"), (5, None)]  # (batch, fault)
@@ -450,7 +464,12 @@ def _fp16(stage: int, rank: int) -> dict[str, Any]:
                 ref_norms.append(_ds_norm(reference, None))
     engine = _fp16_engine(stage)
     recovery = sk.RecoveryConfig(
-        enabled=True, snapshot_every=2, keep=2, trigger=["diverged"], min_lookback=0, skip_after=0,
+        enabled=True,
+        snapshot_every=2,
+        keep=2,
+        trigger=["diverged"],
+        min_lookback=0,
+        skip_after=0,
         max_lookback_share=1.0,  # a few steps: any snapshot but the first's (the rollback is agreed at step 5)
         cooldown_steps=0,
     )
@@ -464,14 +483,23 @@ def _fp16(stage: int, rank: int) -> dict[str, Any]:
         recovery=recovery,
     )
     guard = DeepSpeedGuard(engine, config=cfg)
+    logged: list[dict[str, float]] = []
+
+    class Rows:
+        def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+            logged.append(dict(metrics))
+
+    guard.hooks.add_sink(Rows())
     rollbacks: list[Any] = []
     guard.hooks.on("rollback", rollbacks.append)
     states: dict[int, dict[str, Any]] = {}
     kinds: list[str] = []
     guard.hooks.on("*", lambda e: kinds.append(e.kind))
     reasons, scales, norms = [], [], []
+    used = []
     for i, fault in FP16_PLAN:
         guard.backward(_fp16_loss(engine, i, rank, fault))
+        used.append(float(engine.get_lr()[0]))  # the LR this step runs with (DeepSpeed's WarmupLR)
         report = guard.step()
         assert report is not None
         reasons.append(report.reason)
@@ -480,6 +508,7 @@ def _fp16(stage: int, rank: int) -> dict[str, Any]:
             norms.append(float(report.grad_norm))
         states[guard.step_count] = state()
     end_equals_reference = _same(_state(engine), _state(reference))
+    lrs = [r.get("stability/lr/0") for r in logged[: len(FP16_PLAN)]]  # FP16_PLAN's steps, one row each
     summary = guard.summary()
     skipped_steps = engine.skipped_steps
     plan = dict(enumerate([*FP16_PLAN, *FP16_ROLLBACK]))  # step -> (batch, fault)
@@ -513,6 +542,8 @@ def _fp16(stage: int, rank: int) -> dict[str, Any]:
         "kinds": sorted(set(kinds) - {"precision"}),
         "skipped_steps": skipped_steps,
         "skipped": summary.skipped,
+        "lrs": lrs,
+        "used": used,
     }
 
 

@@ -163,6 +163,7 @@ def test_user_rule_on_a_recorded_metric(ranks: list[dict[str, Any]], stage: int)
         assert got["skipped"] == [False, False, True, False]
         assert got["reasons"][2] == "quality_gate" and got["unchanged"] == [True]
         assert got["rank_id_sums"] == [3.0]
+        assert got["lrs"] == got["used"] and len(got["used"]) == 4  # stability/lr/0, the skipped step's too
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -183,6 +184,7 @@ def test_fp16_overflow_is_deepspeeds_own_skip(ranks: list[dict[str, Any]], stage
         assert got["end_equals_reference"]
         assert got["skipped_steps"] == 1 and got["skipped"] == 2
         assert "diverged" not in got["kinds"] and "fp16_overflow" in got["kinds"]
+        assert got["lrs"] == got["used"] and len(got["used"]) == 6  # stability/lr/0, on DeepSpeed's own skip too
         for mine, theirs in zip(got["norms"], got["ref_norms"], strict=True):
             assert _rel(mine, theirs) < 1e-6, (mine, theirs)
 

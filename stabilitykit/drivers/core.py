@@ -26,14 +26,15 @@ from stabilitykit.compat.attributes import replace_attribute
 from stabilitykit.compat.grad_scaler import ScalerAdapter
 from stabilitykit.compat.private import wrapped_optimizer
 from stabilitykit.config import coerce_config, warn_contradictions
-from stabilitykit.engine import StabilityEngine, StepDecision, StepGate, is_fused
+from stabilitykit.engine import StepDecision, StepGate
 from stabilitykit.engine.gate import NewStateCheck
 from stabilitykit.engine.lr import noting_lr
+from stabilitykit.engine.step import StabilityEngine, is_fused
 from stabilitykit.events import Event
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import batch_is_bad, check_batch
 from stabilitykit.precision import PrecisionChoice, apply_precision_config
-from stabilitykit.recovery import Recovery
+from stabilitykit.recovery.controller import Recovery
 from stabilitykit.replicas import ReplicaCheck
 from stabilitykit.report import StepReport
 from stabilitykit.rerun import Rerun
@@ -139,6 +140,9 @@ class DriverCore:
         warn_contradictions(self.config)
         self.model = model
         self.optimizer = unwrap_optimizer(optimizer)
+        #: The optimizer whose param groups hold the learning rates the step uses (``lr/<group>`` on logging
+        #: steps): the one guarded, unless the driver steps another behind stand-ins (DeepSpeed's).
+        self.lr_optimizer: Any = self.optimizer
         _refuse_non_optimizer(self.optimizer)
         params = optimizer_params(self.optimizer)
         if not params:
@@ -380,7 +384,7 @@ class DriverCore:
         """Around the optimizer step: the LR lowered after a rollback (nothing without recovery), and the LR
         the step used noted for the logging step's ``lr/<group>`` metrics (``engine/lr.py``)."""
         scaled = self.recovery.scaled_lr() if self.recovery is not None else contextlib.nullcontext()
-        with scaled, noting_lr(self.optimizer, lambda: self.decision):
+        with scaled, noting_lr(self.lr_optimizer, lambda: self.decision):
             yield
 
     def should_hold_scheduler(self) -> bool:

@@ -72,7 +72,8 @@ from stabilitykit.drivers._extras import missing
 from stabilitykit.drivers.base import Driver
 from stabilitykit.drivers.core import DriverCore
 from stabilitykit.drivers.loop import StabilityGuard
-from stabilitykit.engine import StabilityEngine
+from stabilitykit.engine.lr import noting_lr
+from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.recovery import TrainingObjects
 from stabilitykit.report import StepReport
@@ -323,6 +324,7 @@ class DeepSpeedGuard(StabilityGuard):
         self._start(None, [partitions], config=cfg, engine_cls=_named_engine(self.partitions.names))
         if self.fp16:
             self.core.scaler = DeepSpeedLossScale(engine)
+        self.core.lr_optimizer = inner_optimizer(engine)  # the LRs DeepSpeed's step uses, logged as lr/<group>
         if self.core.recovery is not None:  # snapshots of this rank's partitions, not of the stand-ins
             self.core.recovery.cover(lambda scaler, guard_state: rank_state(engine, scaler, guard_state))
         self.scheduler = engine.lr_scheduler
@@ -412,7 +414,8 @@ class DeepSpeedGuard(StabilityGuard):
             decision = self.core.decision
             assert decision is not None
             if self._deepspeed_skips(decision):  # DeepSpeed's own overflow skip: it also lowers its loss scale
-                return original(*args, **kwargs)
+                with noting_lr(self.core.lr_optimizer, lambda: decision):  # the LR it held, logged all the same
+                    return original(*args, **kwargs)
             result = self.core.run_optimizer_step(lambda: original(*args, **kwargs))
             if decision.skipped_now:
                 drop_step(self.deepspeed_engine.optimizer, self.partitions.stage)
