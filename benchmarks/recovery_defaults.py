@@ -22,7 +22,9 @@ Scenarios:
   finite blow-up: no non-finite step, so no streak of skips);
 * ``garbled``: 30 steps of random bytes from half the run (bad data); ``garbled_long``: 60 steps;
 * persistent trouble, ``hot<k>_w<n>``: the schedule's peak LR k times ``PEAK_LR`` for the whole run,
-  reached after a warm-up of n steps (``PERSISTENT``: levels 3, 10 and 30, warm-ups 20 and 100; any k, n).
+  reached after a warm-up of n steps (``PERSISTENT``: levels 3, 10 and 30, warm-ups 20 and 100; any k, n);
+  ``hot30_w0`` and ``hot100_w0``, no warm-up at all: a run that really blows up with the guard alone
+  (its ``spike_alert`` events are counted: ``alerts``).
 
 A third way to drive a model: ``nanogpt``, a trainer written the way nanoGPT's ``model.py`` and
 ``train.py`` are (``nanogpt_style.py``: its GPT, its optimizer groups, betas 0.9/0.95, its hand-set
@@ -67,7 +69,7 @@ import stabilitykit as sk  # noqa: E402
 SCENARIOS = ("clean", "lr_x1000", "garbled", "garbled_long")
 #: Persistent trouble: ``hot<k>_w<n>``, the schedule's peak LR k times ``PEAK_LR`` for the whole run, reached
 #: after a warm-up of n steps (short and long).
-PERSISTENT = ("hot3_w20", "hot3_w100", "hot10_w20", "hot10_w100", "hot30_w20", "hot30_w100")
+PERSISTENT = ("hot3_w20", "hot3_w100", "hot10_w20", "hot10_w100", "hot30_w20", "hot30_w100", "hot30_w0", "hot100_w0")
 ARMS = ("none", "clip", "old_defaults", "defaults", "blow_up", "bad_data")
 MODELS = ("byte_gpt", "gpt2", "hf_gpt2", "hf_llama", "nanogpt")
 PEAK_LR = 0.1
@@ -191,6 +193,8 @@ def train(
     rollbacks: list[sk.Event] = []
     guard.hooks.on("rollback", rollbacks.append)
     guard.hooks.on("recovery", rollbacks.append)
+    alerts: list[sk.Event] = []
+    guard.hooks.on("spike_alert", alerts.append)
     gen = torch.Generator().manual_seed(1000 + seed)
     noise = torch.Generator().manual_seed(5000 + seed)
     middle = steps // 2
@@ -219,14 +223,17 @@ def train(
     skipped = guard.summary().skipped
     guard.close()
     final = held_out_loss(model, heldout)
-    return _result(final, rollbacks, gave_up, trace, skipped)
+    return _result(final, rollbacks, gave_up, trace, skipped, len(alerts))
 
 
-def _result(final: float, events: list[sk.Event], gave_up: bool, trace: list[float], skipped: int) -> Run:
+def _result(
+    final: float, events: list[sk.Event], gave_up: bool, trace: list[float], skipped: int, alerts: int | None = None
+) -> Run:
     """A run's row: ``events`` are its ``rollback`` and ``recovery`` events (an LR lowered without a rollback,
-    recovery standing down), in order."""
+    recovery standing down), in order; ``alerts``: its ``spike_alert`` events (None: not counted)."""
     rollbacks = [e for e in events if e.kind == "rollback"]
     return {
+        "alerts": alerts,
         "skipped": skipped,
         "final": final if not gave_up else math.nan,
         "rollbacks": len(rollbacks),
@@ -334,6 +341,8 @@ def train_hf_trainer(
         rollbacks: list[sk.Event] = []
         callback.hooks.on("rollback", rollbacks.append)
         callback.hooks.on("recovery", rollbacks.append)
+        alerts: list[sk.Event] = []
+        callback.hooks.on("spike_alert", alerts.append)
         gave_up = False
         try:
             trainer.train()
@@ -341,7 +350,8 @@ def train_hf_trainer(
             gave_up = True
         summary = callback.summary()
     trace = [float(e["loss"]) for e in trainer.state.log_history if "loss" in e]
-    return _result(held_out_loss(model, heldout), rollbacks, gave_up, trace, summary.skipped if summary else 0)
+    skipped = summary.skipped if summary else 0
+    return _result(held_out_loss(model, heldout), rollbacks, gave_up, trace, skipped, len(alerts))
 
 
 def _mean(values: list[float]) -> str:
@@ -368,6 +378,8 @@ def same_run(runs: dict[tuple[str, str, str, int], Run], model: str, scenario: s
     nothing. So an arm equals a run of the same model, scenario and seed whose triggers and snapshot
     settings are its own and that never rolled back; and an arm whose only trigger is ``"diverged"`` equals
     ``none`` when ``none`` skipped fewer steps in all than a streak needs (``SkipConfig.max_consecutive``).
+    Likewise any recovery arm with the default snapshot settings equals ``none`` when ``none`` raised no
+    ``spike_alert`` (counted: ``alerts``) and skipped fewer steps than a streak needs: no trigger ever fires.
     """
     mine = _triggers(arm)
     if mine is None or arm == "clip":
@@ -382,7 +394,8 @@ def same_run(runs: dict[tuple[str, str, str, int], Run], model: str, scenario: s
             continue
         same_triggers = other != "clip" and _triggers(other) == mine
         plain = other == "none" and recovery_for(arm).trigger == ["diverged"] and run["skipped"] < streak  # type: ignore[union-attr]
-        if same_triggers or plain:
+        quiet = other == "none" and run.get("alerts") == 0 and run["skipped"] < streak and not run["gave_up"]
+        if same_triggers or plain or quiet:
             return {**run, "same_as": other}
     return None
 
