@@ -130,7 +130,7 @@ class StabilityConfig(Section):
 
         A file that cannot be read or parsed is a ``ValueError`` naming the file (and the line, for a
         syntax error); a wrong value is a ``ConfigFileError`` (a ``ValueError``) naming the file, the
-        field and, in YAML and JSON, the line; another extension is refused by name. Values are read strictly
+        field and the line; another extension is refused by name. Values are read strictly
         (``from_mapping``). In YAML, a section left empty (``recovery:``) is that section with its
         defaults, and so on (a section given is on); ``recovery: false`` turns it off.
         """
@@ -157,7 +157,7 @@ class StabilityConfig(Section):
 
 
 class ConfigFileError(ValueError):
-    """A config file whose values are wrong: each problem with the file, the line (YAML) and the field."""
+    """A config file whose values are wrong: each problem with the file, the line and the field."""
 
     def __init__(self, path: Path, error: ValidationError, lines: Mapping[tuple[str, ...], int]) -> None:
         problems = []
@@ -266,6 +266,69 @@ def _read_json(path: Path, text: str) -> tuple[Any, dict[tuple[str, ...], int]]:
         raise ValueError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
 
 
+#: One TOML key: bare, "basic" or 'literal'; a dotted key is several joined by dots.
+_TOML_KEY = r"""(?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*')"""
+_TOML_DOTTED = rf"{_TOML_KEY}(?:\s*\.\s*{_TOML_KEY})*"
+
+
+def _toml_key_parts(dotted: str) -> tuple[str, ...]:
+    """``a."b.c".d`` -> ("a", "b.c", "d")."""
+    import re
+
+    return tuple(part.strip("\"'") for part in re.findall(_TOML_KEY, dotted))
+
+
+def _toml_lines(text: str) -> dict[tuple[str, ...], int]:
+    """Each key's 1-based line in a TOML text, by its key path (tomllib gives no positions).
+
+    A line scan, enough for config files: ``[table]`` and ``[[array]]`` headers set the prefix, ``key =``
+    and dotted ``a.b =`` lines name a key (and its parent tables), the keys of a one-line inline table
+    ``{ k = v }`` take its line; the lines inside a multi-line string are passed over.
+    """
+    import re
+
+    header = re.compile(rf"\[\s*({_TOML_DOTTED})\s*\]")
+    array = re.compile(rf"\[\[\s*({_TOML_DOTTED})\s*\]\]")
+    assignment = re.compile(rf"({_TOML_DOTTED})\s*=\s*(.*)")
+    inline_key = re.compile(rf"[{{,]\s*({_TOML_DOTTED})\s*=")
+    found: dict[tuple[str, ...], int] = {}
+    table: tuple[str, ...] = ()
+    arrays: dict[tuple[str, ...], int] = {}
+    open_string: str | None = None
+
+    def name(path: tuple[str, ...], number: int) -> None:
+        for end in range(1, len(path) + 1):
+            found.setdefault(path[:end], number)
+
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if open_string is not None:
+            if line.count(open_string) % 2 == 1:
+                open_string = None
+            continue
+        if not line or line.startswith("#"):
+            continue
+        if match := array.match(line):
+            keys = _toml_key_parts(match[1])
+            arrays[keys] = arrays.get(keys, -1) + 1
+            table = (*keys, str(arrays[keys]))
+            name(table, number)
+        elif match := header.match(line):
+            table = _toml_key_parts(match[1])
+            name(table, number)
+        elif match := assignment.match(line):
+            path = (*table, *_toml_key_parts(match[1]))
+            name(path, number)
+            value = match[2]
+            for quote in ('"""', "'''"):
+                if value.startswith(quote) and value.count(quote) == 1:
+                    open_string = quote
+            if value.startswith("{"):
+                for key in inline_key.finditer(value):
+                    name((*path, *_toml_key_parts(key[1])), number)
+    return found
+
+
 def _read_toml(path: Path, text: str) -> tuple[Any, dict[tuple[str, ...], int]]:
     try:
         import tomllib  # Python 3.11+
@@ -277,7 +340,7 @@ def _read_toml(path: Path, text: str) -> tuple[Any, dict[tuple[str, ...], int]]:
                 f"{path}: reading TOML configs needs Python 3.11+ (tomllib) or the tomli package: pip install tomli"
             ) from None
     try:
-        return tomllib.loads(text), {}
+        return tomllib.loads(text), _toml_lines(text)
     except tomllib.TOMLDecodeError as exc:  # its message ends "(at line L, column C)"
         raise ValueError(f"{path}: invalid TOML: {exc}") from None
 

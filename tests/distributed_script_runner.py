@@ -30,8 +30,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_world(script: Path, world: int, out: Path, *args: str, timeout: float = 240) -> list[dict[str, Any]]:
-    """Run ``script WORLD OUT PORT *args`` and return each rank's JSON results (rank order)."""
+def run_world(script: Path, world: int, out: Path, *args: str, timeout: float) -> list[dict[str, Any]]:
+    """Run ``script WORLD OUT PORT *args`` and return each rank's JSON results (rank order). ``timeout``:
+    ``tests.time_limits.limit`` of the launch."""
     env = {**os.environ, "PYTHONPATH": str(script.parent.parent), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(script), str(world), str(out), str(free_port()), *args]
     proc = subprocess.Popen(
@@ -41,7 +42,7 @@ def run_world(script: Path, world: int, out: Path, *args: str, timeout: float = 
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def run_torchrun(script: Path, world: int, out: Path, timeout: float = 240, **env: str) -> list[dict[str, Any]]:
+def run_torchrun(script: Path, world: int, out: Path, timeout: float, **env: str) -> list[dict[str, Any]]:
     """Run ``script`` under ``torchrun`` on ``world`` local processes (gloo, ``SK_OUT=out``, ``env`` added)
     and return each rank's JSON results (``out/rank<r>.json``, rank order)."""
     full_env = {**os.environ, "SK_OUT": str(out), "PYTHONPATH": str(script.parent.parent)}
@@ -57,8 +58,11 @@ def run_torchrun(script: Path, world: int, out: Path, timeout: float = 240, **en
 
 def _wait(proc: subprocess.Popen[str], timeout: float, what: str) -> None:
     """Wait for ``proc``; on a timeout kill it with every process it spawned. Fails naming ``what``."""
+    from tests.time_limits import measured  # here: the scripts import this module without the tests package
+
     try:
-        _, err = proc.communicate(timeout=timeout)
+        with measured(what):
+            _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it spawned
         _, err = proc.communicate()

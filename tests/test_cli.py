@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from stabilitykit.cli import main
+from tests.time_limits import run
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_precision_model_that_is_not_a_function_is_one_line_through_the_console_script(tmp_path: Path) -> None:
     """``--model os:path`` names a module: the real entry point prints one line and exits 2."""
-    done = subprocess.run(
+    done = run(
         [sys.executable, "-m", "stabilitykit.cli", "precision", "--model", "os:path", "--out", str(tmp_path)],
+        "cli_bad_model",
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=120,
     )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
@@ -72,10 +72,10 @@ def test_the_documented_precision_model_works_from_any_folder(tmp_path: Path) ->
     elsewhere = tmp_path / "somewhere"
     elsewhere.mkdir()
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}  # the package as installed, nothing else
-    done = subprocess.run(
+    done = run(
         [sys.executable, "-m", "stabilitykit.cli", "precision", "--model", "stabilitykit.testing.models:tiny_gpt",
          "--variants", "bf16", "--out", str(tmp_path / "report")],
-        capture_output=True, text=True, cwd=elsewhere, env=env, timeout=120,
+        "cli_precision", capture_output=True, text=True, cwd=elsewhere, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "report" / "precision.json").is_file()

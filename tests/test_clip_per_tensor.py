@@ -20,6 +20,7 @@ from stabilitykit.engine import StabilityEngine
 from tests import distributed_per_tensor_script as dist_script
 from tests.conftest import assert_bitwise_equal, batches, snapshot
 from tests.distributed_script_runner import run_world
+from tests.time_limits import limit
 
 RATIO, BETA = 1.05, 0.98
 
@@ -356,7 +357,7 @@ def test_transformers_llama_one_spiking_tensor_is_clipped_alone() -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     script = Path(dist_script.__file__)
-    return run_world(script, 2, tmp_path_factory.mktemp("per_tensor"), timeout=120)
+    return run_world(script, 2, tmp_path_factory.mktemp("per_tensor"), timeout=limit("distributed_per_tensor_script"))
 
 
 def _rel(a: float, b: float) -> float:

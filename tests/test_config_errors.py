@@ -44,6 +44,30 @@ def test_malformed_toml_names_the_file_and_line(tmp_path: Path) -> None:
         sk.StabilityConfig.from_file(path)
 
 
+def test_a_wrong_toml_value_names_the_file_the_line_and_the_field(tmp_path: Path) -> None:
+    """tomllib gives no positions: the key's line is found in the text (tables, dotted keys, inline tables)."""
+    path = tmp_path / "stability.toml"
+    path.write_text(
+        '# stabilitykit\nlog_every_n_steps = 10\n\n[clip]\nmode = "fixed"\nmax_norm = "one"\n\n[skip]\nmax_consecutive = 2.5\n'
+    )
+    with pytest.raises(sk.config.ConfigFileError) as info:
+        sk.StabilityConfig.from_file(path)
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith(f"{path}: line 6: clip.max_norm: ") and lines[0].endswith("(got 'one')"), lines
+    assert lines[1].startswith(f"{path}: line 9: skip.max_consecutive: "), lines
+    cases = {
+        'clip.mode = "fixed"\nclip.max_norm = "one"\n': "line 3: clip.max_norm: ",
+        'spikes = { enabled = true, warmup_steps = "7" }\n': "line 2: spikes.warmup_steps: ",
+        # a multi-line string holding a line that looks like a table header: passed over
+        '[recovery]\nstorage = """\n[clip]\n"""\nmax_lookback = "x"\n': "line 6: recovery.max_lookback: ",
+    }
+    for text, expected in cases.items():
+        path.write_text("log_every_n_steps = 10\n" + text)
+        with pytest.raises(sk.config.ConfigFileError) as info:
+            sk.StabilityConfig.from_file(path)
+        assert any(line.startswith(f"{path}: {expected}") for line in str(info.value).splitlines()), str(info.value)
+
+
 def test_toml_without_a_reader_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On Python 3.10 without tomli: a clear message, not a JSON error."""
     path = tmp_path / "stability.toml"

@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.time_limits import run
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: tests/cuda runs for real")
 def test_cuda_tests_are_collected_and_skipped_with_the_reason() -> None:
-    out = subprocess.run(
+    out = run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/cuda"],
+        "cuda_collect",
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
     )
     assert out.returncode == 0, out.stdout[-2000:]
     assert "CUDA not available: tests/cuda runs on a GPU machine (scripts/gpu_check.sh)" in out.stdout
@@ -28,12 +29,12 @@ def test_cuda_tests_are_collected_and_skipped_with_the_reason() -> None:
 
 def test_gpu_benchmark_runs_its_code_path_on_the_cpu() -> None:
     """benchmarks/gpu.py --tiny --device cpu: every arm runs and the table prints (numbers mean nothing here)."""
-    out = subprocess.run(
+    out = run(
         [sys.executable, "benchmarks/gpu.py", "--tiny", "--device", "cpu", "--rounds", "1"],
+        "gpu_benchmark_cpu",
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]

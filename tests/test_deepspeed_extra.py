@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
+
+from tests.time_limits import run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,7 +20,7 @@ from stabilitykit.integrations import DeepSpeedGuard
 
 
 def test_core_import_needs_no_deepspeed_and_the_missing_extra_names_the_install() -> None:
-    proc = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = run([sys.executable, "-c", CODE], "import_without_deepspeed", capture_output=True, text=True, cwd=ROOT)
     assert "core import ok" in proc.stdout, proc.stderr
     assert proc.returncode != 0
     assert "pip install 'stabilitykit[deepspeed]'" in proc.stderr

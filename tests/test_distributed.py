@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed_script_runner import run_world
+from tests.time_limits import limit
 
 SCRIPT = Path(__file__).parent / "distributed_parity_script.py"
 
@@ -19,7 +20,9 @@ SCRIPT = Path(__file__).parent / "distributed_parity_script.py"
 @pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     world = request.param
-    return run_world(SCRIPT, world, tmp_path_factory.mktemp(f"world{world}"), timeout=240)
+    return run_world(
+        SCRIPT, world, tmp_path_factory.mktemp(f"world{world}"), timeout=limit(f"distributed_parity_script_{world}")
+    )
 
 
 def _configs(results: dict) -> list[str]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed_script_runner import run_world
+from tests.time_limits import limit
 
 SCRIPT = Path(__file__).parent / "distributed_layouts_script.py"
 RTOL = 1.3e-6
@@ -24,7 +25,13 @@ FULL = os.environ.get("STABILITYKIT_FULL_MATRIX") == "1"
 
 
 def _run(tmp_path_factory: pytest.TempPathFactory, mode: str) -> list[dict]:
-    return run_world(SCRIPT, 4, tmp_path_factory.mktemp(f"layouts_{mode}"), mode, timeout=280 if mode == "ci" else 900)
+    return run_world(
+        SCRIPT,
+        4,
+        tmp_path_factory.mktemp(f"layouts_{mode}"),
+        mode,
+        timeout=limit("distributed_layouts_script") if mode == "ci" else 900,
+    )
 
 
 @pytest.fixture(scope="module")

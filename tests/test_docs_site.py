@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.time_limits import run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,13 +18,13 @@ def test_the_site_renders_the_config_reference_and_does_not_publish_the_hook(tmp
     pytest.importorskip("material")
     site = tmp_path / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
+    done = run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(site)],
+        "mkdocs_build",
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert not (site / "hooks").exists(), sorted(p.name for p in (site / "hooks").iterdir())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 import stabilitykit as sk
-from tests.time_limits import timeout_for
+from tests.time_limits import run, timeout_for
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -163,8 +162,8 @@ def test_hand_set_lr_example_holds_the_schedule_through_skips(capsys) -> None:
 
 def test_recovery_ddp_example_rolls_both_ranks_back_together(tmp_path) -> None:
     script = Path(__file__).parent.parent / "examples" / "recovery_ddp.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True, timeout=240
+    proc = run(
+        [sys.executable, str(script), "--out", str(tmp_path)], "example_recovery_ddp", capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "every rank rolled back together: True" in proc.stdout
@@ -210,11 +209,11 @@ def test_moe_routers_example_names_the_collapsed_router_after_the_bias() -> None
 )
 def test_deepspeed_example_skips_one_ranks_nan_on_every_rank(tmp_path) -> None:
     script = Path(__file__).parent.parent / "examples" / "deepspeed_loop.py"
-    proc = subprocess.run(
+    proc = run(
         [sys.executable, str(script), "--steps", "18", "--out", str(tmp_path)],
+        "example_deepspeed_loop",
         capture_output=True,
         text=True,
-        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "every rank skipped the NaN steps: True" in proc.stdout
@@ -233,11 +232,11 @@ def test_deepspeed_example_skips_one_ranks_nan_on_every_rank(tmp_path) -> None:
 def test_deepspeed_hf_trainer_example_skips_one_ranks_nan_on_every_rank(tmp_path) -> None:
     """The Trainer with deepspeed= (ZeRO-2) under torchrun on 2 CPU processes, started by the example itself."""
     script = Path(__file__).parent.parent / "examples" / "deepspeed_hf_trainer.py"
-    proc = subprocess.run(
+    proc = run(
         [sys.executable, str(script), "--steps", "6", "--out", str(tmp_path)],
+        "example_deepspeed_hf_trainer",
         capture_output=True,
         text=True,
-        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # 6 optimizer steps, step 2 skipped on both ranks: DeepSpeed's engine counts 5
@@ -269,8 +268,11 @@ def test_fp8_example_reports_fp8_rows_and_warns_on_the_massive_activation(tmp_pa
 
 def test_rerun_and_replicas_example_tells_the_machine_from_the_data(tmp_path) -> None:
     script = Path(__file__).parent.parent / "examples" / "rerun_and_replicas.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True, timeout=240
+    proc = run(
+        [sys.executable, str(script), "--out", str(tmp_path)],
+        "example_rerun_and_replicas",
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rerun @ step 5: transient, rank 1" in proc.stdout

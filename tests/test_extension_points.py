@@ -28,6 +28,7 @@ from stabilitykit.lightning import StabilityCallback
 from stabilitykit.testing.syncs import count_host_syncs
 from tests.conftest import assert_bitwise_equal, snapshot
 from tests.custom_rules import QualityGate
+from tests.time_limits import limit
 
 BAD_STEP = 3
 
@@ -397,7 +398,7 @@ def test_ddp_a_rule_raised_on_one_rank_skips_every_rank_and_metrics_are_agreed(
     monkeypatch.setenv("SK_REDUCE_MAX_ONLY", "1" if max_only else "0")
     monkeypatch.setenv("SK_DRIVER", driver)
     script = Path(__file__).parent / "distributed_extension_script.py"
-    ranks = run_world(script, 2, tmp_path)
+    ranks = run_world(script, 2, tmp_path, timeout=limit("distributed_extension_script"))
     for result in ranks:
         assert [tuple(e) for e in result["skipped"]] == [(BAD_STEP, "skipped", "quality_gate")], result["skipped"]
         assert result["unchanged"], "a skipped step changed the parameters"

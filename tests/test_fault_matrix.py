@@ -15,6 +15,7 @@ import pytest
 
 from tests.distributed_script_runner import run_world
 from tests.fault_matrix_script import cells
+from tests.time_limits import limit
 
 SCRIPT = Path(__file__).parent / "fault_matrix_script.py"
 FULL = os.environ.get("STABILITYKIT_FULL_MATRIX") == "1"
@@ -45,7 +46,7 @@ def _run(world: int, which: str, tmp: Path, timeout: float) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_fault_matrix_subset(world: int, tmp_path: Path) -> None:
-    _run(world, "ci", tmp_path, timeout=280)
+    _run(world, "ci", tmp_path, timeout=limit(f"fault_matrix_script_{world}"))
 
 
 @pytest.mark.distributed_matrix

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed_script_runner import run_world
+from tests.time_limits import limit
 
 SCRIPT = Path(__file__).parent / "distributed_fsdp_clip_script.py"
 MODE = "all" if os.environ.get("STABILITYKIT_FULL_MATRIX") == "1" else "ci"
@@ -21,7 +22,9 @@ RTOL = 1.3e-6  # torch.testing's float32 default, as the original test's assertE
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_world(SCRIPT, 2, tmp_path_factory.mktemp("fsdp_clip"), MODE, timeout=240)
+    return run_world(
+        SCRIPT, 2, tmp_path_factory.mktemp("fsdp_clip"), MODE, timeout=limit("distributed_fsdp_clip_script")
+    )
 
 
 def test_ddp_parity_across_strategies_orig_params_max_norms_and_norm_types(ranks: list[dict]) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,13 +16,14 @@ import stabilitykit as sk
 from stabilitykit.integrations import FabricGuard
 from stabilitykit.testing import char_batches, tiny_gpt
 from tests.conftest import assert_bitwise_equal, snapshot
+from tests.time_limits import run
 
 
 def test_two_gloo_processes_nan_on_one_rank_skips_everywhere_and_resumes(tmp_path: Path) -> None:
     script = Path(__file__).parent / "fabric_ddp_script.py"
     env = {**os.environ, "SK_OUT": str(tmp_path), "PYTHONPATH": str(Path(__file__).parent.parent)}
-    proc = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path
+    proc = run(
+        [sys.executable, str(script)], "fabric_ddp_script", env=env, capture_output=True, text=True, cwd=tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

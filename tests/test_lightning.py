@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from lightning_checks import StateAt
 import stabilitykit as sk
 from stabilitykit.lightning import StabilityCallback
 from stabilitykit.testing.lightning_gpt import GPTModule, gpt_dataloader
+from tests.time_limits import run
 
 CFG = sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0))
 
@@ -151,8 +151,9 @@ def _two_process_lightning(
         "SK_RULE": "1" if rule else "0",
         "PYTHONPATH": str(Path(__file__).parent.parent),
     }
-    proc = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path
+    proc = run(
+        [sys.executable, str(script)], f"lightning_ddp_script_{strategy}", env=env, capture_output=True, text=True,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 import stabilitykit as sk
 from stabilitykit.testing.syncs import count_host_syncs
 from tests.qk_models import AttnNet, UserAttention, per_head_logit_max
+from tests.time_limits import limit
 
 WIDTH = 16
 
@@ -446,7 +447,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     from tests.distributed_script_runner import run_world
 
     script = Path(__file__).parent / "distributed_qk_clip_script.py"
-    return run_world(script, 2, tmp_path_factory.mktemp("qk_clip"), timeout=120)
+    return run_world(script, 2, tmp_path_factory.mktemp("qk_clip"), timeout=limit("distributed_qk_clip_script"))
 
 
 @pytest.mark.parametrize("case", ["fsdp2_fused", "fsdp2_separate_gqa"])

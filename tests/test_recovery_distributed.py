@@ -23,6 +23,7 @@ from stabilitykit.recovery import Recovery
 from stabilitykit.recovery.agreement import Agreement, decode_request, encode_request
 from stabilitykit.recovery.vetting import Verdicts, decode_verdict, encode_verdict
 from tests.distributed_script_runner import run_torchrun, run_world
+from tests.time_limits import limit
 
 SCRIPT = Path(__file__).parent / "distributed_recovery_script.py"
 CASES = ["ddp-alert", "ddp-nan", "fsdp2-alert", "fsdp2-nan", "fsdp2-alert-disk", "fsdp1-alert", "tp-alert"]
@@ -30,7 +31,7 @@ CASES = ["ddp-alert", "ddp-nan", "fsdp2-alert", "fsdp2-nan", "fsdp2-alert-disk",
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_world(SCRIPT, 2, tmp_path_factory.mktemp("recovery"), timeout=240)
+    return run_world(SCRIPT, 2, tmp_path_factory.mktemp("recovery"), timeout=limit("distributed_recovery_script"))
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -96,7 +97,7 @@ def test_a_snapshot_inside_one_ranks_climb_is_dropped_on_every_rank(ranks: list[
 def test_hf_trainer_ddp_ranks_roll_back_together_on_one_ranks_alert(tmp_path: Path) -> None:
     """The real HF Trainer under ``torchrun`` (DDP over gloo through Accelerate): rank 1 alone alerts."""
     script = Path(__file__).parent / "hf_ddp_recovery_script.py"
-    first, second = run_torchrun(script, 2, tmp_path)
+    first, second = run_torchrun(script, 2, tmp_path, timeout=limit("hf_ddp_recovery_script"))
     assert first["world"] == second["world"] == 2
     assert first["alerts"] == [] and second["alerts"] == [12]
     assert len(first["rollbacks"]) == 1 and first["rollbacks"] == second["rollbacks"]

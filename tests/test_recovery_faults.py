@@ -7,7 +7,6 @@ import copy
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import textwrap
 import warnings
@@ -22,6 +21,7 @@ from torch import nn
 import stabilitykit as sk
 from stabilitykit.recovery.files import owner_tag
 from tests.recovery_setups import diverged_only_config, mlp, mlp_batches
+from tests.time_limits import run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -409,7 +409,7 @@ def test_snapshot_files_of_a_killed_process_are_removed_at_start(tmp_path: Path)
         """
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=120)
+    done = run([sys.executable, "-c", script], "killed_after_snapshots", env=env, capture_output=True)
     assert done.returncode == -signal.SIGKILL, done.stderr.decode()
     left = sorted(p.name for p in snaps.glob("snapshot-*.pt"))
     assert len(left) == 2, left  # keep=2: the killed process never removed them

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-import subprocess
 from pathlib import Path
+
+from tests.time_limits import run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,7 +36,7 @@ def _checkout(tmp_path: Path) -> tuple[Path, dict[str, str]]:
 
 def test_setup_says_what_it_does_on_the_first_run_and_nothing_after(tmp_path: Path) -> None:
     checkout, env = _checkout(tmp_path)
-    first = subprocess.run(["bash", "scripts/setup.sh"], cwd=checkout, env=env, capture_output=True, text=True)
+    first = run(["bash", "scripts/setup.sh"], "setup_script", cwd=checkout, env=env, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
     lines = first.stderr.splitlines()
     assert lines[0] == "stabilitykit setup: creating .venv with " + env["PYTHON"] + " (first run only)"
@@ -47,5 +48,5 @@ def test_setup_says_what_it_does_on_the_first_run_and_nothing_after(tmp_path: Pa
     # DeepSpeed's comm op is built here, announced, into the venv's own extensions folder
     assert "stabilitykit setup: building DeepSpeed's CPU comm op once into .venv/torch_extensions" in lines[-2]
     assert lines[-1].startswith("stabilitykit setup: DeepSpeed's comm op built in ")
-    again = subprocess.run(["bash", "scripts/setup.sh"], cwd=checkout, env=env, capture_output=True, text=True)
+    again = run(["bash", "scripts/setup.sh"], "setup_script", cwd=checkout, env=env, capture_output=True, text=True)
     assert again.returncode == 0 and again.stderr == "" and again.stdout == ""

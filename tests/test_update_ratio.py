@@ -21,6 +21,7 @@ from stabilitykit.sinks import JsonlSink, WandbRunFile, WandbSink, read_jsonl
 from stabilitykit.testing.syncs import count_host_syncs
 from tests.conftest import batches
 from tests.distributed_script_runner import run_world
+from tests.time_limits import limit
 
 PREFIX = "stability"
 RTOL = 1e-5
@@ -286,7 +287,7 @@ def test_dashboard_has_the_update_ratio_section() -> None:
 
 def test_ddp_fsdp2_and_fsdp1_on_two_processes_match_one_process(tmp_path: Path) -> None:
     script = Path(__file__).parent / "distributed_update_script.py"
-    ranks = run_world(script, 2, tmp_path, timeout=120)
+    ranks = run_world(script, 2, tmp_path, timeout=limit("distributed_update_script"))
     assert set(ranks[0]) == {"ddp|2.0", "fsdp2|2.0", "fsdp2|inf", "fsdp1-orig|2.0", "fsdp1-flat|2.0"}
     for case in ranks[0]:
         reference = ranks[0][case]["reference"]  # one process, by hand: metrics after steps 1, 3 (skipped), 5

@@ -1,15 +1,23 @@
-"""Time limits of the suite's long launches: a measured quiet-machine time times a wide factor.
+"""Time limits of the suite's launches: a measured quiet-machine time times a wide factor.
 
 A limit exists to end a hang, not to judge speed, so it must hold on a loaded 2-core machine (a
 fresh clone's first run beside other work). Each entry below is what the launch cost on a quiet
 machine, taken as its CPU time (user + system, every process it started): the wall time it needs
 when it has the cores to itself. ``limit`` multiplies it by ``STABILITYKIT_TIME_FACTOR`` (default 20:
 a load of 15 on 2 cores, seen on the machine these were measured on, slowed them about 12x).
+
+To measure them again, run the tests with ``STABILITYKIT_TIME_LOG=<file>``: every launch that goes
+through ``run`` or ``tests.distributed_script_runner`` appends its name and CPU time to that file.
 """
 
 from __future__ import annotations
 
 import os
+import resource
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 #: Seconds each launch needs on a quiet machine (CPU time, all its processes), measured 2026-11-27
 #: with DeepSpeed's comm op already built (scripts/setup.sh builds it).
@@ -20,6 +28,33 @@ QUIET_S = {
     "deepspeed_script": 33.0,
     # tests/hf_deepspeed_script.py under torchrun on 2 processes (the covering cells): 32.6 s user + 1.9 s system
     "hf_deepspeed_script": 35.0,
+    "cli_bad_model": 6.0,  # PROVISIONAL
+    "cli_precision": 6.0,  # PROVISIONAL
+    "cuda_collect": 6.0,  # PROVISIONAL
+    "gpu_benchmark_cpu": 15.0,  # PROVISIONAL
+    "import_without_deepspeed": 6.0,  # PROVISIONAL
+    "mkdocs_build": 12.0,  # PROVISIONAL
+    "example_recovery_ddp": 12.0,  # PROVISIONAL
+    "example_deepspeed_loop": 12.0,  # PROVISIONAL
+    "example_deepspeed_hf_trainer": 12.0,  # PROVISIONAL
+    "example_rerun_and_replicas": 12.0,  # PROVISIONAL
+    "fabric_ddp_script": 9.0,  # PROVISIONAL
+    "lightning_ddp_script_ddp": 12.0,  # PROVISIONAL
+    "lightning_ddp_script_fsdp2": 12.0,  # PROVISIONAL
+    "killed_after_snapshots": 6.0,  # PROVISIONAL
+    "setup_script": 6.0,  # PROVISIONAL
+    "distributed_per_tensor_script": 6.0,  # PROVISIONAL
+    "distributed_parity_script_2": 12.0,  # PROVISIONAL
+    "distributed_parity_script_3": 12.0,  # PROVISIONAL
+    "distributed_layouts_script": 14.0,  # PROVISIONAL
+    "distributed_extension_script": 12.0,  # PROVISIONAL
+    "fault_matrix_script_2": 14.0,  # PROVISIONAL
+    "fault_matrix_script_4": 14.0,  # PROVISIONAL
+    "distributed_fsdp_clip_script": 12.0,  # PROVISIONAL
+    "distributed_qk_clip_script": 6.0,  # PROVISIONAL
+    "distributed_recovery_script": 12.0,  # PROVISIONAL
+    "hf_ddp_recovery_script": 12.0,  # PROVISIONAL
+    "distributed_update_script": 6.0,  # PROVISIONAL
 }
 
 #: How many times the quiet time a launch may take before it is called hung.
@@ -35,3 +70,23 @@ def timeout_for(name: str) -> float:
     """The pytest-timeout of the test that waits for launch ``name`` (the launch's own limit, plus a minute
     for the test around it), so that the launch's limit, which names what hung, is the one that fires."""
     return limit(name) + 60.0
+
+
+@contextmanager
+def measured(name: str) -> Iterator[None]:
+    """Record the CPU time of the child processes reaped inside the block under ``name`` (user + system,
+    grandchildren included once their parent is reaped) when ``STABILITYKIT_TIME_LOG`` names a file."""
+    log = os.environ.get("STABILITYKIT_TIME_LOG")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    yield
+    if log:
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        with open(log, "a") as f:
+            f.write(f"{name}\t{cpu:.1f}\t{os.environ.get('PYTEST_CURRENT_TEST', '')}\n")
+
+
+def run(cmd: list[str], name: str, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+    """``subprocess.run(cmd, **kwargs)`` under launch ``name``'s limit, its CPU time recorded (``measured``)."""
+    with measured(name):
+        return subprocess.run(cmd, timeout=limit(name), **kwargs)
