@@ -425,8 +425,8 @@ class SpikeScore:
         return sum(1 for v in self.values if abs(v - mean) > self.sigma * std) / n
 
     def state_dict(self) -> dict[str, Any]:
-        """The window's values."""
-        return {"values": list(self.values)}
+        """The window's values and its length (which tells a window cut short from one still filling)."""
+        return {"values": list(self.values), "window": self.window}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
@@ -585,6 +585,9 @@ class SpikeMonitor:
             PredictiveDetector(rate, warmup, size=len(self.layer_names), scale_rate=scale_rate) if per_layer else None
         )
         self.trends: dict[str, TrendDetector] = {}
+        #: Steps that brought precursor signals (each made or fed a trend): a saved state that counts some
+        #: and holds no trend is damaged, not a run without precursors.
+        self.trend_steps = 0
         self.trend_high: set[str] = set()  # signals above trend_warning (a warning fires on the crossing)
         #: The loss's recent level over its long-run level (log units; < 0 while it falls): the gate of
         #: ``trend_while_stalled``.
@@ -711,6 +714,8 @@ class SpikeMonitor:
         gate = cfg.trend_while_stalled
         stalled = gate is None or self.loss_trend_value >= -gate
         name_top, growth_top = None, 0.0
+        if signals:
+            self.trend_steps += 1
         for name, value in (signals or {}).items():
             detector = self.trends.get(name)
             if detector is None:
@@ -750,6 +755,7 @@ class SpikeMonitor:
             "detector": self.detector.state_dict(),
             "layer_detector": self.layer_detector.state_dict() if self.layer_detector is not None else None,
             "trends": {name: d.state_dict() for name, d in self.trends.items()},
+            "trend_steps": self.trend_steps,
             "trend_high": sorted(self.trend_high),
             "loss_trend": self.loss_trend.state_dict(),
             "spike_score": self.spike_score.state_dict(),
@@ -770,10 +776,10 @@ class SpikeMonitor:
         if self.layer_detector is not None and state["layer_detector"] is not None:
             self.layer_detector.load_state_dict(state["layer_detector"])
         self.trends = {}
+        self.trend_steps = int(state["trend_steps"])
         self.trend_high = set(state["trend_high"])
-        if state.get("loss_trend") is not None:
-            self.loss_trend.load_state_dict(state["loss_trend"])
-            self.loss_trend_value = self.loss_trend.fast - self.loss_trend.slow
+        self.loss_trend.load_state_dict(state["loss_trend"])
+        self.loss_trend_value = self.loss_trend.fast - self.loss_trend.slow
         for name, sub in state["trends"].items():
             self.trends[name] = TrendDetector(warmup_steps=max(self.config.warmup_steps, self.config.trend_warmup))
             self.trends[name].load_state_dict(sub)

@@ -26,7 +26,7 @@ from stabilitykit.recovery.escalation import LrChange
 from stabilitykit.recovery.record import RollbackRecord
 
 #: Version of the state a driver saves, and the only one this release reads.
-STATE_VERSION = 6
+STATE_VERSION = 7
 
 
 class _State(BaseModel):
@@ -104,6 +104,13 @@ class _Level(_State):
 
 class _SpikeScore(_State):
     values: list[float]
+    window: int = Field(ge=2)
+
+    @model_validator(mode="after")
+    def _within_window(self) -> _SpikeScore:
+        if len(self.values) > self.window:
+            raise ValueError(f"'values' holds {len(self.values)} values, more than its window of {self.window}")
+        return self
 
 
 class _Spikes(_State):
@@ -112,8 +119,9 @@ class _Spikes(_State):
     detector: _Detector
     layer_detector: _Detector | None
     trends: dict[str, _Trend]
+    trend_steps: int = Field(ge=0)
     trend_high: list[str]
-    loss_trend: _Trend | None = None  # absent from checkpoints written before the trend gate
+    loss_trend: _Trend
     spike_score: _SpikeScore
     last_z: list[float] = Field(min_length=2, max_length=2)
     recent: list[float] = Field(min_length=3, max_length=3)
@@ -129,6 +137,30 @@ class _Spikes(_State):
     def _two_series(self) -> _Spikes:
         if self.detector.size != 2:
             raise ValueError(f"'detector' scores 2 series (grad norm, loss), this one holds {self.detector.size}")
+        return self
+
+    @model_validator(mode="after")
+    def _consistent_history(self) -> _Spikes:
+        """What the monitor's parts saw agrees: every step scored fed the score window a grad norm (the
+        window holds the last of them), and a step that brought precursors made or fed a trend."""
+        scored, window = self.detector.count[0], self.spike_score.window
+        held = len(self.spike_score.values)
+        if held < min(scored, window):
+            raise ValueError(
+                f"'spike_score.values' holds {held} values, but the detector scored {scored} grad norms "
+                f"(window {window}): a window cut short"
+            )
+        if self.trend_steps and not self.trends:
+            raise ValueError(f"'trends' is empty, but {self.trend_steps} steps brought precursor signals")
+        for name, trend in self.trends.items():
+            if trend.count > self.trend_steps:
+                raise ValueError(
+                    f"'trends.{name}' counts {trend.count} values, more than the {self.trend_steps} steps "
+                    "that brought precursor signals"
+                )
+        missing = sorted(set(self.trend_high) - set(self.trends))
+        if missing:
+            raise ValueError(f"'trend_high' names {missing} that 'trends' does not hold")
         return self
 
 
@@ -293,10 +325,12 @@ def _match_reference(saved: Mapping[str, Any], ours: Mapping[str, Any]) -> None:
     saved_rows = saved["journal"]["rows"]
     columns = saved["journal"].get("columns") or LEGACY_COLUMNS
     width = len(columns) + len(saved["journal"].get("metric_names", []))
-    if saved["journal"]["infos"] and saved_rows.shape[1] < width:
+    layers = len(saved["layer_names"])
+    if saved["journal"]["infos"] and saved_rows.shape[1] not in (width, width + layers):
         raise _Invalid(
             "journal.rows",
-            f"unread rows are {saved_rows.shape[1]} wide, fewer than their {width} named columns",
+            f"unread rows are {saved_rows.shape[1]} wide; their {width} named columns make {width} "
+            f"(no per-layer norms) or, with a norm for each of the {layers} layers, {width + layers}",
         )
     saved_spikes, our_spikes = saved["ledger"]["spikes"], ours["ledger"]["spikes"]
     if saved_spikes is not None and our_spikes is not None:

@@ -48,7 +48,8 @@ def test_a_wrong_toml_value_names_the_file_the_line_and_the_field(tmp_path: Path
     """tomllib gives no positions: the key's line is found in the text (tables, dotted keys, inline tables)."""
     path = tmp_path / "stability.toml"
     path.write_text(
-        '# stabilitykit\nlog_every_n_steps = 10\n\n[clip]\nmode = "fixed"\nmax_norm = "one"\n\n[skip]\nmax_consecutive = 2.5\n'
+        '# stabilitykit\nlog_every_n_steps = 10\n\n[clip]\nmode = "fixed"\nmax_norm = "one"\n\n'
+        "[skip]\nmax_consecutive = 2.5\n"
     )
     with pytest.raises(sk.config.ConfigFileError) as info:
         sk.StabilityConfig.from_file(path)

@@ -123,36 +123,20 @@ def test_the_rollback_limit_error_says_what_was_tried() -> None:
     guard.close()
 
 
-class NoLrOptimizer(torch.optim.Optimizer):
-    """A real optimizer whose param groups have no "lr" (A2Grad-like: its step size comes from ``lips`` and the
-    step count), so nothing can be lowered."""
-
-    def __init__(self, params: Any, lips: float = 10.0) -> None:
-        super().__init__(params, {"lips": lips})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                state["step"] = state.get("step", 0) + 1
-                p.add_(p.grad, alpha=-2.0 / (group["lips"] * (state["step"] + 1)))
-        return None
-
-
 def test_an_optimizer_without_lr_rolls_back_with_one_warning() -> None:
-    """The rollback's LR cooldown is skipped with one warning naming the optimizer (not KeyError: 'lr'), the
-    rollback itself happens, and no lr metric is logged for the groups without one."""
+    """``pytorch_optimizer``'s A2Grad has no "lr" in its param groups (its step size comes from ``lips`` and
+    the step count): the rollback's LR cooldown is skipped with one warning naming it (not KeyError: 'lr'),
+    the rollback itself happens, and no lr metric is logged for the groups without one."""
+    a2grad = pytest.importorskip("pytorch_optimizer").A2Grad
     model = mlp()
-    opt = NoLrOptimizer(model.parameters())
+    opt = a2grad(model.parameters(), lips=10.0)
+    assert "lr" not in opt.param_groups[0]
     cfg = diverged_only_config(cooldown_steps=10)
     sink = Metrics()
     guard = sk.StabilityGuard(model, opt, cfg, sinks=[sink])
     rollbacks: list[sk.Event] = []
     guard.hooks.on("rollback", rollbacks.append)
-    with pytest.warns(RuntimeWarning, match="NoLrOptimizer has param groups without an 'lr'") as caught:
+    with pytest.warns(RuntimeWarning, match="A2Grad has param groups without an 'lr'") as caught:
         for i, x in enumerate(mlp_batches(30)):
             loss = model(x).pow(2).mean()
             guard.backward(loss * float("nan") if 10 <= i < 13 else loss)

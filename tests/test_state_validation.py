@@ -42,7 +42,9 @@ CONFIGS = {
 
 def _train(guard: sk.StabilityGuard, model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> None:
     for batch in batches:
-        guard.backward(model(**batch).loss)
+        loss = model(**batch).loss
+        guard.record("loss_copy", loss.detach())  # a recorded metric: a journal column and a precursor trend
+        guard.backward(loss)
         guard.step()
         guard.zero_grad()
 
@@ -275,6 +277,17 @@ def test_sections_declared_on_their_owners_keep_their_constraints(
         (("engine", "ledger", "spikes"), None, "engine.ledger.spikes': null"),
         (("engine", "ledger", "spikes", "layer_detector"), None, "engine.ledger.spikes.layer_detector': null"),
         (("engine", "journal", "columns"), [], "engine.journal.columns': [] is not this release's row layout"),
+        # the four that loaded silently: the trends emptied, the score window cut short, the rows a column
+        # short (the per-layer norms misread), the loss trend dropped or nulled (its warm-up restarted)
+        (("engine", "ledger", "spikes", "trends"), {}, "engine.ledger.spikes': value error, 'trends' is empty"),
+        (
+            ("engine", "ledger", "spikes", "spike_score", "values"),
+            "cut",
+            "engine.ledger.spikes': value error, 'spike_score.values' holds 4",
+        ),
+        (("engine", "journal", "rows"), "column", "engine.journal.rows': unread rows are"),
+        (("engine", "ledger", "spikes", "loss_trend"), "drop", "engine.ledger.spikes.loss_trend': field required"),
+        (("engine", "ledger", "spikes", "loss_trend"), None, "engine.ledger.spikes.loss_trend': input should be"),
     ],
 )
 def test_an_emptied_or_dropped_section_is_refused_naming_its_path(path: Path, value: Any, named: str) -> None:
@@ -284,8 +297,12 @@ def test_an_emptied_or_dropped_section_is_refused_naming_its_path(path: Path, va
     original = guard.state_dict()
     altered = copy.deepcopy(original)
     core = altered["optimizers"][0]
-    if value is None and path[-1] in ("skipped_total", "folded"):
+    if value == "drop" or (value is None and path[-1] in ("skipped_total", "folded")):
         _drop(path)(core)
+    elif value == "cut":
+        _set(path, _get(core, path)[:-1])(core)
+    elif value == "column":
+        _set(path, _get(core, path)[:, :-1])(core)
     else:
         _set(path, value)(core)
     with pytest.raises(ValueError, match=re.escape("invalid stabilitykit state at 'optimizers.0." + named)):

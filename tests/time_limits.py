@@ -43,6 +43,7 @@ QUIET_S = {
     "lightning_ddp_script_fsdp2": 12.0,  # PROVISIONAL
     "killed_after_snapshots": 6.0,  # PROVISIONAL
     "setup_script": 6.0,  # PROVISIONAL
+    "hf_trainer_noise": 10.0,  # PROVISIONAL
     "distributed_per_tensor_script": 6.0,  # PROVISIONAL
     "distributed_parity_script_2": 12.0,  # PROVISIONAL
     "distributed_parity_script_3": 12.0,  # PROVISIONAL
