@@ -20,7 +20,7 @@ from stabilitykit.engine import StabilityEngine
 from tests import distributed_per_tensor_script as dist_script
 from tests.conftest import assert_bitwise_equal, batches, snapshot
 from tests.distributed_script_runner import run_world
-from tests.time_limits import limit
+from tests.time_limits import limit, waits_for
 
 RATIO, BETA = 1.05, 0.98
 
@@ -365,6 +365,7 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.mark.parametrize("key", ["ddp|2.0", "fsdp2|2.0", "fsdp2|inf", "fsdp1|2.0"])
+@waits_for("distributed_per_tensor_script")
 def test_two_processes_clip_like_one(ranks: list[dict], key: str) -> None:
     """DDP, FSDP2 and FSDP1 on 2 gloo processes vs one process on the whole batch: same per-tensor clipping."""
     ref = dist_script.train_reference(float(key.split("|")[1]))
@@ -386,6 +387,7 @@ def test_two_processes_clip_like_one(ranks: list[dict], key: str) -> None:
     assert ranks[0][key]["gamma"] == ranks[1][key]["gamma"], "every rank holds the same EMAs"
 
 
+@waits_for("distributed_per_tensor_script")
 def test_per_tensor_norms_ride_in_the_existing_collectives(ranks: list[dict]) -> None:
     counts = [rank["collectives"] for rank in ranks]
     assert counts[0] == counts[1]

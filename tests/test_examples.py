@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import stabilitykit as sk
-from tests.time_limits import run, timeout_for
+from tests.time_limits import run, timeout_for, waits_for
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -160,6 +160,7 @@ def test_hand_set_lr_example_holds_the_schedule_through_skips(capsys) -> None:
     assert "identical LRs: True, identical weights: True" in capsys.readouterr().out
 
 
+@waits_for("example_recovery_ddp")
 def test_recovery_ddp_example_rolls_both_ranks_back_together(tmp_path) -> None:
     script = Path(__file__).parent.parent / "examples" / "recovery_ddp.py"
     proc = run(
@@ -207,6 +208,7 @@ def test_moe_routers_example_names_the_collapsed_router_after_the_bias() -> None
     importlib.util.find_spec("deepspeed") is None,
     reason="deepspeed is not installed: pip install 'stabilitykit[deepspeed]' (bash scripts/setup.sh installs it)",
 )
+@waits_for("example_deepspeed_loop")
 def test_deepspeed_example_skips_one_ranks_nan_on_every_rank(tmp_path) -> None:
     script = Path(__file__).parent.parent / "examples" / "deepspeed_loop.py"
     proc = run(
@@ -229,6 +231,7 @@ def test_deepspeed_example_skips_one_ranks_nan_on_every_rank(tmp_path) -> None:
     importlib.util.find_spec("deepspeed") is None,
     reason="deepspeed is not installed: pip install 'stabilitykit[deepspeed]' (bash scripts/setup.sh installs it)",
 )
+@waits_for("example_deepspeed_hf_trainer")
 def test_deepspeed_hf_trainer_example_skips_one_ranks_nan_on_every_rank(tmp_path) -> None:
     """The Trainer with deepspeed= (ZeRO-2) under torchrun on 2 CPU processes, started by the example itself."""
     script = Path(__file__).parent.parent / "examples" / "deepspeed_hf_trainer.py"
@@ -266,6 +269,7 @@ def test_fp8_example_reports_fp8_rows_and_warns_on_the_massive_activation(tmp_pa
     assert [e["layer"] for e in events if e["event"] == "fp8_warning"] == ["model.layers.0.mlp.down_proj"]
 
 
+@waits_for("example_rerun_and_replicas")
 def test_rerun_and_replicas_example_tells_the_machine_from_the_data(tmp_path) -> None:
     script = Path(__file__).parent.parent / "examples" / "rerun_and_replicas.py"
     proc = run(

@@ -152,7 +152,7 @@ def _two_process_lightning(
         "PYTHONPATH": str(Path(__file__).parent.parent),
     }
     proc = run(
-        [sys.executable, str(script)], f"lightning_ddp_script_{strategy}", env=env, capture_output=True, text=True,
+        [sys.executable, str(script)], "lightning_ddp_script", env=env, capture_output=True, text=True,
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 import stabilitykit as sk
 from stabilitykit.testing.syncs import count_host_syncs
 from tests.qk_models import AttnNet, UserAttention, per_head_logit_max
-from tests.time_limits import limit
+from tests.time_limits import limit, waits_for
 
 WIDTH = 16
 
@@ -451,6 +451,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 @pytest.mark.parametrize("case", ["fsdp2_fused", "fsdp2_separate_gqa"])
+@waits_for("distributed_qk_clip_script")
 def test_fsdp2_rescale_equals_the_single_process_bitwise(ranks: list[dict], case: str) -> None:
     for r, rank in enumerate(ranks):
         result = rank[case]
@@ -461,6 +462,7 @@ def test_fsdp2_rescale_equals_the_single_process_bitwise(ranks: list[dict], case
         assert result["nan_on_rank1_unchanged"], f"rank {r}: a NaN on rank 1 rescaled weights"
 
 
+@waits_for("distributed_qk_clip_script")
 def test_tensor_parallel_rescale_equals_the_single_process_bitwise(ranks: list[dict]) -> None:
     for r, rank in enumerate(ranks):
         for i, row in enumerate(rank["tp"]["iterations"]):
@@ -471,6 +473,7 @@ def test_tensor_parallel_rescale_equals_the_single_process_bitwise(ranks: list[d
         assert sum(row["heads_clipped"] for row in rows) == rows[0]["ref_heads_clipped"] > 0
 
 
+@waits_for("distributed_qk_clip_script")
 def test_guard_on_fsdp2_matches_the_single_process(ranks: list[dict]) -> None:
     for rank in ranks:
         assert rank["guard_fsdp2"]["max_abs_diff"] < 1e-6
