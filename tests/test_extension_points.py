@@ -28,7 +28,7 @@ from stabilitykit.lightning import StabilityCallback
 from stabilitykit.testing.syncs import count_host_syncs
 from tests.conftest import assert_bitwise_equal, snapshot
 from tests.custom_rules import QualityGate
-from tests.time_limits import limit
+from tests.time_limits import limit, waits_for
 
 BAD_STEP = 3
 
@@ -390,6 +390,7 @@ def test_a_guard_closed_by_an_exception_in_its_block_closes_its_sinks_and_unrout
     [("guard", False), ("guard", True), ("accelerate", False)],
     ids=["guard-gathered", "guard-max-all-reduce", "accelerate-gathered"],
 )
+@waits_for("distributed_extension_script")
 def test_ddp_a_rule_raised_on_one_rank_skips_every_rank_and_metrics_are_agreed(
     tmp_path: Path, driver: str, max_only: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -21,7 +21,7 @@ from stabilitykit.sinks import JsonlSink, WandbRunFile, WandbSink, read_jsonl
 from stabilitykit.testing.syncs import count_host_syncs
 from tests.conftest import batches
 from tests.distributed_script_runner import run_world
-from tests.time_limits import limit
+from tests.time_limits import limit, waits_for
 
 PREFIX = "stability"
 RTOL = 1e-5
@@ -285,6 +285,7 @@ def test_dashboard_has_the_update_ratio_section() -> None:
     assert all(p.x == "trainer/global_step" for p in section.panels)
 
 
+@waits_for("distributed_update_script")
 def test_ddp_fsdp2_and_fsdp1_on_two_processes_match_one_process(tmp_path: Path) -> None:
     script = Path(__file__).parent / "distributed_update_script.py"
     ranks = run_world(script, 2, tmp_path, timeout=limit("distributed_update_script"))
