@@ -323,7 +323,9 @@ def rerun_cost(args: argparse.Namespace) -> dict[str, float]:
             clip=sk.ClipConfig(mode="fixed", max_norm=1.0),
             log_every_n_steps=10,
             skip=sk.SkipConfig(max_consecutive=None),
-            rerun=sk.RerunConfig() if rerun else None,
+            # the faulty arm reads every step's decision so that every step is re-run (fused AdamW otherwise
+            # re-runs only a flagged logging step: rerun adds no read of its own)
+            rerun=sk.RerunConfig(read_every_step=faulty) if rerun else None,
         )
         guard = sk.StabilityGuard(model, opt, cfg)
         guards.append((model, opt, guard))

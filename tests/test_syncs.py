@@ -129,34 +129,34 @@ def test_library_sites_are_matched_by_the_package_location_not_a_folder_named_st
 @pytest.mark.filterwarnings("ignore:stabilitykit.*transient fault")
 @pytest.mark.parametrize("arm", ["fused", "fused-every-step", "non-fused"])
 def test_rerun_adds_no_sync_to_a_step_and_reruns_where_the_host_reads(arm: str) -> None:
-    """Rerun armed (a replay every step): the counts of a run without rerun. A NaN first pass at step 7
-    (between logging steps) and at step 10 (a logging step) is re-run where the host reads that step's
+    """Rerun armed (a replay every step): the counts of a run without rerun. A NaN first pass at step 4
+    (between logging steps) and at step 6 (a logging step) is re-run where the host reads that step's
     decision anyway (every step of a non-fused optimizer, logging steps of a fused one; every step when
     asked); the rerun step pays two reads more (its row, the comparison)."""
     model = sk.testing.tiny_gpt()
     fused = arm != "non-fused"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused, foreach=None if fused else False)
     rerun = sk.RerunConfig(read_every_step=arm == "fused-every-step", max_transient=None)
-    guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(log_every_n_steps=5, rerun=rerun), sinks=[])
+    guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(log_every_n_steps=3, rerun=rerun), sinks=[])
     verdicts: list[tuple[int, str]] = []
     guard.hooks.on("rerun", lambda e: verdicts.append((e.step, e.details["verdict"])))
     counts = []
-    for i, (x, y) in enumerate(batches(12)):
+    for i, (x, y) in enumerate(batches(8)):
 
         def loss_of(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
             return model.loss(x, y)
 
         with count_host_syncs() as counter:
-            guard.backward(loss_of() * (float("nan") if i in (7, 10) else 1.0))  # the first pass only
+            guard.backward(loss_of() * (float("nan") if i in (4, 6) else 1.0))  # the first pass only
             guard.step(replay=loss_of)
             guard.zero_grad()
         counts.append(_ours(counter))
     per_step = 1 if arm != "fused" else 0
-    expected = [1 if i % 5 == 0 else per_step for i in range(12)]
-    rerun_steps = [10] if arm == "fused" else [7, 10]
+    expected = [1 if i % 3 == 0 else per_step for i in range(8)]
+    rerun_steps = [6] if arm == "fused" else [4, 6]
     for i in rerun_steps:
         expected[i] += 2
     assert counts == expected
     assert verdicts == [(i, "transient") for i in rerun_steps]
-    assert guard.skipped_total == (1 if arm == "fused" else 0)  # step 7 skipped on the device, not re-run
+    assert guard.skipped_total == (1 if arm == "fused" else 0)  # step 4 skipped on the device, not re-run
     guard.close()
