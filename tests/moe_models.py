@@ -102,20 +102,20 @@ def tiny_moe(model_type: str, seed: int = 0, **changes: Any) -> torch.nn.Module:
 
 
 def tiny_mixtral(seed: int = 0, **changes: Any) -> MixtralForCausalLM:
-    """A 2-layer Mixtral with 8 experts, top-2 (~110k parameters), random init."""
+    """A 2-layer Mixtral with 8 experts, top-2 (~110k parameters), random init (``changes``: config fields)."""
     torch.manual_seed(seed)
-    config = MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
-        max_position_embeddings=64,
-        **changes,
-    )
+    fields: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": EXPERTS,
+        "num_experts_per_tok": TOP_K,
+        "max_position_embeddings": 64,
+    }
+    config = MixtralConfig(**{**fields, **changes})
     return MixtralForCausalLM(config)
 
 

@@ -357,19 +357,21 @@ def test_a_users_own_router_is_named_in_the_config() -> None:
         )
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_compiled_mixtral_logs_the_same_values_with_no_graph_breaks_from_the_monitors(backend: str) -> None:
+def test_compiled_mixtral_logs_the_same_values_with_no_graph_breaks_from_the_monitors() -> None:
+    """Graph breaks are Dynamo's, whatever the backend: the monitored model compiled with ``aot_eager`` (its
+    values through AOTAutograd too) breaks no more than the bare model compiled with ``eager``; the
+    values equal the eager model's. One layer: one router is enough to trace the hooks."""
     from torch._dynamo.utils import counters
 
-    def run(monitors: bool) -> tuple[dict[str, float], int]:
+    def run(backend: str | None, monitors: bool) -> tuple[dict[str, float], int]:
         torch._dynamo.reset()
         counters.clear()
-        model = tiny_mixtral()
-        compiled = torch.compile(model, backend=backend)
+        model = tiny_mixtral(num_hidden_layers=1)
+        compiled = torch.compile(model, backend=backend) if backend is not None else model
         cfg = sk.StabilityConfig(log_every_n_steps=2, monitors=sk.MonitorConfig(**ONLY_ROUTERS) if monitors else None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         guard = sk.StabilityGuard(compiled, opt, config=cfg, sinks=[sk.sinks.ConsoleSink(stream=io.StringIO())])
-        for seed in range(3):
+        for seed in range(3):  # steps 0 and 2 sampled, step 1 not: both variants of the graph
             guard.backward(compiled(**padded_batch(seed=seed)).loss)
             guard.step()
             guard.zero_grad()
@@ -379,26 +381,12 @@ def test_compiled_mixtral_logs_the_same_values_with_no_graph_breaks_from_the_mon
         torch._dynamo.reset()
         return metrics, breaks
 
-    with_monitors, breaks = run(True)
-    _, bare_breaks = run(False)
+    with_monitors, breaks = run("aot_eager", True)
+    _, bare_breaks = run("eager", False)
     assert breaks == bare_breaks, (breaks, bare_breaks)
-    # the same values as the eager model on the same steps
-    model = tiny_mixtral()
-    cfg = sk.StabilityConfig(log_every_n_steps=2, monitors=sk.MonitorConfig(**ONLY_ROUTERS))
-    guard = sk.StabilityGuard(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=1e-3),
-        config=cfg,
-        sinks=[sk.sinks.ConsoleSink(stream=io.StringIO())],
-    )
-    for seed in range(3):
-        guard.backward(model(**padded_batch(seed=seed)).loss)
-        guard.step()
-        guard.zero_grad()
-    eager = guard.cores[0].engine.readout.last_host_metrics
-    guard.close()
+    eager, _ = run(None, True)
     keys = [k for k in eager if "/monitors/" in k]
-    assert len(keys) == 2 * 5
+    assert len(keys) == 5
     for key in keys:
         assert with_monitors[key] == pytest.approx(eager[key], abs=1e-4), key
 
