@@ -8,7 +8,8 @@ HF Llama (SDPA, 2 key-value heads), HF Gemma 2 (eager: a sliding window of 128, 
 logit soft-caps), HF BERT (masked LM, SDPA); and a tiny HF Llama (2 layers, 32 wide, the test
 suite's ``tiny_llama``) at context 16; and MoE families (``mixtral``, ``qwen2_moe``, ``qwen3_moe``,
 ``olmoe``: 4 layers x 128, 8 experts, top-2, vocabulary 8192, context 128, from ``tests/moe_models.py``)
-timed with the router monitors alone (``MonitorConfig`` with the other signals off). Arms, run interleaved in one
+timed with the router monitors alone (``MonitorConfig`` with the other signals off; any other family
+of ``tests/moe_models.py`` by its model type, e.g. ``--models deepseek_v3,gpt_oss``). Arms, run interleaved in one
 process (round-robin, same batch, each its own copy of the same weights), every one a whole step
 (forward, backward, ``guard.step()`` with fused AdamW, ``zero_grad``) with no logging step inside
 the timed region (the tiny Llama gets ten times the rounds: its steps take milliseconds):
@@ -19,7 +20,9 @@ the timed region (the tiny Llama gets ten times the rounds: its steps take milli
 
 ``default cadence`` is the mean over a logging interval of 10 steps (``log_every_n_steps=10``, one
 sampled step and nine others). This is a script, not a test: timings depend on the machine; the
-ratios are what to compare (medians over rounds).
+ratios are what to compare (medians over rounds). On the CPU each step is timed in CPU time of this
+process (``time.process_time``: what a step computes, less moved by other jobs on a shared machine
+than the wall clock; ``--clock wall`` for the wall clock); on CUDA in wall time after a synchronize.
 """
 
 from __future__ import annotations
@@ -162,14 +165,14 @@ def _arm(
     return step
 
 
-def _time(fn: Callable[[], None], device: torch.device) -> float:
+def _time(fn: Callable[[], None], device: torch.device, clock: Callable[[], float]) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start = clock()
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def measure(
@@ -177,7 +180,7 @@ def measure(
 ) -> None:
     device = torch.device(args.device)
     base_model = make(context).to(device)
-    config = ROUTERS_ONLY if getattr(base_model.config, "model_type", "") in MOE_FAMILIES else None
+    config = ROUTERS_ONLY if name.startswith("HF MoE") else None
     vocab = base_model.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, context), generator=torch.Generator().manual_seed(0)).to(device)
     batch = {"input_ids": ids, "labels": ids}
@@ -191,14 +194,17 @@ def measure(
         for _ in range(2):
             fn()
     times: dict[str, list[float]] = {k: [] for k in arms}
+    cpu_clock = device.type == "cpu" and args.clock == "cpu"
+    clock = time.process_time if cpu_clock else time.perf_counter
     for _ in range(rounds):
         for key, fn in arms.items():
-            times[key].append(_time(fn, device))
+            times[key].append(_time(fn, device, clock))
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["base"]
     cadence = (med["sampled"] + (CADENCE - 1) * med["unsampled"]) / CADENCE
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
-    print(f"\n{name}: batch {args.batch}, context {context}, {rounds} rounds, {device}{threads}")
+    what = "CPU time" if cpu_clock else "wall time"
+    print(f"\n{name}: batch {args.batch}, context {context}, {rounds} rounds, {device}{threads}, {what}")
     print(f"{'arm':<22}{'ms/step':>10}{'vs base':>10}")
     for label, value in [
         ("base", base),
@@ -218,6 +224,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU; 1 on a busy machine)")
     parser.add_argument("--models", default="gpt2,llama,gemma2,bert,tiny_llama", help="comma-separated")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="on the CPU: process CPU time or wall")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -227,16 +234,14 @@ def main() -> None:
         "gemma2": ("HF Gemma 2 (eager, window, soft-caps), 4 layers x 256", _gemma2, args.context, args.rounds),
         "bert": ("HF BERT masked LM, 4 layers x 256", _bert, args.context, args.rounds),
         "tiny_llama": ("tiny HF Llama, 2 layers x 32", _llama, 16, args.rounds * 10),  # ms steps: more rounds
-        **{
-            family: (
-                f"HF {family}, 4 layers x 128, 8 experts top-2, router monitors only",
-                _moe(family),
-                128,
-                args.rounds,
-            )
-            for family in MOE_FAMILIES
-        },
     }
+    for family in [*MOE_FAMILIES, *(k for k in args.models.split(",") if k not in models)]:
+        models[family] = (
+            f"HF MoE {family}, 4 layers x 128, 8 experts top-2, router monitors only",
+            _moe(family),
+            128,
+            args.rounds,
+        )
     for key in args.models.split(","):
         name, make, context, rounds = models[key]
         measure(name, make, context, args, rounds)

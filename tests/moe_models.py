@@ -55,13 +55,35 @@ SMALL: dict[str, Any] = {
     "bos_token_id": 1,
     "eos_token_id": 2,
     "moe_layer_freq": 1,
+    "n_shared_experts": 1,
+    # linear-attention and state-space layers of hybrid stacks (Qwen3-Next, Nemotron-H)
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "ssm_state_size": 8,
+    "mamba_num_heads": 4,
+    "mamba_head_dim": 8,
+    "n_groups": 1,
+    "chunk_size": 16,
+    "moe_shared_expert_intermediate_size": 32,
 }
 
 #: Per-family changes to ``SMALL`` (None: leave the family's default).
 OVERRIDES: dict[str, dict[str, Any]] = {
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 0},
+    "nemotron_h": {"layers_block_type": ["mamba", "moe"], "mtp_layers_block_type": []},
+    "longcat_flash": {
+        "num_layers": 2,
+        "ffn_hidden_size": 64,
+        "expert_ffn_hidden_size": 32,
+        "zero_expert_num": 2,
+        "qk_head_dim": 16,
+    },
     "dbrx": {
         "ffn_config": {"moe_num_experts": EXPERTS, "moe_top_k": TOP_K, "ffn_hidden_size": 64},
-        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0},
+        # clip_qkv as DBRX ships it: its attention cannot run with the config's default (None)
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
     },
 }
 

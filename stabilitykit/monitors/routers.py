@@ -184,12 +184,14 @@ def _top_k(module: nn.Module, model: nn.Module, config: RouterConfig) -> int | N
     """Experts per token for a router that does not return its choice."""
     if config.top_k is not None:
         return config.top_k
+    config_ = getattr(model, "config", None)
     for source in (
         module,
-        getattr(model, "config", None),
-        getattr(getattr(model, "config", None), "text_config", None),
+        config_,
+        getattr(config_, "text_config", None),
+        getattr(config_, "ffn_config", None),  # DBRX
     ):
-        for attr in ("top_k", "num_experts_per_tok", "moe_topk", "moe_k"):
+        for attr in ("top_k", "num_experts_per_tok", "moe_topk", "moe_k", "moe_top_k"):
             value = getattr(source, attr, None)
             if isinstance(value, int) and value >= 1:
                 return value
