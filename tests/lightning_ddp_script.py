@@ -4,7 +4,9 @@
 recording a bad ``quality`` at step 5 from ``training_step`` (``sk.record``): both ranks must skip it;
 and replica checks every 4 steps with one weight of rank 1 corrupted (a flipped mantissa bit) before
 step 6's forward: reported at the check after step 7, naming rank 1 and the weight. DDP applies the
-same averaged update on every rank, so every other tensor stays bitwise equal across the ranks.
+same averaged update on every rank, so every other tensor stays bitwise equal across the ranks. Rerun
+is on too: a flipped bit in rank 1's local gradient at step 9, once, is judged transient naming rank 1
+(its grads before the all-reduce, seen by a communication hook on the strategy's DDP wrapper).
 ``SK_STRATEGY``: "ddp" (default), or "fsdp2" (``ModelParallelStrategy`` with ``fully_shard`` in
 ``configure_model``; Lightning's ``FSDPStrategy`` requires CUDA). ``SK_RECOVERY=1``: recovery on
 (a snapshot every 2 steps, a divergence after 3 skips) and a NaN on rank 1 only at steps 5-7, so
@@ -87,6 +89,8 @@ def main() -> None:
         def log_event(self, event: sk.Event) -> None:
             if event.kind == "skipped":
                 skipped.append([event.step, str(event.details.get("reason"))])
+            if event.kind == "rerun":
+                reruns.append([event.step, event.details["verdict"], event.details["rank"]])
             if event.kind == "replica_mismatch":
                 mismatches.append(
                     {"step": event.step, "rank": event.details["rank"], "tensor": event.details["tensor"]}
@@ -94,8 +98,9 @@ def main() -> None:
 
     if rule:
         poison = {}
-        cfg = cfg.model_copy(update={"replicas": sk.ReplicaCheckConfig(every_n_steps=4)})
+        cfg = cfg.model_copy(update={"replicas": sk.ReplicaCheckConfig(every_n_steps=4), "rerun": sk.RerunConfig()})
     mismatches: list[dict] = []
+    reruns: list[list] = []
     callback = StabilityCallback(cfg, sinks=[Rows()], rules=[QualityGate()] if rule else [])
     rollbacks: list[dict[str, int]] = []
     callback.hooks.on(
@@ -120,6 +125,9 @@ def main() -> None:
             module.model, "param", CORRUPTED.removeprefix("model."), step=6, rank=1, kind="bitflip", bit=12, index=3,
             step_of=lambda: trainer.global_step,
         )  # fmt: skip
+        inject_fault(  # a flipped exponent bit in rank 1's local gradient at step 9, once: a transient fault
+            module.model, "grad", "blocks.1.mlp.fc.weight", step=9, rank=1, step_of=lambda: trainer.global_step
+        )
     trainer.fit(module, gpt_dataloader(30))
     named = [(n, p) for n, p in module.named_parameters() if not (rule and n == CORRUPTED)]
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p for _, p in named]
@@ -134,6 +142,7 @@ def main() -> None:
         "skipped_events": skipped,
         "rank_id": sorted(set(rows.values())),
         "mismatches": mismatches,
+        "reruns": reruns,
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

@@ -152,7 +152,11 @@ def _two_process_lightning(
         "PYTHONPATH": str(Path(__file__).parent.parent),
     }
     proc = run(
-        [sys.executable, str(script)], "lightning_ddp_script", env=env, capture_output=True, text=True,
+        [sys.executable, str(script)],
+        "lightning_ddp_script",
+        env=env,
+        capture_output=True,
+        text=True,
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -171,7 +175,8 @@ def test_two_processes_a_custom_rule_on_one_rank_skips_both_and_a_recorded_metri
     """A user's skip rule raised on rank 1 only (from training_step, through sk.record) skips the step on
     both ranks; a metric recorded with reduce="sum" is logged agreed (1 + 2) on both. The same launch:
     replica checks under Lightning DDP, one weight of rank 1 corrupted before step 6, reported at step 7's
-    check (and 11's) on both ranks (two replicas: the second, rank 1, is named); the other tensors stay equal."""
+    check (and 11's) on both ranks (two replicas: the second, rank 1, is named); the other tensors stay equal.
+    Rerun on: a one-time flip in rank 1's local gradient at step 9 is judged transient, naming rank 1."""
     results = _two_process_lightning(tmp_path, "ddp", rule=True)
     for result in results:
         assert result["skipped_events"] == [[5, "quality_gate"]]
@@ -179,6 +184,7 @@ def test_two_processes_a_custom_rule_on_one_rank_skips_both_and_a_recorded_metri
         assert result["rank_id"] == [3.0]
         corrupted = {"rank": 1, "tensor": "model.blocks.0.mlp.fc.weight"}  # it stays corrupted: every check after
         assert result["mismatches"] == [{"step": 7, **corrupted}, {"step": 11, **corrupted}]
+        assert result["reruns"] == [[9, "transient", 1]]  # rank 1's local gradient, before the all-reduce
     assert results[0]["checksum"] == results[1]["checksum"]
 
 

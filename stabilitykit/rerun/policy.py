@@ -76,6 +76,12 @@ class Rerun:
             self._rng = capture_rng()
             self._captured = True
 
+    def watch_local_grads(self, model: nn.Module | None) -> None:
+        """A driver whose framework wraps the model for DDP itself (Lightning's strategy, the HF Trainer's
+        Accelerator) hands the wrapper here, so that a local-gradient fault names its rank (``local.py``)."""
+        if not self.local.hooked and model is not None:
+            self.local = LocalGrads(model)
+
     def start_step(self) -> None:
         """A driver that knows where the step starts (Lightning's ``on_train_batch_start``): the random
         state is taken now, before anything of the step draws from it (not at the model's first forward,
