@@ -107,8 +107,10 @@ def moe_families() -> list[str]:
 
 
 def tiny_config(model_type: str) -> Any:
-    """A tiny config of ``model_type``: ``SMALL`` wherever the family's config has the field."""
+    """A tiny config of ``model_type``: ``SMALL`` wherever the family's config has the field (its text
+    config's, for a multimodal family whose causal LM is its text model: Llama 4, Qwen3.5-MoE)."""
     cls = transformers.CONFIG_MAPPING[model_type]
+    cls = getattr(cls, "sub_configs", {}).get("text_config", cls)
     names = set(cls().to_dict())
     kwargs = {k: v for k, v in {**SMALL, **OVERRIDES.get(model_type, {})}.items() if k in names and v is not None}
     return cls(**kwargs)
@@ -120,6 +122,9 @@ def tiny_moe(model_type: str, seed: int = 0, **changes: Any) -> torch.nn.Module:
     for key, value in changes.items():
         setattr(config, key, value)
     torch.manual_seed(seed)
+    if config.model_type != model_type:  # a text config: the family's causal-LM class builds from it
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        return getattr(module, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config)  # type: ignore[no-any-return]
     return AutoModelForCausalLM.from_config(config)
 
 
