@@ -43,7 +43,7 @@ NOT_TESTED: dict[str, str] = {
     "deepseek_v4": "the generic tiny config does not build it",
     "granitemoehybrid": "its config validation wants a layer pattern the generic tiny config lacks",
     "zaya": "its config validation wants a layer pattern the generic tiny config lacks",
-    "mimo_v2_flash": "the tiny config fails in its eager attention (a size mismatch: a per-family config not found in time)",
+    "mimo_v2_flash": "the tiny config fails in its eager attention (a size mismatch; no per-family config found)",
 }
 
 
