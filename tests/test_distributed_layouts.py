@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.distributed_script_runner import run_world
-from tests.time_limits import limit
+from tests.time_limits import limit, waits_for
+
+pytestmark = waits_for("distributed_layouts_script")  # the first test to ask for the launch waits for it
 
 SCRIPT = Path(__file__).parent / "distributed_layouts_script.py"
 RTOL = 1.3e-6

@@ -15,7 +15,9 @@ import pytest
 
 from tests.distributed_script_runner import run_world
 from tests.fault_matrix_script import cells
-from tests.time_limits import limit
+from tests.time_limits import limit, waits_for
+
+pytestmark = waits_for("fault_matrix_script_4")  # the larger world's launch
 
 SCRIPT = Path(__file__).parent / "fault_matrix_script.py"
 FULL = os.environ.get("STABILITYKIT_FULL_MATRIX") == "1"

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.distributed_script_runner import run_world
-from tests.time_limits import limit
+from tests.time_limits import limit, waits_for
+
+pytestmark = waits_for("distributed_fsdp_clip_script")  # the first test to ask for the launch waits for it
 
 SCRIPT = Path(__file__).parent / "distributed_fsdp_clip_script.py"
 MODE = "all" if os.environ.get("STABILITYKIT_FULL_MATRIX") == "1" else "ci"

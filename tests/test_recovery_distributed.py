@@ -23,7 +23,7 @@ from stabilitykit.recovery import Recovery
 from stabilitykit.recovery.agreement import Agreement, decode_request, encode_request
 from stabilitykit.recovery.vetting import Verdicts, decode_verdict, encode_verdict
 from tests.distributed_script_runner import run_torchrun, run_world
-from tests.time_limits import limit
+from tests.time_limits import limit, waits_for
 
 SCRIPT = Path(__file__).parent / "distributed_recovery_script.py"
 CASES = ["ddp-alert", "ddp-nan", "fsdp2-alert", "fsdp2-nan", "fsdp2-alert-disk", "fsdp1-alert", "tp-alert"]
@@ -35,6 +35,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 @pytest.mark.parametrize("case", CASES)
+@waits_for("distributed_recovery_script")
 def test_every_rank_rolls_back_once_at_the_same_step_to_the_same_snapshot(ranks: list[dict], case: str) -> None:
     first, second = ranks[0][case], ranks[1][case]
     assert len(first["rollbacks"]) == 1
@@ -47,6 +48,7 @@ def test_every_rank_rolls_back_once_at_the_same_step_to_the_same_snapshot(ranks:
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if "alert" in c])
+@waits_for("distributed_recovery_script")
 def test_a_rank_rolls_back_on_another_ranks_alert(ranks: list[dict], case: str) -> None:
     """Only rank 1's loss jumped: rank 0 raised no alert of its own and still rolled back with it."""
     assert ranks[0][case]["alerts"] == []
@@ -55,6 +57,7 @@ def test_a_rank_rolls_back_on_another_ranks_alert(ranks: list[dict], case: str) 
 
 
 @pytest.mark.parametrize("case", CASES)
+@waits_for("distributed_recovery_script")
 def test_each_rank_restores_its_own_state_bitwise(ranks: list[dict], case: str) -> None:
     """Parameters and optimizer state (the local shard under FSDP2) equal the rank's copy from before the
     restored step."""
@@ -64,10 +67,12 @@ def test_each_rank_restores_its_own_state_bitwise(ranks: list[dict], case: str) 
 
 
 @pytest.mark.parametrize("case", ["ddp-alert", "ddp-nan"])
+@waits_for("distributed_recovery_script")
 def test_ddp_replicas_stay_identical_after_a_rollback(ranks: list[dict], case: str) -> None:
     assert ranks[0][case]["digest"] == ranks[1][case]["digest"]
 
 
+@waits_for("distributed_recovery_script")
 def test_fsdp2_shards_round_trip_through_disk_snapshots(ranks: list[dict]) -> None:
     """``storage=`` a directory: each rank wrote its own shard's snapshots and restored from the file."""
     for rank in ranks:
@@ -78,6 +83,7 @@ def test_fsdp2_shards_round_trip_through_disk_snapshots(ranks: list[dict]) -> No
     assert ranks[0]["fsdp2-alert-disk"]["digest"] == ranks[0]["fsdp2-alert"]["digest"]  # same run, from disk
 
 
+@waits_for("distributed_recovery_script")
 def test_a_snapshot_inside_one_ranks_climb_is_dropped_on_every_rank(ranks: list[dict]) -> None:
     """Rank 1 alone climbs (50x its loss at steps 30-37, finite), then diverges (NaN at 38-40). The snapshots
     due inside the climb (steps 32 and 36) are dropped on both ranks by the verdict agreed in the step record,
@@ -94,6 +100,7 @@ def test_a_snapshot_inside_one_ranks_climb_is_dropped_on_every_rank(ranks: list[
     assert first["digest"] == second["digest"] and first["finite"]
 
 
+@waits_for("hf_ddp_recovery_script")
 def test_hf_trainer_ddp_ranks_roll_back_together_on_one_ranks_alert(tmp_path: Path) -> None:
     """The real HF Trainer under ``torchrun`` (DDP over gloo through Accelerate): rank 1 alone alerts."""
     script = Path(__file__).parent / "hf_ddp_recovery_script.py"
