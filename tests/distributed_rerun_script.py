@@ -133,9 +133,10 @@ def worker(rank: int, world: int) -> dict[str, Any]:
         results["hsdp-param"] = train(rank, "hsdp", fault=param, replicas=True, rerun=False)
         results["hsdp-clean"] = train(rank, "hsdp", steps=25, replicas=True)
         return results
-    results["fsdp2-clean"] = train(rank, "fsdp2")
+    # FSDP2: 8 steps (the fault at step 6 and two steps after it) for both, the clean one the reference
+    results["fsdp2-clean"] = train(rank, "fsdp2", steps=FAULT_STEP + 2)
     nan = {"target": "activation", "name": "head", "kind": "nan", **at}
-    results["fsdp2-nan-activation"] = train(rank, "fsdp2", fault=nan)
+    results["fsdp2-nan-activation"] = train(rank, "fsdp2", fault=nan, steps=FAULT_STEP + 2)
     results["clean-spike"] = train(rank, spike=True)
     results["flip-activation"] = train(rank, fault={"target": "activation", "name": "head", **at}, spike=True)
     results["flip-grad"] = train(rank, fault={"target": "grad", "name": "head.weight", **at})

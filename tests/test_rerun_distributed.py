@@ -2,7 +2,7 @@
 
 One launch per world size (``distributed_rerun_script.py``): 2 processes (DDP: the plain loop's
 rerun cells, the record and a run started again with it, a parameter corruption, 500 clean steps;
-FSDP2: a transient NaN)
+FSDP2: a transient NaN, 8 steps)
 and 4 (DDP and HSDP on a 2 x 2 mesh: a parameter corruption on one replica, clean steps).
 """
 
