@@ -404,7 +404,10 @@ class StabilityEngine:
     def _redecide(self, first: StepDecision, again: StepDecision) -> StepDecision:
         """The decision of a step measured again (``again``, its row just written) in place of ``first``, whose
         reads it keeps (earlier rows, a logging step's metrics): its own row read now (the rerun's one read)."""
-        row = self.journal.read_last()  # stays held, marked as taken: a later read does not fold it again
+        if len(self.journal.infos) == 1:  # the step's own read emptied the journal (a logging step): empty it again
+            row = self.journal.read(current_step=again.report.step)[0][-1]
+        else:  # rows held and taken (a non-fused optimizer's reads): it stays held, taken, as theirs
+            row = self.journal.read_last()
         rows = [r for r in first.rows if r.step != again.report.step]
         again.rows = [*rows, row]
         for name in ("loss_scale", "module_metrics", "signals", "update_metrics", "lr_metrics"):
