@@ -129,6 +129,8 @@ def _moe(family: str) -> Callable[[int], torch.nn.Module]:
         model = tiny_moe(family, seed=0)
         fields = {k: v for k, v in model.config.to_dict().items() if k != "layer_types"}  # rebuilt for 4 layers
         fields.update({k: v for k, v in changes.items() if k in fields})
+        if "qk_rope_head_dim" in fields:  # multi-head latent attention: its head sizes are its own
+            fields["head_dim"] = model.config.head_dim
         config = type(model.config)(**fields)
         torch.manual_seed(0)
         return type(model)(config)

@@ -71,6 +71,8 @@ SMALL: dict[str, Any] = {
 
 #: Per-family changes to ``SMALL`` (None: leave the family's default).
 OVERRIDES: dict[str, dict[str, Any]] = {
+    "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_state": 16, "mamba_chunk_size": 16},
+    "zaya": {"num_experts_per_tok": 1},  # top-1 only, its config says
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 0},
     "nemotron_h": {"layers_block_type": ["mamba", "moe"], "mtp_layers_block_type": []},
     "longcat_flash": {
