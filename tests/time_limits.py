@@ -41,7 +41,6 @@ QUIET_S = {
     "setup_script": 1.0,  # scripts/setup.sh with a stand-in python: 0.0 s
     "killed_after_snapshots": 4.0,  # a guard writing snapshots, then SIGKILL: 3.8 s
     "cuda_collect": 11.0,  # pytest collecting tests/cuda: 10.4 s
-    "gpu_benchmark_cpu": 12.0,  # benchmarks/gpu.py --tiny --device cpu: 11.0 s
     "mkdocs_build": 12.0,  # mkdocs build --strict: 11.8 s
     # examples started as their own processes
     "example_recovery_ddp": 19.0,  # 18.4 s
