@@ -54,6 +54,13 @@ OUTPUT_LOGITS = SignalKind(
     "output-logit drift: add a z-loss (sk.nn.z_loss, 1e-4) or lower the output head's LR",
     None,
 )
+LAYER_SHARE = SignalKind(
+    "layer_grad_share",
+    "one layer's share of the total grad norm grew over its long-run level",
+    "that layer's gradient grows apart from the rest: look at its inputs (attention logits, activations) "
+    "and its LR (a parameter group of its own?)",
+    None,
+)
 UPDATE = SignalKind(
     "update_ratio",
     "the update-to-weight ratio ||dw|| / ||w|| grew over its long-run level",
@@ -82,6 +89,8 @@ def kind_of(signal: str) -> SignalKind:
         return OUTPUT_LOGITS
     if "update_ratio" in signal:
         return UPDATE
+    if "grad_share" in signal:
+        return LAYER_SHARE
     if any(key in signal for key in ("act_max", "act_rms", "resid_norm")):
         return ACTIVATIONS
     return OTHER

@@ -124,6 +124,15 @@ class SpikeConfig(Section):
     per_layer: bool = Field(
         False, description="Also score each layer's grad norm (names the layer that leads a spike)."
     )
+    layer_share_trend: bool = Field(
+        False,
+        description=(
+            "Also watch each layer's share of the total grad norm as a precursor (``grad_share/<layer>``, every "
+            "step, from the per-layer grad norms the engine already measures): a spike_warning when one layer's "
+            "share grows trend_warning over its long-run level. Off: on the tuning families of the early-warning "
+            "corpus it warned on no onset the other signals missed (see the spike guide)."
+        ),
+    )
     score_window: int = Field(128, ge=2, description="Window of the OLMo-style spike score (steps).")
     score_sigma: float = Field(6.0, gt=0, description="Std multiple beyond which the spike score counts a step.")
 
@@ -637,6 +646,8 @@ class SpikeMonitor:
         leading = self._leading_layer(layer_norms)
         if loss is not None:
             self.loss_trend_value = self.loss_trend.update(loss, step)
+        if self.config.layer_share_trend and layer_norms is not None:
+            signals = {**(signals or {}), **self._layer_shares(grad_norm, layer_norms)}
         trend_name, trend_growth = self._trend_crossing(step, signals)
         self.max_trend_recent = max(self.max_trend_recent, trend_growth)
         scores = StepScores(step, grad_norm, loss, z_grad, z_loss, leading, trend_name, trend_growth)
@@ -704,6 +715,17 @@ class SpikeMonitor:
             return None
         top = max(range(len(layer_z)), key=layer_z.__getitem__)
         return self.layer_names[top] if layer_z[top] >= self.config.z_warning else None
+
+    def _layer_shares(self, grad_norm: float, layer_norms: Sequence[float]) -> dict[str, float]:
+        """Each layer's share of the total grad norm, by ``grad_share/<layer>`` (none when the total is not a
+        finite positive value)."""
+        if not (grad_norm > 0 and math.isfinite(grad_norm)):
+            return {}
+        return {
+            f"grad_share/{name}": norm / grad_norm
+            for name, norm in zip(self.layer_names, layer_norms, strict=False)
+            if norm > 0 and math.isfinite(norm)
+        }
 
     def _trend_crossing(self, step: int, signals: Mapping[str, float] | None) -> tuple[str | None, float]:
         """Fold each precursor into its trend; the one that crossed ``trend_warning`` now with the

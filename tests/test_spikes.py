@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -217,6 +218,20 @@ def test_ground_truth_rule_finds_a_spike_and_a_divergence() -> None:
     truth = ground_truth(loss)
     assert truth.spikes[0] == (150, 150) and truth.divergences == [250]
     assert not truth.healthy[150] and truth.healthy[110] and not truth.healthy[300]
+    # the early-warning corpus's rule: the same on a quiet loss, and on a loss that moves ~25% a step
+    # (ResNet's) it labels a burst that holds, not the noise, and not a lone step 1.5x up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "warning"))
+    from truth import onsets_of
+
+    quiet = onsets_of(np.array(loss))
+    assert quiet.onsets == [(150, 150), (250, 250)] and np.array_equal(quiet.healthy, truth.healthy)
+    rng = np.random.default_rng(0)
+    noisy = 0.6 * np.exp(0.25 * rng.standard_normal(500))
+    noisy[300] = 0.6 * 1.5
+    noisy[200:210] *= 4.0
+    found = onsets_of(noisy)
+    assert [t for _, t in found.onsets] == [200], found.onsets
+    assert ground_truth(noisy).spikes[0][1] < 200  # the rule written on language models labels the noise
 
 
 # ----------------------------------------------------------------------------- skip-on-spike

@@ -46,14 +46,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from spike_suite import (
-    ground_truth,
     lightning_rule,
     megatron_rule,
     olmo_rule,
     synthetic_stream,
     zclip_rule,
 )
+from truth import Onsets, onsets_of
 
+from stabilitykit.precursors import kind_of as precursor_kind
 from stabilitykit.spikes import SpikeConfig, SpikeMonitor
 
 CORPUS = Path(__file__).with_name("corpus.npz")
@@ -95,28 +96,34 @@ def load(path: Path = CORPUS, families: Iterable[str] | None = None) -> list[Cor
         ]
 
 
-@dataclass
-class Onsets:
-    onsets: list[tuple[int, int]]  # (moved m, peak t)
-    healthy: np.ndarray
-
-
-def onsets_of(loss: np.ndarray) -> Onsets:
-    truth = ground_truth(loss)
-    found = list(truth.spikes)
-    for d in truth.divergences:
-        if not any(m <= d <= t + 50 for m, t in truth.spikes):
-            found.append((d, d))
-    return Onsets(sorted(found), truth.healthy)
-
-
 # ----------------------------------------------------------------------------- detectors under test
 Event = tuple[int, str, str]  # (step, "page" | "look", signal)
 Replay = Callable[[CorpusRun, int], list[Event]]
 
 
-def ours(signals_every: int = 1, **config: Any) -> Replay:
-    """``SpikeMonitor`` with ``SpikeConfig(**config)``, fed as the engine feeds it."""
+def extra_signals(run: CorpusRun, kinds: Sequence[str]) -> list[dict[str, float]]:
+    """Per step, the candidate precursors ``kinds`` computed from the run's columns, by the name a detector
+    would score them under:
+
+    * ``update_per_lr``: the update-to-weight ratio over the LR (``update_ratio``, the update of the step
+      before, as the engine measures it, over ``lr/0`` of the logging step, the LR the engine holds then;
+      a schedule moves it by a fraction of a percent per step): Adam's update
+      size per unit of LR, so a warm-up, a decay or a restart does not move it, a ramped LR does not either,
+      and what grows is the optimizer's own step (a beta2 near 1, a tiny eps, gradients that outgrow the
+      second moment).
+    """
+    out: list[dict[str, float]] = [{} for _ in range(len(run.data))]
+    if "update_per_lr" in kinds and "update_ratio" in run.columns and "lr/0" in run.columns:
+        ratio, lr = run.col("update_ratio"), run.col("lr/0")
+        for t in range(len(out)):
+            if lr[t] > 0 and math.isfinite(ratio[t]) and ratio[t] > 0:
+                out[t]["update_ratio_per_lr"] = float(ratio[t] / lr[t])
+    return out
+
+
+def ours(signals_every: int = 1, extra: Sequence[str] = (), monitors: bool = True, **config: Any) -> Replay:
+    """``SpikeMonitor`` with ``SpikeConfig(**config)``, fed as the engine feeds it (``extra``: candidate
+    precursors of ``extra_signals`` handed over too; ``monitors=False``: the monitors' signals not)."""
 
     def replay(run: CorpusRun, every: int) -> list[Event]:
         step_every = max(signals_every, every)
@@ -126,14 +133,17 @@ def ours(signals_every: int = 1, **config: Any) -> Replay:
         sig_cols = []
         for i, c in enumerate(run.columns):
             for prefix, name in SIGNAL_PREFIXES.items():
-                if c.startswith(prefix):
+                if monitors and c.startswith(prefix):
                     sig_cols.append((i, name + c[len(prefix) :]))
+        more = extra_signals(run, extra) if extra else None
         gi, li = run.columns.index("grad_norm"), run.columns.index("loss")
         out: list[Event] = []
         for t, row in enumerate(run.data.tolist()):
             signals = None
             if t % step_every == 0:
                 signals = {name: row[i] for i, name in sig_cols if math.isfinite(row[i])}
+                if more is not None:
+                    signals.update(more[t])
             layer_norms = [row[i] for i in idx_layers]
             for e in monitor.update(t, row[gi], row[li], layer_norms, signals=signals):
                 if e.kind == "spike_alert":
@@ -171,6 +181,14 @@ DETECTORS: dict[str, Replay] = {
     "ZClip would clip (grad norm)": peer(zclip_rule, ("grad_norm",)),
     "Megatron 10x (loss)": peer(megatron_rule, ("loss",)),
 }
+#: Candidate precursors, scored on the tuning families only (``--candidates``): kept only if they help there.
+CANDIDATES: dict[str, Replay] = {
+    "stabilitykit (defaults)": ours(),
+    "defaults without the monitors' signals": ours(monitors=False),
+    "+ update ratio / LR": ours(extra=("update_per_lr",)),
+    "+ per-layer grad-norm share": ours(layer_share_trend=True),
+    "+ both": ours(extra=("update_per_lr",), layer_share_trend=True),
+}
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -184,6 +202,7 @@ class Tally:
     before: int = 0
     leads: list[int] = field(default_factory=list)
     signals: dict[str, int] = field(default_factory=dict)
+    early: dict[str, list[int]] = field(default_factory=dict)  # signal kind -> leads of onsets it warned before
 
     def add(self, other: Tally) -> None:
         self.healthy += other.healthy
@@ -195,6 +214,8 @@ class Tally:
         self.leads += other.leads
         for k, v in other.signals.items():
             self.signals[k] = self.signals.get(k, 0) + v
+        for k, leads in other.early.items():
+            self.early.setdefault(k, []).extend(leads)
 
     def row(self) -> dict[str, float]:
         return {
@@ -225,9 +246,22 @@ def tally(run: CorpusRun, events: list[Event], truth: Onsets) -> Tally:
             out.recalled += 1
         if any(s < m for s, _ in inside):
             out.before += 1
+            first: dict[str, int] = {}
+            for s, _, signal in events:
+                if m - WINDOW_BEFORE <= s < m:
+                    first.setdefault(signal_kind(signal), m - s)
+            for kind, lead in first.items():
+                out.early.setdefault(kind, []).append(lead)
         if inside:
             out.leads.append(m - min(s for s, _ in inside))
     return out
+
+
+def signal_kind(signal: str) -> str:
+    """A short kind for an event's signal or rule (the precursor kinds of ``stabilitykit.precursors``)."""
+    if "/" in signal or "_per_" in signal or signal.startswith("update"):
+        return precursor_kind(signal).name
+    return signal
 
 
 def score(runs: list[CorpusRun], detectors: dict[str, Replay], every: int = 1) -> dict[str, dict[str, Tally]]:
@@ -252,7 +286,7 @@ def print_table(title: str, table: dict[str, dict[str, Tally]]) -> None:
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, per in table.items():
-        peer_row = not name.startswith("stabilitykit")
+        peer_row = not name.startswith(("stabilitykit", "+", "defaults"))
         for family, t in per.items():
             r = t.row()
             looks = "-" if peer_row else f"{r['looks_per_1k']:.2f}"
@@ -260,6 +294,22 @@ def print_table(title: str, table: dict[str, dict[str, Tally]]) -> None:
                 f"| {name} | {family} | {r['pages_per_10k']:.1f} | {looks} | {r['recall']:.2f} | {r['before']:.2f} "
                 f"| {r['median_lead']:.0f} | {r['onsets']} | {r['healthy']} |"
             )
+
+
+def print_early(table: dict[str, dict[str, Tally]]) -> None:
+    """Per detector of ours: which signals warned before the loss moved, on how many onsets, and their median lead;
+    and the signals of the looks on healthy steps."""
+    print("\n## What warned before the loss moved, and what looked on healthy steps (ours)\n")
+    for name, per in table.items():
+        if not name.startswith("stabilitykit") and not name.startswith(("+", "defaults")):
+            continue
+        t = per["all"]
+        early = ", ".join(f"{k}: {len(v)} (median lead {float(np.median(v)):.0f})" for k, v in sorted(t.early.items()))
+        looks: dict[str, int] = {}
+        for signal, count in t.signals.items():
+            kind = signal_kind(signal)
+            looks[kind] = looks.get(kind, 0) + count
+        print(f"- {name}: before the loss: {early or 'none'}; looks: {looks or 'none'}")
 
 
 def print_onsets(runs: list[CorpusRun]) -> None:
@@ -300,14 +350,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--signals-every", type=int, default=1)
     parser.add_argument("--skip-synthetic", action="store_true")
     parser.add_argument("--onsets", action="store_true", help="also list each run's onsets")
+    parser.add_argument(
+        "--candidates", action="store_true", help="score the candidate precursors instead (tuning families only)"
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
     families = {"tune": TUNE, "held": HELD, "all": TUNE + HELD}[args.split]
     runs = load(Path(args.corpus), families)
     if args.onsets:
         print_onsets(runs)
-    table = score(runs, DETECTORS, args.signals_every)
+    if args.candidates and args.split != "tune":
+        parser.error("--candidates scores the tuning families only (--split tune): never choose on held-out ones")
+    table = score(runs, CANDIDATES if args.candidates else DETECTORS, args.signals_every)
     print_table(f"{args.split} families ({', '.join(families)}): {len(runs)} runs", table)
+    print_early(table)
     if not args.skip_synthetic:
         r = hard_stream()
         print(
