@@ -9,9 +9,9 @@ was measured on, an explanation a user can act on, and the signal's usual lead o
 The leads are the medians measured by ``benchmarks/warning/score.py`` on the tuning families of the
 early-warning corpus (``benchmarks/warning/corpus.py``, GPT-2 and BERT): steps from the event to the
 step the loss moved; 0 means at the step it moved. The grad norm and the loss fired at the step the
-loss moved (median 0). The attention-logit trend came before 3 of 11 tuning onsets (4, 15 and 19
-steps, one of them ahead of a data shift, so by chance) and before none held out: the precursors'
-leads stay None ("not established"), not a guess. The held-out numbers are in the spike guide.
+loss moved (median 0). The attention-logit trend came before 1 of 13 tuning onsets (25 steps, GPT-2's
+LR edge) and before none held out; the update ratio over the LR and the layers' grad-norm shares before
+none: the precursors' leads stay None ("not established"), not a guess. The numbers are in the spike guide.
 """
 
 from __future__ import annotations

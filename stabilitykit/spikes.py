@@ -130,7 +130,7 @@ class SpikeConfig(Section):
             "Also watch each layer's share of the total grad norm as a precursor (``grad_share/<layer>``, every "
             "step, from the per-layer grad norms the engine already measures): a spike_warning when one layer's "
             "share grows trend_warning over its long-run level. Off: on the tuning families of the early-warning "
-            "corpus it warned on no onset the other signals missed (see the spike guide)."
+            "corpus it added 2 looks on healthy steps and warned before no onset (see the spike guide)."
         ),
     )
     score_window: int = Field(128, ge=2, description="Window of the OLMo-style spike score (steps).")

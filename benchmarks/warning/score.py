@@ -1,13 +1,13 @@
 """Early warning scored on the corpus (``corpus.py``): ours and every peer, on held-out families.
 
     python benchmarks/warning/score.py [--corpus benchmarks/warning/corpus.npz] [--split tune|held|all]
-                                       [--signals-every 1] [--skip-synthetic]
+                                       [--signals-every 1] [--skip-synthetic] [--onsets] [--candidates]
 
-Ground truth comes from the loss alone, by the rule of ``benchmarks/spike_suite.ground_truth``
-(fixed before any detector here was scored): a loss spike is a loss 1.3x the median of the 20
-steps before it, the loss *moved* at the first step of the run-up above 1.1x that median; a
-divergence is a stretch of 100+ steps above 2x the running minimum. An **onset** is a spike (moved
-step m, peak t) or a divergence d (m = t = d) not within 50 steps after a spike. Scoring:
+Ground truth comes from the loss alone, by the rule of ``truth.py`` (the same for every detector,
+fixed before any detector was scored on it): ``spike_suite.ground_truth``'s 1.3x rule with each
+run's own noise taken into account (a one-step rise must clear 5 of the noise; a rise that holds for
+five steps counts whatever the noise). An **onset** is a spike (moved step m, peak t) or a divergence
+d (m = t = d) not within 50 steps after a spike. Scoring:
 
 * **pages / 10k healthy steps**: ``spike_alert``s on healthy steps (ground truth's: from step 50,
   outside every onset's [m - 30, t + 50] and every divergence);
@@ -23,7 +23,9 @@ the detectors' defaults were chosen on ``gpt2`` and ``bert`` only; ``llama``, ``
 as a page (and their looks column is empty). Signals reach the detector as the engine hands them
 over: the model monitors' precursors (``monitors/<signal>/<module>``: max attention logit, max |logit|,
 log Z) on logging steps (``--signals-every``, default every step: the corpus logs every step). The
-update-to-weight ratio is in the corpus but not handed to the detector, as the engine does not.
+update-to-weight ratio and the LR are in the corpus but not handed to the detector, as the engine
+does not: ``--candidates`` (tuning families only) scores them as a precursor (``extra_signals``),
+and each layer's share of the grad norm (``SpikeConfig.layer_share_trend``), against the defaults.
 
 The synthetic hard stream (``spike_suite.synthetic_stream``, sigma 0.35, phi 0.9: grad norms that
 wander) is scored on five seeds: recall on spikes of 3x and more, false alarms per 10k clean steps.
