@@ -66,6 +66,8 @@ def onsets_of(loss: np.ndarray) -> Onsets:
         if len(window) < 10:
             continue
         ref = float(np.median(window))
+        if finite[t] and loss[t] < SPIKE * ref:
+            continue  # under 1.3x: neither rule can call it high (the noise only raises the lines)
         s = noise(log_loss[max(0, t - NOISE_WINDOW) : t])
         ahead = loss[t : t + HOLD]
         held = np.where(np.isfinite(ahead), ahead, np.inf)
@@ -82,9 +84,10 @@ def onsets_of(loss: np.ndarray) -> Onsets:
             last = t
         elif high:
             last = t
-    smooth = np.array(
-        [np.median(np.where(finite[max(0, i - 4) : i + 1], loss[max(0, i - 4) : i + 1], np.inf)) for i in range(n)]
-    )
+    capped = np.where(finite, loss, np.inf)  # the median of the last five losses, non-finite ones as inf
+    smooth = np.array([np.median(capped[: i + 1]) for i in range(min(n, 4))])
+    if n > 4:
+        smooth = np.concatenate([smooth, np.median(np.lib.stride_tricks.sliding_window_view(capped, 5), axis=1)])
     running_min = np.minimum.accumulate(np.where(np.isfinite(smooth), smooth, np.inf))
     above = ~np.isfinite(smooth) | (smooth > 2 * running_min)
     in_div = np.zeros(n, dtype=bool)
