@@ -73,6 +73,9 @@ SMALL: dict[str, Any] = {
 OVERRIDES: dict[str, dict[str, Any]] = {
     "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_state": 16, "mamba_chunk_size": 16},
     "zaya": {"num_experts_per_tok": 1},  # top-1 only, its config says
+    # its config's own names for the expert groups and k (n_group / num_experts_per_tok are aliases)
+    "bailing_hybrid": {"num_expert_group": 1, "num_experts_per_token": 2, "layer_group_size": 2},
+    "kimi_linear": {"linear_head_dim": 8, "linear_num_heads": 4},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 0},
     "nemotron_h": {"layers_block_type": ["mamba", "moe"], "mtp_layers_block_type": []},
     "longcat_flash": {
