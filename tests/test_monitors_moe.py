@@ -31,12 +31,12 @@ TESTED = [
 #: The others, and why they are not in the value-by-value matrix (found automatically all the same).
 NOT_TESTED: dict[str, str] = {
     "zaya": "builds (top-1), but its experts are not the top-1 of the logits it returns: the reference needs its rule",
-    "beam": "returns no router_logits to compare with",
+    "beam": "its forward returns no router_logits (0 tensors) to compare with",
     "gemma4": "a multimodal model whose text model is dense unless its config enables experts; not built in time",
-    "doge": "returns no router_logits to compare with (product-key routing, not top-k)",
-    "dots3_note": "hangs building the tiny config",
-    "deepseek_v4": "the generic tiny config does not build it",
-    "mimo_v2_flash": "the tiny config fails in its eager attention (a size mismatch; no per-family config found)",
+    "doge": "its forward returns no router_logits to compare with (product-key routing, not top-k)",
+    "dots3_note": "building the tiny config does not finish",
+    "deepseek_v4": "its own aux-loss function raises (IndexError) on the tiny model's router_logits",
+    "mimo_v2_flash": "its eager attention's key heads come out empty in the tiny config (a size mismatch)",
 }
 
 
