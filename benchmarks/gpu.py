@@ -160,11 +160,10 @@ def _guard_kernels(guard: sk.StabilityGuard, forward_backward: Callable[[], torc
     guard.backward(forward_backward())
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        core = guard.core
-        core.evaluate()
+        guard.decide(guard.engine)
         torch.cuda.synchronize()
-    core.run_optimizer_step(guard.optimizer.step)
-    core.finish()
+    guard.optimizer.step()  # routed: applies or skips the step in flight
+    guard.end_step(guard.engine)
     guard.zero_grad()
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 

@@ -153,7 +153,7 @@ def _arm(
         precision=sk.PrecisionConfig(report_choice=False),
     )
     guard = sk.StabilityGuard(model, opt, config=cfg, sinks=[sk.sinks.ConsoleSink(stream=io.StringIO())])
-    monitor = guard.cores[0].engine.monitor
+    monitor = guard.engines[0].monitor
 
     def step() -> None:
         if monitor is not None:

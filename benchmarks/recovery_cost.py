@@ -63,7 +63,7 @@ def snapshot_cost(args: argparse.Namespace) -> None:
     """Table 1 and 2: one snapshot's time and memory, one restore's time."""
     model, guard, data = _build(args, recovery=True)
     _steps(model, guard, data, 3, args.device)  # optimizer state exists
-    recovery = guard.core.recovery
+    recovery = guard.engine.recovery
     assert recovery is not None
     objects, copier = recovery.objects, recovery.store.copier
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -90,7 +90,7 @@ def run(family: str, arm: str, steps: int, seed: int, aux: float | None = None, 
         config=cfg,
         sinks=[sk.sinks.ConsoleSink(stream=io.StringIO())],
     )
-    monitor = guard.cores[0].engine.monitor
+    monitor = guard.engines[0].monitor
     assert monitor is not None and monitor.routers is not None
     routers = monitor.routers.names
     if arm == "biased":
@@ -119,7 +119,7 @@ def run(family: str, arm: str, steps: int, seed: int, aux: float | None = None, 
         guard.zero_grad()
         if arm == "bias_update":
             _update_biases()
-        metrics = guard.cores[0].engine.readout.last_host_metrics
+        metrics = guard.engines[0].readout.last_host_metrics
         step_worst = 0.0
         for name in routers if arm != "biased" else routers[:1]:
             router = next(r for r in monitor.routers.routers if r.name == name)

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         guard.backward(model(**_batch(step)).loss)
         guard.step()
         guard.zero_grad()
-        metrics = guard.cores[0].engine.readout.last_host_metrics
+        metrics = guard.engines[0].readout.last_host_metrics
         loads[step] = metrics["stability/monitors/expert_load_max/model.layers.0.mlp.gate"]
     guard.close()
     for event in events:

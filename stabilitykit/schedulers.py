@@ -29,7 +29,7 @@ def _target(scheduler: Any) -> Any:
     inner = getattr(scheduler, "scheduler", None)
     base = inner if inner is not None and hasattr(inner, "step") else scheduler
     optimizer = getattr(base, "optimizer", None)
-    from stabilitykit.drivers.core import unwrap_optimizer  # the drivers import this module
+    from stabilitykit.drivers.optimizers import unwrap_optimizer  # the drivers import this module
 
     return unwrap_optimizer(optimizer) if optimizer is not None else None
 
@@ -52,7 +52,7 @@ def check_scaler(scaler: Any) -> None:
 
 def check_schedulers(schedulers: Sequence[Any], optimizers: Sequence[Any]) -> None:
     """Refuse, by name and with the fix, a ``scheduler=`` the driver cannot step and hold correctly."""
-    from stabilitykit.drivers.core import unwrap_optimizer  # the drivers import this module
+    from stabilitykit.drivers.optimizers import unwrap_optimizer  # the drivers import this module
 
     ours = [unwrap_optimizer(o) for o in optimizers]
     for scheduler in schedulers:

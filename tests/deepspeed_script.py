@@ -166,7 +166,7 @@ def _case(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
         if stage % 2:  # stages 1 and 3: the loop calls the engine's own backward and step (routed)
             engine.backward(loss)
             engine.step()
-            report = guard.core.last_report
+            report = guard.engine.last_report
         else:
             guard.backward(loss)
             report = guard.step()

@@ -179,7 +179,7 @@ def guard_case(rank: int, world: int) -> dict[str, Any]:
             guard.backward(loss)
             guard.step()
             guard.zero_grad()
-        clipped.append(float(guards[1][1].cores[0].engine.qk_clip.stability_metrics()["qk_clip/heads_clipped"]))  # type: ignore[union-attr]
+        clipped.append(float(guards[1][1].engines[0].qk_clip.stability_metrics()["qk_clip/heads_clipped"]))  # type: ignore[union-attr]
     got, want = _full(model), _full(ref)
     return {"max_abs_diff": max(float((got[n] - want[n]).abs().max()) for n in want), "heads_clipped": clipped}
 

@@ -164,7 +164,7 @@ def run(kind: str, fault: str, rank: int, storage: str = "memory") -> dict[str, 
             restored = int(rollbacks[-1]["restored_step"])
             restored_equal.append(equal(state_copy(model, opt), copies[restored]))
         copies[step + 1] = state_copy(model, opt)
-        recovery = guard.core.recovery
+        recovery = guard.engine.recovery
         assert recovery is not None
         held[step] = [s.step for s in recovery.store.snapshots]
     if storage != "memory":

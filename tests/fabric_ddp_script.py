@@ -141,7 +141,7 @@ def main() -> None:
     path = out / "ckpt.pt"
     fabric.save(path, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "guard": guard})
     train(6, STEPS)
-    guard.core.flush()
+    guard.engine.flush()
     first = [p.detach().clone() for p in model.parameters()]
     result["checksum"] = sum(float(p.double().sum()) for p in first)
     result["skipped"] = guard.skipped_total
@@ -150,7 +150,7 @@ def main() -> None:
     fabric.load(path, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "guard": guard})
     result["restored_step"] = guard.step_count
     train(6, STEPS)
-    guard.core.flush()
+    guard.engine.flush()
     result["resume_exact"] = all(torch.equal(a, b.detach()) for a, b in zip(first, model.parameters(), strict=True))
     result["skipped_after_resume"] = guard.skipped_total
     guard.close()

@@ -185,7 +185,7 @@ def _recorder(engine_of: Any, guard_of: Any = None) -> Any:
             guard = guard_of() if guard_of is not None else None
             if guard is None:
                 return
-            report = guard.core.last_report
+            report = guard.engine.last_report
             self.skipped.append(bool(report.skipped))
             self.reasons.append(report.reason)
             value = float(report.grad_norm)

@@ -49,7 +49,7 @@ class HandTrainerStability:
         self.driver = Driver(config, sinks=sinks)
 
     def on_fit_start(self, trainer: HandTrainer) -> None:
-        self.driver.build_cores(trainer.model, [trainer.optimizer])
+        self.driver.build_engines(trainer.model, [trainer.optimizer])
         self.driver.route_steps()  # the trainer's optimizer.step applies or skips
         self.driver.add_scheduler(trainer.scheduler, stepped_here=False)  # the trainer steps it: held on skips
 
@@ -57,10 +57,10 @@ class HandTrainerStability:
         self.driver.record_loss(loss)
 
     def on_grads_final(self, trainer: HandTrainer) -> None:
-        self.driver.cores[0].evaluate(log_step=trainer.global_step)
+        self.driver.decide(self.driver.engines[0], log_step=trainer.global_step)
 
     def on_step_end(self, trainer: HandTrainer) -> None:
-        self.driver.cores[0].finish()
+        self.driver.end_step(self.driver.engines[0])
 
     def on_fit_end(self, trainer: HandTrainer) -> None:
         self.driver.end_run()
@@ -116,5 +116,5 @@ def test_a_minimal_driver_for_a_hand_written_loop_gets_the_lifecycle_from_the_ba
     resumed = HandTrainerStability(sk.StabilityConfig(log_every_n_steps=2))
     resumed.driver.load_state_dict(guarded.driver.state_dict())  # before its cores exist: kept, loaded at start
     resumed.on_fit_start(HandTrainer(sk.testing.tiny_gpt(seed=0), [resumed]))
-    assert resumed.driver.cores[0].engine.step == 6 and resumed.driver.summary()["skipped"] == 1
+    assert resumed.driver.engines[0].step == 6 and resumed.driver.summary()["skipped"] == 1
     resumed.driver.end_run()

@@ -304,7 +304,7 @@ def test_hf_trainer_closes_the_sinks_when_training_raises(tmp_path: Path) -> Non
     with pytest.raises(RuntimeError, match="injected failure"):
         trainer.train()
     assert sink.closed == 1
-    assert callback.core is not None
+    assert callback.engine is not None
     assert "log" not in vars(trainer), "the Trainer's log is its class's again (every route undone)"
 
 

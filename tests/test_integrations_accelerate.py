@@ -161,12 +161,12 @@ def test_save_state_and_load_state_resume_exactly(fresh_accelerate: None, tmp_pa
     train(0, 3)
     accelerator.save_state(str(tmp_path / "ckpt"))
     train(3, 8)
-    guard.core.flush()
+    guard.engine.flush()
     first = (snapshot(model, optimizer), guard.step_count, guard.skipped_total, scheduler.scheduler.last_epoch)
     accelerator.load_state(str(tmp_path / "ckpt"))
     assert guard.step_count == 3 and guard.skipped_total == 0
     train(3, 8)
-    guard.core.flush()
+    guard.engine.flush()
     assert_bitwise_equal(first[0], snapshot(model, optimizer))
     assert (guard.step_count, guard.skipped_total, scheduler.scheduler.last_epoch) == first[1:]
     assert first[1:3] == (8, 1)

@@ -1,5 +1,5 @@
 """FabricGuard with a real Lightning Fabric: 2 gloo processes (DDP), Fabric's MixedPrecision plugin
-with a real GradScaler, several optimizers each with its own core."""
+with a real GradScaler, several optimizers each with its own engine."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_fabric_mixed_precision_grad_scaler_true_norm_and_skip() -> None:
     model.mark_forward_method("loss")
     config = sk.StabilityConfig(log_every_n_steps=1)
     guard = FabricGuard(fabric, model, optimizer, config)
-    assert guard.core.scaler.enabled, "Fabric's GradScaler is found on its precision plugin"
+    assert guard.engine.scaler.enabled, "Fabric's GradScaler is found on its precision plugin"
     data = char_batches(seed=0)
     x, y = next(data)
     with torch.autocast("cpu", dtype=torch.float16):
@@ -102,7 +102,7 @@ def test_two_optimizers_each_guarded_with_own_prefix_cadence_and_skip() -> None:
                     logged.setdefault(key, []).append(step)
 
     guard = FabricGuard(fabric, model, [opt_a, opt_b], sk.StabilityConfig(log_every_n_steps=2), sinks=[Sink()])
-    assert [c.engine.fused for c in guard.cores] == [True, False]
+    assert [e.fused for e in guard.engines] == [True, False]
     data = char_batches(seed=0)
     skipped_b = []
     for i in range(6):

@@ -207,7 +207,7 @@ def test_double_precision_trains_and_measures_in_float64(tmp_path: Path) -> None
     callback = StabilityCallback(sk.StabilityConfig(clip=sk.ClipConfig(mode="off"), log_every_n_steps=1))
     trainer = _trainer(tmp_path, [Reference(), callback], max_steps=3, precision="64-true")
     trainer.fit(NoSchedulerBoring())
-    report = callback.cores[0].last_report
+    report = callback.engines[0].last_report
     assert report is not None and report.grad_norm.dtype == torch.float64
     assert torch.equal(report.grad_norm, seen[-1].to(report.grad_norm))
 
@@ -257,7 +257,7 @@ def test_a_backbone_unfrozen_mid_fit_is_guarded(tmp_path: Path, fused: bool) -> 
     assert trainer.global_step == 8
     assert len(trainer.optimizers[0].param_groups) == 2
     assert torch.isfinite(module.backbone.weight).all()
-    callback.cores[0].flush()
+    callback.engines[0].flush()
     assert callback.engine is not None and callback.engine.skipped_total == 1
     assert "backbone" in callback.engine.layer_names
 
@@ -288,7 +288,7 @@ def test_everything_frozen_at_the_start_is_not_an_error(tmp_path: Path) -> None:
         pytest.warns(UserWarning, match="the model is frozen"),
     ):
         trainer.fit(module)
-    callback.cores[0].flush()
+    callback.engines[0].flush()
     engine = callback.engine
     assert engine is not None and engine.step == 6 and engine.skipped_total == 1  # the NaN after unfreezing
     assert torch.isfinite(module.backbone.weight).all() and engine.counters.max_norm > 0

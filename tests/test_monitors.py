@@ -134,7 +134,7 @@ def test_attention_logit_equals_the_models_own_max_pre_softmax_logit(kind: str, 
     for batch in token_batches(3, seed=5):
         REFERENCE.clear()
         _train(guard, model, [batch])  # the reference is recorded during this step's forward
-        metrics = guard.cores[0].engine.readout.last_host_metrics
+        metrics = guard.engines[0].readout.last_host_metrics
         attention = "model.layers.{}.self_attn" if kind == "llama" else "transformer.h.{}.attn"
         assert sorted(REFERENCE) == [0, 1]
         for layer, reference in REFERENCE.items():
@@ -155,7 +155,7 @@ def test_zero_host_syncs_off_logging_steps_and_one_on_them_with_monitors_on() ->
             guard.zero_grad()
         counts.append(counter.count)
     assert counts == [1 if i % 4 == 0 else 0 for i in range(9)], counts
-    assert any("/monitors/" in k for k in guard.cores[0].engine.readout.last_host_metrics)
+    assert any("/monitors/" in k for k in guard.engines[0].readout.last_host_metrics)
 
 
 class _OpCount(TorchDispatchMode):
@@ -183,7 +183,7 @@ def test_hooks_do_nothing_on_unsampled_steps(kind: str) -> None:
     batch = token_batches(1)[0]
     bare = _forward_ops(model, batch)
     guard = _guard(model, log_every_n_steps=2)
-    monitor = guard.cores[0].engine.monitor
+    monitor = guard.engines[0].monitor
     assert monitor is not None and monitor.sampling  # step 0 is sampled
     sampled = _forward_ops(model, batch)
     assert sampled > bare  # the measurements run on the device
@@ -209,7 +209,7 @@ def test_only_the_configured_precursors_feed_the_spike_detector() -> None:
     model = tiny_gpt2()
     guard = _guard(model, log_every_n_steps=1, monitors=sk.MonitorConfig(precursors=["attn_logit_max"]))
     _train(guard, model, token_batches(3))
-    spikes = guard.cores[0].engine.ledger.spikes
+    spikes = guard.engines[0].ledger.spikes
     assert spikes is not None
     assert sorted(spikes.trends) == [
         "monitors/attn_logit_max/transformer.h.0.attn",
@@ -220,7 +220,7 @@ def test_only_the_configured_precursors_feed_the_spike_detector() -> None:
 def test_modules_by_glob_and_close_removes_every_hook() -> None:
     model = tiny_llama()
     guard = _guard(model, monitors=sk.MonitorConfig(modules=["model.layers.*.mlp"], attention=False, logits=False))
-    monitor = guard.cores[0].engine.monitor
+    monitor = guard.engines[0].monitor
     assert monitor is not None
     assert monitor.hooked_modules == ["model.layers.0.mlp", "model.layers.1.mlp", "model.layers.0", "model.layers.1"]
     guard.close()
@@ -245,7 +245,7 @@ def test_a_compiled_model_does_not_recompile_every_step() -> None:
     # one graph for the sampled variant (step 0), one for the unsampled one (step 1), none after
     assert graphs == [1] + [2] * 9, graphs
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    metrics = guard.cores[0].engine.readout.last_host_metrics
+    metrics = guard.engines[0].readout.last_host_metrics
     assert metrics["stability/monitors/attn_logit_max/model.layers.0.self_attn"] > 0  # step 9 was measured
     torch._dynamo.reset()
 
@@ -443,7 +443,7 @@ def test_two_optimizers_hook_the_model_once() -> None:
     optimizers = [torch.optim.AdamW(blocks, lr=1e-3), torch.optim.AdamW(rest, lr=1e-3)]
     cfg = sk.StabilityConfig(log_every_n_steps=1, monitors=sk.MonitorConfig())
     guard = sk.StabilityGuard(model, optimizers, config=cfg, sinks=[sk.sinks.ConsoleSink(stream=io.StringIO())])
-    assert [core.engine.monitor is not None for core in guard.cores] == [True, False]
+    assert [engine.monitor is not None for engine in guard.engines] == [True, False]
     assert len(model.transformer.h[0]._forward_hooks) == 1
 
 
@@ -468,7 +468,7 @@ def test_a_compiled_model_keeps_two_graphs_with_values_waiting_between_reads(
     assert counters["stats"]["unique_graphs"] == 2
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert (
-        guard.cores[0].engine.readout.last_host_metrics["stability/monitors/attn_logit_max/model.layers.0.self_attn"]
+        guard.engines[0].readout.last_host_metrics["stability/monitors/attn_logit_max/model.layers.0.self_attn"]
         > 0
     )
     torch._dynamo.reset()

@@ -127,7 +127,7 @@ def _weights_follow_the_scoring(outputs: list[Any], scoring: str) -> int:
 
 
 def _check_against_reference(model: torch.nn.Module, guard: sk.StabilityGuard, batch: dict[str, torch.Tensor]) -> int:
-    monitor = guard.cores[0].engine.monitor
+    monitor = guard.engines[0].monitor
     assert monitor is not None and monitor.routers is not None
     outputs: list[Any] = []
     handles = [
@@ -143,7 +143,7 @@ def _check_against_reference(model: torch.nn.Module, guard: sk.StabilityGuard, b
     names = monitor.routers.names
     logits = [t for t in (out.router_logits or ()) if t is not None]
     assert names and len(logits) == len(names), (names, [tuple(t.shape) for t in logits])
-    metrics = guard.cores[0].engine.readout.last_host_metrics
+    metrics = guard.engines[0].readout.last_host_metrics
     k = monitor.routers.routers[0].k  # TOP_K, or a top-1 family's own
     expected = [reference(t, batch.get("attention_mask"), k, scoring) for t in logits]
     for name in names:  # the model's order of calls may differ from its modules' (JetMoE: attention experts)
@@ -298,7 +298,7 @@ def test_skip_rules_read_router_values_on_sampled_steps_and_nan_elsewhere() -> N
 def test_the_spike_detector_can_watch_router_values_as_precursors() -> None:
     model = tiny_mixtral()
     guard = _guard(model, precursors=["router_z", "expert_load_max"])
-    monitor = guard.cores[0].engine.monitor
+    monitor = guard.engines[0].monitor
     assert monitor is not None
     assert monitor.is_precursor("monitors/router_z/model.layers.0.mlp.gate")
     assert not monitor.is_precursor("monitors/router_entropy/model.layers.0.mlp.gate")
@@ -332,7 +332,7 @@ def test_a_users_own_router_is_named_in_the_config() -> None:
     guard.backward(model(x).square().mean())
     guard.step()
     handle.remove()
-    metrics = guard.cores[0].engine.readout.last_host_metrics
+    metrics = guard.engines[0].readout.last_host_metrics
     expected = reference(seen[0], None, 1)
     for signal, value in expected.items():
         assert metrics[f"stability/monitors/{signal}/1.router"] == pytest.approx(value, abs=1e-4)
@@ -364,7 +364,7 @@ def test_compiled_mixtral_logs_the_same_values_with_no_graph_breaks_from_the_mon
             guard.backward(compiled(**padded_batch(seed=seed)).loss)
             guard.step()
             guard.zero_grad()
-        metrics = dict(guard.cores[0].engine.readout.last_host_metrics)
+        metrics = dict(guard.engines[0].readout.last_host_metrics)
         guard.close()
         breaks = sum(counters["graph_break"].values())
         torch._dynamo.reset()
@@ -397,5 +397,5 @@ def test_router_monitors_add_no_host_sync_on_unsampled_steps_and_ride_the_loggin
     guard.close()
     assert counts == [1 if i % 4 == 0 else 0 for i in range(9)], counts
     assert (
-        "stability/monitors/expert_load_max/model.layers.1.mlp.gate" in guard.cores[0].engine.readout.last_host_metrics
+        "stability/monitors/expert_load_max/model.layers.1.mlp.gate" in guard.engines[0].readout.last_host_metrics
     )

@@ -533,9 +533,9 @@ def test_two_optimizers_each_guarded_with_own_prefix_and_cadence(tmp_path: Path)
 
     trainer.callbacks.append(Watch())
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
-    generator_core, critic_core = callback.cores
-    assert generator_core.engine.step == critic_core.engine.step == 8
-    assert generator_core.engine.skipped_total == 1 and critic_core.engine.skipped_total == 0
+    generator, critic = callback.engines
+    assert generator.step == critic.step == 8
+    assert generator.skipped_total == 1 and critic.skipped_total == 0
     with open(next((tmp_path / "csv").rglob("metrics.csv"))) as f:
         rows = list(csv.DictReader(f))
     logged_g = [r for r in rows if r.get("stability/opt0/grad_norm/total")]

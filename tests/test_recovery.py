@@ -124,9 +124,9 @@ def test_snapshots_of_skipped_steps_are_never_used(fused: bool) -> None:
     skipped = {r.step for r in reports if bool(r.skipped)}
     assert skipped >= {10, 11, 12}
     assert recorder.rollbacks and recorder.rollbacks[0].details["restored_step"] == 10
-    recovery = guard.core.recovery
+    recovery = guard.engine.recovery
     assert recovery is not None
-    guard.core.flush()
+    guard.engine.flush()
     for snapshot in recovery.store.snapshots:
         assert snapshot.confirmed
         assert snapshot.step - 1 not in skipped, f"a snapshot after skipped step {snapshot.step - 1} was kept"
@@ -238,7 +238,7 @@ def test_a_snapshot_that_cannot_be_written_warns_and_training_goes_on(tmp_path: 
             guard.step()
             guard.zero_grad()
         guard.summary()  # waits for the writes: their failures are reported
-    assert guard.core.recovery is not None and guard.core.recovery.store.confirmed == []
+    assert guard.engine.recovery is not None and guard.engine.recovery.store.confirmed == []
     with pytest.raises(sk.TrainingDivergedError):  # nothing to roll back to: raised as before
         for x in mlp_batches(6):
             guard.backward(model(x).pow(2).mean() * float("nan"))
@@ -300,7 +300,7 @@ def test_lr_is_scaled_during_the_cooldown_only() -> None:
         if not bool(report.skipped):
             ran[report.step] = opt.seen[-1]
         assert opt.param_groups[0]["lr"] == 0.1  # outside the step: the schedule's value
-    recovery = guard.core.recovery
+    recovery = guard.engine.recovery
     assert recovery is not None and [r.at_step for r in recovery.log.records] == [12]
     assert ran[13] == ran[14] == ran[15] == pytest.approx(0.05)
     assert ran[9] == ran[16] == 0.1
@@ -346,7 +346,7 @@ def test_snapshot_step_adds_no_host_sync() -> None:
         guard.backward(loss)
         guard.step()  # step 3 ends with 4 steps done: a snapshot, pending until step 5's read
     assert counter.count == 0, counter.sites
-    recovery = guard.core.recovery
+    recovery = guard.engine.recovery
     assert recovery is not None and [s.step for s in recovery.store.snapshots] == [1, 4]  # the first step's, then 4
     assert not recovery.store.snapshots[1].confirmed
     guard.zero_grad()
@@ -362,7 +362,7 @@ def test_recovery_off_keeps_state_and_divergence_as_before() -> None:
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(skip=sk.SkipConfig(max_consecutive=3)))
-    assert guard.core.recovery is None and "recovery" not in guard.state_dict()["optimizers"][0]
+    assert guard.engine.recovery is None and "recovery" not in guard.state_dict()["optimizers"][0]
     with pytest.raises(sk.TrainingDivergedError):
         for x in mlp_batches(10):
             guard.backward(model(x).pow(2).mean() * float("nan"))
@@ -470,8 +470,8 @@ def test_lightning_rollback_then_checkpoint_then_resume(tmp_path: Path, fused: b
     resumed = trainer(40, [resumed_callback])
     resumed.fit(GPTModule(fused=fused, scheduler=True), gpt_dataloader(n_batches=40), ckpt_path=str(ckpt))
     assert resumed.global_step == 40
-    core = resumed_callback.cores[0]
-    assert core.recovery is not None and [r.restored_step for r in core.recovery.log.records] == [10]
+    engine = resumed_callback.engines[0]
+    assert engine.recovery is not None and [r.restored_step for r in engine.recovery.log.records] == [10]
     assert all(torch.isfinite(p).all() for p in resumed.lightning_module.parameters())
 
 
@@ -578,8 +578,8 @@ def test_hf_trainer_rollback_then_checkpoint_then_resume(tmp_path: Path, optim: 
     poisoned.clear()
     resumed, callback = run(tmp_path, 25, resume=str(checkpoint))
     assert resumed.state.global_step == 25
-    assert callback.core is not None and callback.core.recovery is not None
-    assert [r.restored_step for r in callback.core.recovery.log.records] == [6]
+    assert callback.engine is not None and callback.engine.recovery is not None
+    assert [r.restored_step for r in callback.engine.recovery.log.records] == [6]
 
 
 def test_rollback_is_a_warning_log_line_and_a_wandb_alert(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -769,7 +769,7 @@ def test_snapshots_and_host_buffers_stay_bounded_over_a_long_run() -> None:
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     guard = sk.StabilityGuard(model, opt, diverged_only_config(snapshot_every=2, keep=2))
-    recovery = guard.core.recovery
+    recovery = guard.engine.recovery
     assert recovery is not None
     held, pooled = [], []
     data = mlp_batches(8)
@@ -806,7 +806,7 @@ def test_a_param_group_added_mid_run_drops_the_old_snapshots() -> None:
     model = mlp()
     opt = torch.optim.AdamW(model[3].parameters(), lr=1e-2)
     guard = sk.StabilityGuard(model, opt, diverged_only_config())
-    recovery = guard.core.recovery
+    recovery = guard.engine.recovery
     assert recovery is not None
     with pytest.raises(sk.TrainingDivergedError) as info:
         for i, x in enumerate(mlp_batches(30)):

@@ -103,7 +103,7 @@ def test_a_full_disk_under_the_records_warns_after_a_whole_rollback(tmp_path: Pa
         seen.train(guard, mlp_batches(3, seed=1), nan=True)
     assert [e.details["restored_step"] for e in seen.rollbacks] == [8]
     assert _same(_params(model), seen.params[8])
-    recovery = guard.core.recovery
+    recovery = guard.engine.recovery
     assert recovery is not None and len(recovery.log.records) == 1
     assert guard.state_dict()["optimizers"][0]["recovery"]["rollbacks"][0]["restored_step"] == 8
     guard.close()
@@ -122,7 +122,7 @@ def test_a_full_disk_under_a_snapshot_file_warns_and_drops_it(tmp_path: Path) ->
     with pytest.warns(RuntimeWarning, match="snapshot of step 8.*No space left"):
         seen.train(guard, mlp_batches(10))
         guard.summary()
-    recovery = guard.core.recovery
+    recovery = guard.engine.recovery
     assert recovery is not None and [s.step for s in recovery.store.confirmed] == [4]
     seen.train(guard, mlp_batches(3, seed=1), nan=True)
     assert [e.details["restored_step"] for e in seen.rollbacks] == [4]
@@ -166,7 +166,7 @@ def _disk_run(tmp_path: Path) -> tuple[sk.StabilityGuard, nn.Module, _ByStep, di
     seen = _ByStep(guard, model)
     seen.train(guard, mlp_batches(10))
     guard.summary()  # the writes are done: the host copies are freed, a rollback reads the files
-    recovery = guard.core.recovery
+    recovery = guard.engine.recovery
     assert recovery is not None
     files = {s.step: s.path for s in recovery.store.confirmed}
     assert sorted(files) == [4, 8] and all(p is not None and p.exists() for p in files.values())
@@ -227,7 +227,7 @@ def test_an_optimizer_stepped_behind_the_guards_back_is_named() -> None:
             opt.step()
             opt.zero_grad()
     assert len([w for w in caught if "called directly" in str(w.message)]) == 1  # named once, counted always
-    assert guard.core.unguarded_steps == 15 and guard.step_count == 2
+    assert guard.engine.unguarded_steps == 15 and guard.step_count == 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _train(guard, model, mlp_batches(2))  # the guarded steps say nothing

@@ -114,7 +114,7 @@ def test_without_spike_detection_snapshots_are_taken_on_their_cadence() -> None:
         guard.backward(nn.functional.mse_loss(model(x), y))
         guard.step()
         guard.zero_grad()
-    recovery = guard.core.recovery
+    recovery = guard.engine.recovery
     assert recovery is not None and [s.step for s in recovery.store.snapshots] == [1, 10, 20, 30]
     guard.close()
 

@@ -215,7 +215,7 @@ def test_a_replica_check_without_torch_distributed_does_nothing() -> None:
     with sk.StabilityGuard(model, opt, sk.StabilityConfig(replicas=sk.ReplicaCheckConfig(every_n_steps=1))) as guard:
         model(torch.randn(2, 4)).sum().backward()
         guard.step()
-        assert guard.core.replicas is not None and guard.core.replicas.mismatches == []
+        assert guard.engine.replicas is not None and guard.engine.replicas.mismatches == []
 
 
 def _driver_run(driver: str, fault: bool) -> list[torch.Tensor]:

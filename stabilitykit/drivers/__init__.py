@@ -1,7 +1,8 @@
 """Every driver, and the lifecycle they share.
 
-* ``base``: ``Driver``, the lifecycle (cores per optimizer, loss routing, state, the end of a run);
-  ``core``: ``DriverCore``, one guarded optimizer around the engine.
+* ``base``: ``Driver``, the lifecycle (one engine per optimizer, the step top to bottom, state, the
+  end of a run); ``build``: one engine per optimizer, everything attached; ``routing``: each
+  optimizer's ``step`` through its engine; ``optimizers``: the optimizer looked up and checked.
 * ``loop``: ``StabilityGuard`` for plain PyTorch loops; ``accelerate``: ``AccelerateGuard``;
   ``fabric``: ``FabricGuard``; ``deepspeed``: ``DeepSpeedGuard``.
 * ``lightning``: ``StabilityCallback``; ``deepspeed_lightning``: ``DeepSpeedStabilityCallback``.

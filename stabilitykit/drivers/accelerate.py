@@ -24,8 +24,9 @@ from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
 from stabilitykit.drivers._extras import missing
-from stabilitykit.drivers.core import DriverCore
 from stabilitykit.drivers.loop import StabilityGuard
+from stabilitykit.drivers.routing import StepRoutes
+from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.events import Event
 from stabilitykit.hooks import HookManager
 from stabilitykit.report import StepReport
@@ -41,15 +42,15 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 __all__ = ["AccelerateGuard"]
 
 
-def route_accelerated_step(core: DriverCore, optimizer: Any) -> Callable[[], None]:
-    """Route ``optimizer.step`` through ``core``, also when it is an ``AcceleratedOptimizer`` with a GradScaler.
+def route_accelerated_step(routes: StepRoutes, engine: StabilityEngine, optimizer: Any) -> Callable[[], None]:
+    """Route ``optimizer.step`` through ``engine``, also when it is an ``AcceleratedOptimizer`` with a GradScaler.
 
     Such an optimizer keeps the inner optimizer's ``step`` it captured when it was built and calls
-    that one inside ``scaler.step``; after the core's wrapper is installed, the optimizer re-captures
+    that one inside ``scaler.step``; after the engine's route is installed, the optimizer re-captures
     through its own pickling protocol (``__getstate__`` / ``__setstate__``), and again after the undo.
     Returns the undo.
     """
-    undo_wrap = core.wrap_optimizer_step(optimizer)
+    undo_wrap = routes.route(engine, optimizer)
     recapture = isinstance(optimizer, AcceleratedOptimizer) and optimizer.scaler is not None
     if recapture:
         optimizer.__setstate__(optimizer.__getstate__())
@@ -143,9 +144,9 @@ class AccelerateGuard(StabilityGuard):
             return None
         return super().step(replay, optimizer=optimizer, update_scaler=update_scaler)
 
-    def _route_step(self, core: DriverCore) -> Callable[[], None]:
-        return route_accelerated_step(core, self._outer(core))
+    def _route_step(self, engine: StabilityEngine) -> Callable[[], None]:
+        return route_accelerated_step(self.routes, engine, self._outer(engine))
 
-    def _optimizer_step(self, core: DriverCore, update_scaler: bool) -> None:
+    def _optimizer_step(self, engine: StabilityEngine, update_scaler: bool) -> None:
         """``AcceleratedOptimizer.step()``: Accelerate runs its GradScaler's step and update itself."""
-        self._outer(core).step()
+        self._outer(engine).step()

@@ -3,26 +3,29 @@
 A driver (the plain-loop guard and its Accelerate, Fabric and DeepSpeed forms, Lightning, the
 Hugging Face Trainer) is or owns one ``Driver``. The base alone:
 
-* builds one ``DriverCore`` per optimizer and carries the user's skip rules and recorded metrics
-  into every core;
+* builds one ``StabilityEngine`` per optimizer (``drivers/build.py``) and carries the user's skip
+  rules and recorded metrics into every engine;
 * routes micro-batch losses to the optimizer that steps next, and each optimizer's ``step``
-  through its core;
+  through its engine (``drivers/routing.py``);
 * tracks every LR scheduler for recovery, and holds it on skipped steps: stepped by the driver
   (``step_schedulers``) or held by a class swap where the framework steps it;
 * keeps the one undo list of every patch it or a driver made (each through ``compat/``) and the
   one flag that says the run is over;
-* runs a step top to bottom (``run_step``);
+* runs a step top to bottom (``train_step``: ``decide``, the optimizer step, the schedulers,
+  ``end_step``), and is the one place that consults recovery before a step and after it;
 * saves and loads one state format, deferring a state loaded before the cores exist;
 * writes ``summary()``, is a context manager, and ends a run the same way everywhere (the
   in-flight step finished, the steps since the last logging step folded and logged, the summary
   line, every patch undone, the user's sinks closed), whether the run finished or raised.
 
-State format, every driver: ``{"version": STATE_VERSION, "optimizers": [core state, ...]}``.
+State format, every driver: ``{"version": STATE_VERSION, "optimizers": [optimizer state, ...]}``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Self
@@ -31,10 +34,16 @@ from torch import Tensor, nn
 
 from stabilitykit.compat.attributes import replace_attribute, route_attribute
 from stabilitykit.compat.schedulers import hold_scheduler, release_scheduler
-from stabilitykit.config import StabilityConfig, coerce_config
-from stabilitykit.drivers.core import DriverCore, unwrap_optimizer
+from stabilitykit.config import StabilityConfig, coerce_config, warn_contradictions
+from stabilitykit.drivers.build import build_engine
+from stabilitykit.drivers.optimizers import check_supported, optimizer_params, param_count, unwrap_optimizer
+from stabilitykit.drivers.routing import StepRoutes
+from stabilitykit.engine.decision import NO_ASK, RecoveryAsk, StepDecision
 from stabilitykit.engine.step import StabilityEngine
+from stabilitykit.events import Event
 from stabilitykit.hooks import HookManager
+from stabilitykit.nan import batch_is_bad, check_batch
+from stabilitykit.precision import PrecisionChoice, apply_precision_config
 from stabilitykit.recovery import refuse_several_optimizers
 from stabilitykit.report import StepReport
 from stabilitykit.rules import RuleSet, SkipRule
@@ -96,19 +105,29 @@ class Driver:
             self.hooks.add_sink(sink)
         RuleSet(list(rules))  # refuse bad rules now, by name
         self.rules = list(rules)
-        self.cores: list[DriverCore] = []
+        #: One engine per guarded optimizer (``drivers/build.py``), and the model they measure.
+        self.engines: list[StabilityEngine] = []
+        self.model: nn.Module | None = None
         #: The run is over (``end_run``); a driver that refuses calls afterwards asks ``check_open``.
         self.closed = False
+        #: What ``sk.select_precision()`` recommends for the model's device (``config.precision``).
+        self.precision_choice: PrecisionChoice | None = None
+        #: Start-of-run events (the precision event), emitted at the first step with its number, so
+        #: a resumed run's sinks see them at the step it resumes from, not at 0.
+        self._start_events: list[Event] = []
         self._pending_losses: list[Tensor] = []  # several optimizers: losses not yet claimed by a step
-        self._pending_state: dict[str, Any] | None = None  # loaded before the cores exist
-        #: The one undo list: every patch of a framework object made for this run, with whether it
-        #: outlives the run (undone only by ``release(lasting=True)``).
+        self._pending_state: dict[str, Any] | None = None  # loaded before the engines exist
+        #: The one undo list: every patch of a framework object made for this run (and the engines'
+        #: hooks), with whether it outlives the run (undone only by ``release(lasting=True)``).
         self._undo: list[tuple[Callable[[], None], bool]] = []
-        self._stepped: dict[int, list[Any]] = {}  # core index -> the schedulers ``step_schedulers`` steps
+        self.routes = StepRoutes()  # each optimizer's step routed through its engine
+        self._stepped: dict[int, list[Any]] = {}  # engine id -> the schedulers ``train_step`` steps
         self._scheduler_watch = StepWatch()  # a scheduler stepped here and by hand too is named
+        self._param_counts: dict[int, int] = {}  # engine id -> its optimizer's parameter count
+        self._warned_no_rerun = False
 
-    # ------------------------------------------------------------------ cores
-    def build_cores(
+    # ------------------------------------------------------------------ engines
+    def build_engines(
         self,
         model: nn.Module | None,
         optimizers: Sequence[Any],
@@ -116,62 +135,72 @@ class Driver:
         scaler: Any | None = None,
         extra_group: Any | None = None,
         engine_cls: type[StabilityEngine] = StabilityEngine,
-    ) -> list[DriverCore]:
-        """One core per optimizer (metrics under ``<prefix>/opt<i>`` when there are several; the model's
-        monitor hooks and the tracer with the first); a state loaded earlier is restored into them; the
-        run is then active for ``record``."""
+    ) -> list[StabilityEngine]:
+        """One engine per optimizer (metrics under ``<prefix>/opt<i>`` when there are several; the model's
+        monitor hooks, the tracer and the precision setup with the first); a state loaded earlier is
+        restored into them; the run is then active for ``record``."""
         base = config or self.config
+        warn_contradictions(base)
         refuse_several_optimizers(base.recovery, len(optimizers))
         many = len(optimizers) > 1
-        self.cores = []
-        self._stepped = {}
+        closers: list[Callable[[], None]] = []
+
+        def precision(engine: StabilityEngine) -> None:
+            emitter = types.SimpleNamespace(emit=self._start_events.append)
+            self.precision_choice = apply_precision_config(
+                base.precision, engine.device, emitter, engine.scaler.enabled, engine.params
+            )
+
+        self.engines, self.model, self._stepped = [], model, {}
         for i, opt in enumerate(optimizers):
             cfg = base
-            if many:  # one set of monitor hooks on the model: the first optimizer's core reads it
+            if many:  # one set of monitor hooks on the model: the first optimizer's engine reads it
                 prefix = f"{base.metric_prefix}/opt{i}".strip("/")
                 cfg = base.model_copy(update={"metric_prefix": prefix, "monitors": base.monitors if i == 0 else None})
-            self.cores.append(
-                DriverCore(
-                    model,
-                    opt,
-                    cfg,
-                    hooks=self.hooks,
-                    scaler=scaler,
-                    tracing=i == 0,
-                    apply_precision=i == 0,
-                    extra_group=extra_group,
-                    engine_cls=engine_cls,
-                    rules=self.rules,
-                )
+            engine = build_engine(
+                model,
+                opt,
+                cfg,
+                self.hooks,
+                closers,
+                scaler=scaler,
+                tracing=i == 0,
+                extra_group=extra_group,
+                engine_cls=engine_cls,
+                rules=self.rules,
+                precision=precision if i == 0 else None,
             )
+            self._param_counts[id(engine)] = param_count(engine.optimizer)
+            self.engines.append(engine)
+        self._undo.extend((closer, False) for closer in closers)
         self.closed = False
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
         _ACTIVE[:] = [ref for ref in _ACTIVE if ref() is not None and ref() is not self]
         _ACTIVE.append(weakref.ref(self))  # the newest started run is the one ``record`` feeds
-        return self.cores
+        return self.engines
 
-    def find_core(self, optimizer: Any) -> DriverCore | None:
-        """The core guarding ``optimizer`` (a wrapper is looked through), or None."""
+    def find_engine(self, optimizer: Any) -> StabilityEngine | None:
+        """The engine guarding ``optimizer`` (a wrapper is looked through), or None."""
         target = unwrap_optimizer(optimizer)
-        return next((core for core in self.cores if core.optimizer is target), None)
+        return next((engine for engine in self.engines if engine.optimizer is target), None)
 
-    def core_for(self, optimizer: Any | None = None) -> DriverCore:
-        """The core guarding ``optimizer``; None: the only one (several: refused, naming the fix)."""
+    def engine_for(self, optimizer: Any | None = None) -> StabilityEngine:
+        """The engine guarding ``optimizer``; None: the only one (several: refused, naming the fix)."""
         if optimizer is None:
-            if len(self.cores) > 1:
+            if len(self.engines) > 1:
                 raise ValueError(
-                    f"this run has {len(self.cores)} optimizers: name the one that steps, "
+                    f"this run has {len(self.engines)} optimizers: name the one that steps, "
                     "e.g. guard.step(optimizer=opt_d) / guard.backward(loss, optimizer=opt_d)"
                 )
-            if not self.cores:
+            if not self.engines:
                 raise RuntimeError("stabilitykit: no optimizer is guarded yet (the run has not started)")
-            return self.cores[0]
-        core = self.find_core(optimizer)
-        if core is None:
+            return self.engines[0]
+        engine = self.find_engine(optimizer)
+        if engine is None:
             raise ValueError(f"{type(optimizer).__name__} is not one of the optimizers this run guards")
-        return core
+        return engine
 
     # ------------------------------------------------------------------ patches, routes, schedulers
     def patch(self, owner: Any, name: str, route: Callable[[Any], Any], lasting: bool = False) -> None:
@@ -187,51 +216,40 @@ class Driver:
         """Run ``undo`` with the run's other undos (a route a framework needs put back its own way)."""
         self._undo.append((undo, False))
 
-    def route_steps(self, router: Callable[[DriverCore], Callable[[], None]] | None = None) -> None:
-        """Each core's optimizer ``step`` routed through it for the run (``router(core)`` installs a
-        framework's own route and returns its undo; default ``DriverCore.wrap_optimizer_step``)."""
-        for core in self.cores:
-            undo = router(core) if router is not None else core.wrap_optimizer_step(core.optimizer)
+    def route_steps(self, router: Callable[[StabilityEngine], Callable[[], None]] | None = None) -> None:
+        """Each engine's optimizer ``step`` routed through it for the run (``router(engine)`` installs a
+        framework's own route and returns its undo; default ``StepRoutes.route``)."""
+        for engine in self.engines:
+            undo = router(engine) if router is not None else self.routes.route(engine, engine.optimizer)
             self.on_release(undo)
 
     def add_scheduler(self, scheduler: Any, *, stepped_here: bool) -> None:
         """``scheduler`` drives one of the guarded optimizers: recovery saves and restores it with each
         snapshot, and it is held on skipped steps. ``stepped_here``: this driver steps it
-        (``step_schedulers``); else the framework does, and a class swap holds it (its saved state
+        (``train_step``); else the framework does, and a class swap holds it (its saved state
         untouched; undone at the end of the run)."""
-        core = self._core_of_scheduler(scheduler)
-        if core is None:
+        engine = self.track_scheduler(scheduler)
+        if engine is None:
             return
-        core.track_scheduler(scheduler)
-        core.engine.note_scheduler_held()
+        engine.ledger.has_scheduler = True  # a late skip's event says the scheduler catches up
         if stepped_here:
-            self._stepped.setdefault(self.cores.index(core), []).append(scheduler)
+            self._stepped.setdefault(id(engine), []).append(scheduler)
             self._scheduler_watch.add(scheduler)
         else:
-            hold_scheduler(scheduler, core.should_hold_scheduler)
+            hold_scheduler(scheduler, engine.holds_scheduler)
             self.on_release(lambda: release_scheduler(scheduler))
 
-    def track_scheduler(self, scheduler: Any) -> None:
-        """``scheduler`` is saved and restored by recovery only (a framework that holds it itself)."""
-        core = self._core_of_scheduler(scheduler)
-        if core is not None:
-            core.track_scheduler(scheduler)
-
-    def _core_of_scheduler(self, scheduler: Any) -> DriverCore | None:
-        """The core of the optimizer ``scheduler`` drives: the only one, the matching one, or (a
+    def track_scheduler(self, scheduler: Any) -> StabilityEngine | None:
+        """``scheduler`` is saved and restored by recovery (a framework that holds it itself calls only
+        this); returns the engine of the optimizer it drives: the only one, the matching one, or (a
         scheduler that names none) the first."""
-        if len(self.cores) <= 1:
-            return self.cores[0] if self.cores else None
-        target = scheduler_target(scheduler)
-        if target is None:
-            return self.cores[0]
-        return next((core for core in self.cores if core.optimizer is target), None)
-
-    def step_schedulers(self, core: DriverCore) -> None:
-        """Step the schedulers this driver steps for ``core``, unless the step holds them (a skip)."""
-        if not core.should_hold_scheduler():
-            for scheduler in self._stepped.get(self.cores.index(core), ()):
-                scheduler.step()
+        engine: StabilityEngine | None = self.engines[0] if self.engines else None
+        target = scheduler_target(scheduler) if len(self.engines) > 1 else None
+        if target is not None:
+            engine = next((e for e in self.engines if e.optimizer is target), None)
+        if engine is not None and engine.recovery is not None:
+            engine.recovery.track_scheduler(scheduler)
+        return engine
 
     def check_open(self, what: str) -> None:
         """Refuse ``what`` once the run is over: nothing would measure, skip or count its steps (callers on
@@ -243,23 +261,23 @@ class Driver:
                 f"steps, so a non-finite update would be applied. Build a new {name} (and load_state_dict) to go on"
             )
 
-    # ------------------------------------------------------------------ losses, metrics, the step
+    # ------------------------------------------------------------------ losses, metrics
     def record_loss(self, loss: Tensor, optimizer: Any | None = None) -> None:
         """A backpropagated micro-batch loss (device tensor, no sync) for the step it feeds: the named
         optimizer's, the only one's, or (several, none named) the next to step."""
         if self.closed:
             self.check_open("record_loss")
-        if optimizer is None and len(self.cores) == 1:
-            self.cores[0].record_loss(loss)
+        if optimizer is None and len(self.engines) == 1:
+            self.engines[0].inputs.add_loss(loss)
         elif optimizer is not None:
-            self.core_for(optimizer).record_loss(loss)
-        elif self.cores:
+            self.engine_for(optimizer).inputs.add_loss(loss)
+        elif self.engines:
             self._pending_losses.append(loss.detach())
 
-    def claim_losses(self, core: DriverCore) -> None:
-        """``core`` steps now: it takes the losses no optimizer claimed yet."""
+    def claim_losses(self, engine: StabilityEngine) -> None:
+        """``engine`` steps now: it takes the losses no optimizer claimed yet."""
         for loss in self._pending_losses:
-            core.record_loss(loss)
+            engine.inputs.add_loss(loss)
         self._pending_losses = []
 
     def record(self, name: str, value: Tensor | float, reduce: str = "mean", *, optimizer: Any | None = None) -> None:
@@ -269,33 +287,126 @@ class Driver:
         detector. Record every name from the first step on. With several optimizers it goes to the
         named one, else to every one (see ``stabilitykit.record``)."""
         self.check_open("record")
-        targets = [self.core_for(optimizer)] if optimizer is not None else self.cores
-        for core in targets:
-            core.engine.record_metric(name, value, reduce)
+        targets = [self.engine_for(optimizer)] if optimizer is not None else self.engines
+        for engine in targets:
+            engine.record_metric(name, value, reduce)
 
-    def run_step(
+    # ------------------------------------------------------------------ the step
+    def train_step(
         self,
-        core: DriverCore,
+        engine: StabilityEngine,
         optimizer_step: Callable[[], Any],
         replay: Callable[[], Tensor] | None = None,
         log_step: int | None = None,
         backward: Callable[[Tensor], None] | None = None,
     ) -> StepReport:
-        """One optimizer step, top to bottom, where the driver owns the whole step (the plain loop):
-        the losses claimed, measure / agree / decide / clip (``evaluate``), the optimizer step (its
-        routed step applies or skips), the schedulers (held on a skip), then events, sinks, the
-        divergence check and recovery (``finish``). ``backward``: backpropagates a loss the way the
-        driver does, for a rerun of a flagged step (``config.rerun``)."""
+        """One optimizer step, top to bottom, where the driver owns the whole step (the plain loop).
+
+        ``backward``: backpropagates a loss the way the driver does, for a rerun of a flagged step
+        (``config.rerun``); ``replay``, ``log_step``: see ``decide``.
+        """
         if self._pending_losses:
-            self.claim_losses(core)
-        core.evaluate(replay=replay, log_step=log_step, backward=backward)
-        optimizer_step()
+            self.claim_losses(engine)  # 1. the losses of the micro-batches no optimizer claimed yet
+        self.decide(engine, replay=replay, log_step=log_step, backward=backward)  # 2. measure ... clip
+        optimizer_step()  # 3. the optimizer step: its routed step applies or skips it
         self._scheduler_watch.before()
-        self.step_schedulers(core)
-        report = core.finish()
+        if not engine.holds_scheduler():  # 4. the LR schedulers, held on a skipped step
+            for scheduler in self._stepped.get(id(engine), ()):
+                scheduler.step()
+        report = self.end_step(engine)  # 5. events, sinks, the divergence check, recovery
         self._scheduler_watch.after()  # after a rollback's restore of the schedulers
         assert report is not None
         return report
+
+    def decide(
+        self,
+        engine: StabilityEngine,
+        replay: Callable[[], Tensor] | None = None,
+        log_step: int | None = None,
+        backward: Callable[[Tensor], None] | None = None,
+        rerun_replay: Callable[[], Tensor] | None = None,
+    ) -> StepDecision:
+        """Grads are final: measure, agree, decide and clip this step (a step still in flight is finished first).
+
+        ``replay`` recomputes this batch's loss (forward only); with ``nan_trace.mode="on_nonfinite"``
+        a skipped step is replayed once to name where it went non-finite (one sync per step); with
+        ``config.rerun`` a flagged step is computed again through it (or ``rerun_replay``, a framework's
+        own training step) and ``backward`` (a driver that passes none does not re-run). ``log_step``:
+        the step number sinks see for this step (a framework's global step). Inside a step whose
+        closure already decided (a closure evaluated twice), that decision stands.
+        """
+        if engine.in_flight is not None:
+            if id(engine) in self.routes.in_closure:
+                return engine.in_flight
+            self.end_step(engine)
+        _follow_param_groups(engine, self.model, self._param_counts)
+        grad_scale = engine.scaler.grads_scale(engine.optimizer, engine.fused)  # unscaled once, here
+        force_skip = engine.inputs.bad_batch  # the data guard's flag over the step's micro-batches
+        if engine.rerun is not None:
+            recompute = _recompute(engine, rerun_replay or replay, backward)
+            if recompute is None and not self._warned_no_rerun:
+                self._warned_no_rerun = True
+                _warn_no_rerun(backward is not None)
+            engine.rerun.arm(recompute)
+            if engine.rerun.known_bad(engine.step):  # judged reproducible before: not trained on again
+                force_skip = engine.inputs.true if force_skip is None else force_skip | True
+        recovery, step = engine.recovery, engine.step  # recovery is asked here, once before the step
+        ask = NO_ASK
+        if recovery is not None:
+            ask = RecoveryAsk(recovery.skips_batch(step), recovery.request(step), recovery.verdict(step))
+        decision = engine.evaluate(
+            grad_scale=grad_scale,
+            scaler_active=engine.scaler.enabled,
+            loss_scale=engine.scaler.loss_scale(),
+            force_skip=force_skip,
+            ask=ask,
+        )
+        engine.inputs.bad_batch = None
+        decision.log_step = log_step
+        engine.in_flight = decision
+        assert engine.tracing is not None
+        replay = replay if engine.tracing.replays(replay) else None
+        creates_state = engine.fused and engine.new_state.creates_state(
+            engine.optimizer, engine.params, engine.plan.present
+        )  # a fused optimizer's step asks on every step until settled (logging steps too)
+        if decision.pending and (replay is not None or creates_state):
+            engine.resolve(decision)  # one sync: the replay, or state a skipped step must not create
+        if decision.pending:
+            engine.buffers.restore(decision.skip)  # on the device: restored where the skip flag is set
+        elif decision.skipped_now:  # the host knows the skip and its reason (no read of a pending code)
+            source = engine.tracing.source_of(decision.report, replay, engine.params)
+            if source is not None:
+                engine.readout.source_hint = source  # named by this step's skip events
+            engine.buffers.restore(True)  # after a replay's forward: its running statistics go too
+        return decision
+
+    def end_step(self, engine: StabilityEngine) -> StepReport | None:
+        """The step is over: events, sinks, the divergence check, rerun and replica checks, recovery (asked
+        here, once after the step), tracing for the next step. Nothing in flight: None."""
+        decision = engine.in_flight
+        if decision is None:
+            return None
+        engine.in_flight = None
+        if self._start_events:
+            for event in self._start_events:
+                self.hooks.emit(dataclasses.replace(event, step=decision.report.step))
+            self._start_events = []
+        engine.buffers.save()
+        if engine.fused:
+            engine.new_state.after_step(decision, engine.optimizer, engine.plan.present)
+        assert engine.tracing is not None
+        try:
+            recovery = engine.recovery
+            engine.last_report = engine.finish(decision, raise_divergence=recovery is None)
+            if engine.rerun is not None:
+                engine.rerun.end_step()
+            if engine.replicas is not None and engine.replicas.due(decision.report.step):
+                engine.replicas.check(decision.report.step)
+            if recovery is not None:
+                recovery.after_step(decision)
+        finally:
+            engine.tracing.after_step(decision, engine.step)
+        return engine.last_report
 
     # ------------------------------------------------------------------ end of run
     def summary(self) -> RunSummary:
@@ -305,9 +416,9 @@ class Driver:
         Readable by key too (``guard.summary()["skipped"]``); ``.line()`` is the end-of-run line.
         Reading it changes nothing ``close()`` writes. Empty before the run started.
         """
-        if not self.cores:
+        if not self.engines:
             return RunSummary(0, 0, 0, 0.0, 0)
-        rows = [core.summary() for core in self.cores]
+        rows = [_summary(engine) for engine in self.engines]
         first = rows[0]
         if len(rows) > 1:
             first = dataclasses.replace(first, optimizers=tuple(rows))
@@ -316,18 +427,18 @@ class Driver:
     def end_run(self, summary: RunSummary | None = None) -> None:
         """The run is over (finished or raised): finish the step in flight, give the steps since the last
         logging step their row, write the summary line (once), undo every patch and hook, close the
-        user's sinks. Idempotent. ``summary``: the line to write, when the driver counts more than its
-        cores do (the HF Trainer's own clipping)."""
+        user's sinks. Idempotent; ``close()`` and ``with`` end it so. ``summary``: the line to write,
+        when the driver counts more than its engines do (the HF Trainer's own clipping)."""
         if self.closed:
             return
         self.closed = True
         try:
-            if self.cores:
+            if self.engines:
                 try:
-                    self.cores[0].close(self.final_row)  # finishes, folds (and logs), undoes its hooks
+                    _close_engine(self, self.engines[0])  # finishes, folds (and logs), removes its tracer
                 finally:
-                    for core in self.cores[1:]:
-                        core.close(self.final_row)
+                    for engine in self.engines[1:]:
+                        _close_engine(self, engine)
                 (summary or self.summary()).log()
         finally:
             self.release()
@@ -347,8 +458,10 @@ class Driver:
         self.close()
 
     def release(self, lasting: bool = False) -> None:
-        """Undo every patch of the run, newest first, and what the cores installed (idempotent; the run
-        may go on elsewhere; nothing is closed). ``lasting``: the patches that outlive a run too."""
+        """Undo every patch and hook of the run, newest first (idempotent; the run may go on elsewhere;
+        nothing is closed); a routed step still reached runs unguarded and silently from now on.
+        ``lasting``: the patches that outlive a run too."""
+        self.routes.released = True
         kept: list[tuple[Callable[[], None], bool]] = []
         while self._undo:
             undo, outlives = self._undo.pop()
@@ -357,24 +470,22 @@ class Driver:
             else:
                 undo()
         self._undo = kept[::-1]
-        for core in self.cores:
-            core.release()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Every core's state in the one format all drivers save (before the run: a state loaded
+        """Every engine's state in the one format all drivers save (before the run: a state loaded
         and not applied yet, else empty)."""
-        if not self.cores:
+        if not self.engines:
             return dict(self._pending_state or {})
-        return {"version": STATE_VERSION, "optimizers": [core.state_dict() for core in self.cores]}
+        return {"version": STATE_VERSION, "optimizers": [_state(engine) for engine in self.engines]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore ``state_dict``'s state: every optimizer's state is validated before any is loaded.
-        Before the cores exist (a framework restores callbacks first) it is kept and loaded into them
+        Before the engines exist (a framework restores callbacks first) it is kept and loaded into them
         when the run starts; an empty state loads nothing."""
         if not isinstance(state, Mapping):
             raise TypeError(f"stabilitykit state must be a mapping (from state_dict()), got {type(state).__name__}")
-        if not self.cores:
+        if not self.engines:
             self._pending_state = dict(state) if state else None
             return
         check_version(state)
@@ -385,22 +496,144 @@ class Driver:
                 f"invalid stabilitykit state at 'optimizers': a list with one state per optimizer expected ({got}; "
                 "not saved by a stabilitykit driver's state_dict()?). Nothing was loaded."
             )
-        if len(states) != len(self.cores):
+        if len(states) != len(self.engines):
             raise ValueError(
                 f"invalid stabilitykit state at 'optimizers': it holds {len(states)} optimizer state(s), this run "
-                f"has {len(self.cores)} optimizer(s). Nothing was loaded."
+                f"has {len(self.engines)} optimizer(s). Nothing was loaded."
             )
-        for i, (core, core_state) in enumerate(zip(self.cores, states, strict=True)):
+        for i, (engine, saved) in enumerate(zip(self.engines, states, strict=True)):
             try:
-                validate_state(core_state, reference=core.state_dict())
+                validate_state(saved, reference=_state(engine))
             except (TypeError, ValueError) as exc:
                 raise ValueError(_within(f"optimizers.{i}", str(exc))) from None
-        for core, core_state in zip(self.cores, states, strict=True):
-            core.load_state_dict(core_state)
+        for engine, saved in zip(self.engines, states, strict=True):
+            _load_state(engine, saved)
+
+
+def _follow_param_groups(engine: StabilityEngine, model: nn.Module | None, counts: dict[int, int]) -> None:
+    """A param group added since the last step (Lightning's ``BaseFinetuning``, ``add_param_group``):
+    the engine measures the optimizer's new set from this step on. Frozen parameters are in the
+    set from the start, so unfreezing one (``requires_grad`` flipped) needs nothing here. ``counts``:
+    each engine's parameter count so far (by engine id)."""
+    count = param_count(engine.optimizer)
+    if count != counts.get(id(engine), count):
+        params = optimizer_params(engine.optimizer)
+        check_supported(model, engine.optimizer, params)
+        engine.follow_params(params)
+        counts[id(engine)] = count
+        if engine.recovery is not None:
+            engine.recovery.forget()
+
+
+def _close_engine(driver: Driver, engine: StabilityEngine) -> None:
+    """Finish ``engine``'s step in flight and fold what is left (its row when the driver's ``final_row``);
+    its tracing hooks go even when finishing the last step raises (a divergence)."""
+    try:
+        driver.end_step(engine)
+    finally:
+        try:
+            engine.flush(final_row=driver.final_row)
+        finally:
+            assert engine.tracing is not None
+            engine.tracing.detach()
+
+
+def guard_batch(engine: StabilityEngine, batch: Any) -> None:
+    """The data guard (``config.data``) on one micro-batch, for ``engine``'s coming step.
+
+    ``"raise"``: ``BadBatchError`` naming the path (one sync). ``"skip"``: a device flag, OR-ed
+    over every micro-batch of the step, skips the step when any was bad (no sync).
+    """
+    dcfg = engine.config.data
+    if dcfg.mode == "skip":
+        bad = batch_is_bad(batch, dcfg.num_classes, dcfg.label_keys)
+        if bad is not None:
+            engine.inputs.add_bad_batch(bad)
+    elif dcfg.mode == "raise":
+        check_batch(batch, dcfg.num_classes, step=engine.step, label_keys=dcfg.label_keys)
+
+
+def _recompute(
+    engine: StabilityEngine, replay: Callable[[], Tensor] | None, backward: Callable[[Tensor], None] | None
+) -> Callable[[], None] | None:
+    """How a rerun computes this step again: running statistics put back, grads dropped, the batch's
+    forward (``replay``) and the driver's backward (``backward``, which records the loss) again.
+    None when the driver gave either not: its flagged steps are not re-run."""
+    if replay is None or backward is None:
+        return None
+    optimizer = engine.optimizer
+
+    def recompute() -> None:
+        engine.buffers.restore(True)
+        optimizer.zero_grad(set_to_none=True)
+        backward(replay())
+
+    return recompute
+
+
+def _warn_no_rerun(has_backward: bool) -> None:
+    """Rerun is on, but this driver's step cannot be computed again: said once."""
+    how = (
+        "pass guard.step(replay=...)"
+        if has_backward
+        else "this driver cannot re-run a step yet (the plain loop, Accelerate, Fabric and Lightning's "
+        "automatic optimization can)"
+    )
+    warnings.warn(
+        f"stabilitykit: RerunConfig is on but a step's batch cannot be computed again ({how}): "
+        "flagged steps are skipped without a rerun",
+        RuntimeWarning,
+        stacklevel=5,
+    )
+
+
+def _summary(engine: StabilityEngine) -> RunSummary:
+    """One optimizer's totals (reads the steps since the last logging step first: one sync)."""
+    engine.flush()
+    c = engine.counters
+    found = engine.tracing.last_nonfinite if engine.tracing is not None else None
+    monitor = engine.monitor
+    unmeasured = tuple(f"{n}: {r}" for n, r in monitor.unmeasured.items()) if monitor is not None else ()
+    summary = RunSummary(
+        engine.step,
+        c.skipped_total,
+        c.clipped_total,
+        c.max_norm,
+        c.nonfinite_total,
+        nonfinite_source=str(found) if found is not None else None,
+        unmeasured=unmeasured,
+        skipped_ahead=c.skipped_ahead_total,
+    )
+    return summary.with_rollbacks(engine.recovery.log.records if engine.recovery is not None else [])
+
+
+def _state(engine: StabilityEngine) -> dict[str, Any]:
+    """One optimizer's state: everything that must survive a resume (plain values, small device tensors)."""
+    assert engine.tracing is not None
+    state = {
+        "version": STATE_VERSION,
+        "engine": engine.state_dict(),
+        "trace_left": engine.tracing.left,
+        "held_steps": engine.held_steps,
+    }
+    if engine.recovery is not None:
+        state["recovery"] = engine.recovery.state_dict()
+    return state
+
+
+def _load_state(engine: StabilityEngine, state: Mapping[str, Any]) -> None:
+    """Restore what ``_state`` returned (validated already)."""
+    assert engine.tracing is not None
+    engine.load_state_dict(dict(state["engine"]))
+    engine.tracing.left = int(state["trace_left"])
+    engine.held_steps = int(state["held_steps"])
+    if engine.recovery is not None:  # a resume: snapshots from before it are dropped in any case
+        engine.recovery.load_state_dict(dict(state.get("recovery") or {}))
+    engine.tracing.attach_for(engine.step)
 
 
 def _within(prefix: str, message: str) -> str:
-    """A core state's error message with the path from the driver's state (``optimizers.<i>.``)."""
+    """An optimizer state's error message with the path from the driver's state (``optimizers.<i>.``)."""
     head = "invalid stabilitykit state at '"
     if message.startswith(head):
         return head + prefix + "." + message[len(head) :]

@@ -70,7 +70,6 @@ from stabilitykit.compat.tensors import mark_shard
 from stabilitykit.config import StabilityConfig
 from stabilitykit.drivers._extras import missing
 from stabilitykit.drivers.base import Driver
-from stabilitykit.drivers.core import DriverCore
 from stabilitykit.drivers.loop import StabilityGuard
 from stabilitykit.engine.lr import noting_lr
 from stabilitykit.engine.step import StabilityEngine
@@ -161,7 +160,7 @@ class GradPartitions:
 
 
 class _Partitions:
-    """What the driver core takes for an optimizer: the stand-ins as its one param group.
+    """What the driver base takes for an optimizer: the stand-ins as its one param group.
 
     DeepSpeed's optimizer is stepped by the engine, never through this object."""
 
@@ -228,7 +227,7 @@ def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
 
 
 class DeepSpeedLossScale(ScalerAdapter):
-    """DeepSpeed's own dynamic loss scaler (fp16) as the driver core sees a loss scaler.
+    """DeepSpeed's own dynamic loss scaler (fp16) as the driver base sees a loss scaler.
 
     The grads are still scaled when they are final at ZeRO stages 1-3 (DeepSpeed unscales them inside
     its step), so the norms divide by the scale they carry (``grads_loss_scale``); a non-finite grad
@@ -323,16 +322,16 @@ class DeepSpeedGuard(StabilityGuard):
         partitions = _Partitions(self.partitions.tensors)
         self._start(None, [partitions], config=cfg, engine_cls=_named_engine(self.partitions.names))
         if self.fp16:
-            self.core.scaler = DeepSpeedLossScale(engine)
-        self.core.lr_optimizer = inner_optimizer(engine)  # the LRs DeepSpeed's step uses, logged as lr/<group>
-        if self.core.recovery is not None:  # snapshots of this rank's partitions, not of the stand-ins
-            self.core.recovery.cover(lambda scaler, guard_state: rank_state(engine, scaler, guard_state))
+            self.engine.scaler = DeepSpeedLossScale(engine)
+        self.engine.lr_optimizer = inner_optimizer(engine)  # the LRs DeepSpeed's step uses, logged as lr/<group>
+        if self.engine.recovery is not None:  # snapshots of this rank's partitions, not of the stand-ins
+            self.engine.recovery.cover(lambda scaler, guard_state: rank_state(engine, scaler, guard_state))
         self.scheduler = engine.lr_scheduler
         self.schedulers = [engine.lr_scheduler] if engine.lr_scheduler is not None else []
         for scheduler in self.schedulers:  # DeepSpeed steps it (not after a skip); recovery restores it
             self.track_scheduler(scheduler)
 
-    def _route_step(self, core: DriverCore) -> Callable[[], None]:
+    def _route_step(self, _: StabilityEngine) -> Callable[[], None]:
         """The engine's ``backward``, ``step`` and checkpoints, and its optimizer's ``step``, through the guard."""
         engine = self.deepspeed_engine
         undos = [
@@ -387,11 +386,11 @@ class DeepSpeedGuard(StabilityGuard):
                 return original(*args, **kwargs)
             self._evaluate()
             counters = engine_counters(self.deepspeed_engine)
-            decision = self.core.decision
+            decision = self.engine.in_flight
             result = original(*args, **kwargs)
             if decision is not None and decision.skipped_now and not self._deepspeed_skips(decision):
                 put_engine_counters(self.deepspeed_engine, counters)
-            self._last_report = self.core.finish()
+            self._last_report = self.end_step(self.engine)
             return result
 
         return step
@@ -399,9 +398,9 @@ class DeepSpeedGuard(StabilityGuard):
     def _evaluate(self) -> None:
         """Grads are final: bind this rank's pieces, then measure, clip and decide (the host knows the decision)."""
         self.partitions.bind()
-        decision = self.core.evaluate()
+        decision = self.decide(self.engine)
         if decision.pending:  # DeepSpeed's step cannot skip on the device: the host decides
-            self.core.engine.resolve(decision)
+            self.engine.resolve(decision)
 
     def _guarded_step(self, original: Any) -> Any:
         """DeepSpeed's optimizer ``step`` through the guard: applied, or skipped with DeepSpeed's own clean-up."""
@@ -409,14 +408,14 @@ class DeepSpeedGuard(StabilityGuard):
         def step(*args: Any, **kwargs: Any) -> Any:
             optimizer = self.deepspeed_engine.optimizer
             clear_overflow_mark(optimizer)  # stage 0 in fp32: the mark of the last skip, on a torch optimizer
-            if self.core.decision is None:  # engine.step() called directly: still measured and decided
+            if self.engine.in_flight is None:  # engine.step() called directly: still measured and decided
                 self._evaluate()
-            decision = self.core.decision
+            decision = self.engine.in_flight
             assert decision is not None
             if self._deepspeed_skips(decision):  # DeepSpeed's own overflow skip: it also lowers its loss scale
-                with noting_lr(self.core.lr_optimizer, lambda: decision):  # the LR it held, logged all the same
+                with noting_lr(self.engine.lr_optimizer, lambda: decision):  # the LR it held, logged all the same
                     return original(*args, **kwargs)
-            result = self.core.run_optimizer_step(lambda: original(*args, **kwargs))
+            result = self.routes.run(self.engine, lambda: original(*args, **kwargs))
             if decision.skipped_now:
                 drop_step(self.deepspeed_engine.optimizer, self.partitions.stage)
             return result
@@ -429,7 +428,7 @@ class DeepSpeedGuard(StabilityGuard):
         so every rank hands it over or skips it itself alike."""
         if not (self.fp16 and decision.skipped_now):
             return False
-        return self.core.engine.rules.raised_anywhere(decision.outcome.code) == ["fp16_overflow"]
+        return self.engine.rules.raised_anywhere(decision.outcome.code) == ["fp16_overflow"]
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(

@@ -109,7 +109,7 @@ class DeepSpeedTrainerCallback(AttachedCallback):
         saved = self.saved_ranks or self.saved_in(state, "saved_ranks")
         self.saved_ranks = None
         if saved and state.global_step > 0:
-            self.guard.load_rank_state(from_json(saved, self.guard.core.engine.device))
+            self.guard.load_rank_state(from_json(saved, self.guard.engine.device))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Training is over: the guard's last row and summary, its routes undone, the sinks closed."""

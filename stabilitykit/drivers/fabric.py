@@ -7,7 +7,7 @@
     guard.zero_grad()
 
 The optimizer steps through Fabric (strategy, precision plugin, GradScaler step and update), with
-the step routed through the guard's core, so a skipped step never reaches the optimizer. Fabric's
+the step routed through the guard's engine, so a skipped step never reaches the optimizer. Fabric's
 GradScaler (``precision="16-mixed"``) is found on its precision plugin. Under DDP and FSDP every
 rank takes the same, all-reduced skip decision. Metrics also go to ``fabric.loggers``. Save the
 guard with the rest: ``fabric.save(path, {"model": model, "optimizer": optimizer, "guard": guard})``.
@@ -22,8 +22,8 @@ from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
 from stabilitykit.drivers._extras import missing
-from stabilitykit.drivers.core import DriverCore
 from stabilitykit.drivers.loop import StabilityGuard
+from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.rules import SkipRule
 from stabilitykit.sinks.base import Sink
@@ -72,6 +72,6 @@ class FabricGuard(StabilityGuard):
         self.record_loss(loss, optimizer)
         self.fabric.backward(loss, **kwargs)
 
-    def _optimizer_step(self, core: DriverCore, update_scaler: bool) -> None:
+    def _optimizer_step(self, engine: StabilityEngine, update_scaler: bool) -> None:
         """Fabric's optimizer step: strategy, precision plugin, GradScaler step and update."""
-        self._outer(core).step()
+        self._outer(engine).step()

@@ -1,20 +1,20 @@
-"""StabilityTrainerCallback: the Hugging Face ``Trainer``'s hooks mapped onto the driver core.
+"""StabilityTrainerCallback: the Hugging Face ``Trainer``'s hooks mapped onto the driver base.
 
 One line: ``stabilize(trainer, config)`` (or ``StabilityTrainerCallback(config).attach(trainer)``).
 
 * ``accelerator.backward`` records each micro-batch's loss as backpropagated (the Trainer has
   already divided it by the accumulation steps): no change to ``compute_loss``.
 * ``accelerator.clip_grad_norm_``, which the Trainer calls once per optimizer step on the final,
-  accumulated grads before anything clips them, is where the core measures, clips and decides.
+  accumulated grads before anything clips them, is where the engine measures, clips and decides.
   The Trainer's own ``grad_norm`` log is then the true pre-clip norm, and ``max_grad_norm`` (when
   stabilitykit does not clip) is applied from that same norm, with no second pass.
-* the optimizer's step is routed through the core (``AcceleratedOptimizer`` and its GradScaler
+* the optimizer's step is routed through the engine (``AcceleratedOptimizer`` and its GradScaler
   included); the LR scheduler is held on skipped steps by a class swap that leaves its saved
   state alone, so ``save_steps`` checkpoints keep working.
 * ``on_step_end``: events and sinks; the metrics of a logging step are merged into the Trainer's
   own log entry at its ``logging_steps`` (so ``log_history`` and every ``report_to``
   integration get them), and each event is a log entry ``<prefix>/events/<kind>``.
-* the core's state rides in ``trainer_state.json`` through the Trainer's stateful-callback
+* the engine's state rides in ``trainer_state.json`` through the Trainer's stateful-callback
   mechanism and is restored by ``resume_from_checkpoint``.
 
 Requires the ``transformers`` extra: ``pip install 'stabilitykit[transformers]'``.
@@ -35,7 +35,6 @@ from torch import Tensor
 from stabilitykit.config import StabilityConfig
 from stabilitykit.drivers._extras import missing
 from stabilitykit.drivers.base import Driver
-from stabilitykit.drivers.core import DriverCore
 from stabilitykit.engine.cadence import TrainerAlignedEngine
 from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.events import Event
@@ -118,7 +117,7 @@ class StabilityTrainerCallback(AttachedCallback):
     ) -> None:
         if self.restored(restore_into_attached):
             return  # the attached callback came back from __new__ (``AttachedCallback``): keep all it holds
-        #: The lifecycle every driver shares (``drivers/base.py``): cores, losses, rules, state, the end.
+        #: The lifecycle every driver shares (``drivers/base.py``): engines, losses, rules, state, the end.
         self.driver = Driver(config, sinks=sinks, rules=rules, final_row=False)  # the Trainer's own rows only
         self.config = self.driver.config
         self.hooks = self.driver.hooks
@@ -173,9 +172,9 @@ class StabilityTrainerCallback(AttachedCallback):
         return trainer
 
     @property
-    def core(self) -> DriverCore | None:
-        """The core over the Trainer's optimizer (None before training starts)."""
-        return self.driver.cores[0] if self.driver.cores else None
+    def engine(self) -> StabilityEngine | None:
+        """The engine over the Trainer's optimizer (None before training starts)."""
+        return self.driver.engines[0] if self.driver.engines else None
 
     def record(self, name: str, value: Tensor | float, reduce: str = "mean") -> None:
         """Record a metric of the coming optimizer step (no sync); see ``stabilitykit.record``, which
@@ -196,20 +195,15 @@ class StabilityTrainerCallback(AttachedCallback):
         return route
 
     @property
-    def engine(self) -> StabilityEngine | None:
-        """The engine (None before training starts)."""
-        return self.core.engine if self.core is not None else None
-
-    @property
     def last_report(self) -> StepReport | None:
         """The latest step's report."""
-        return self.core.last_report if self.core is not None else None
+        return self.engine.last_report if self.engine is not None else None
 
     # ------------------------------------------------------------------ training starts and ends
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Build the core over the prepared optimizer; restore a resumed run's state; install the routes."""
+        """Build the engine over the prepared optimizer; restore a resumed run's state; install the routes."""
         trainer = self._bound()
         self.driver.release()
         config = self.config
@@ -218,7 +212,7 @@ class StabilityTrainerCallback(AttachedCallback):
             config = config.model_copy(update={"log_every_n_steps": every})
         accelerator = trainer.accelerator
         engine_cls = _FirstStepEngine if args.logging_first_step else TrainerAlignedEngine
-        (core,) = self.driver.build_cores(
+        (engine,) = self.driver.build_engines(
             trainer.model, [trainer.optimizer], config, scaler=accelerator.scaler, engine_cls=engine_cls
         )
         saved = self.saved_state or self.saved_in(state, "saved_state")
@@ -227,14 +221,14 @@ class StabilityTrainerCallback(AttachedCallback):
         if saved and state.global_step > 0:
             saved = dict(saved)
             clipped = int(saved.pop(_TRAINER_CLIPPED, 0))
-            self.driver.load_state_dict(from_json(saved, core.engine.device))
-            self._trainer_clipped = torch.tensor(clipped, device=core.engine.device)
+            self.driver.load_state_dict(from_json(saved, engine.device))
+            self._trainer_clipped = torch.tensor(clipped, device=engine.device)
         self._global_step = state.global_step
-        self.driver.route_steps(lambda core: route_accelerated_step(core, trainer.optimizer))
+        self.driver.route_steps(lambda engine: route_accelerated_step(self.driver.routes, engine, trainer.optimizer))
         if trainer.lr_scheduler is not None:  # the Trainer steps it: held on skipped steps, restored by recovery
             self.driver.add_scheduler(trainer.lr_scheduler, stepped_here=False)
         self.driver.patch(accelerator, "backward", self._backward_route(accelerator))
-        if self.core is not None and self.core.rerun is not None:  # what a rerun computes again: the Trainer's step
+        if engine.rerun is not None:  # what a rerun computes again: the Trainer's step
             self.driver.patch(trainer, "training_step", self._step_route())
             self.core.rerun.watch_local_grads(trainer.model_wrapped)  # the Accelerator's DDP wrapper, if any
         self.driver.patch(accelerator, "clip_grad_norm_", self._clip_route(accelerator))
@@ -248,9 +242,9 @@ class StabilityTrainerCallback(AttachedCallback):
     ) -> None:
         """The run is over: the last steps folded (a last row for your sinks, events into the Trainer's
         log), the summary line, every route undone, sinks closed."""
-        if self.core is not None:
-            self.core.finish()
-            self.core.flush()
+        if self.engine is not None:
+            self.driver.end_step(self.engine)
+            self.engine.flush()
             self._write_events(at_end=state)
         self.driver.end_run(self.summary())
 
@@ -291,8 +285,8 @@ class StabilityTrainerCallback(AttachedCallback):
     def _backward_route(self, accelerator: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def route(original: Callable[..., Any]) -> Callable[..., Any]:
             def backward(loss: Tensor, **kwargs: Any) -> Any:
-                if self.core is not None:  # the loss as backpropagated (Accelerate divides by its own steps)
-                    self.core.record_loss(loss.detach() / accelerator.gradient_accumulation_steps)
+                if self.engine is not None:  # the loss as backpropagated (Accelerate divides by its own steps)
+                    self.engine.inputs.add_loss(loss.detach() / accelerator.gradient_accumulation_steps)
                 return original(loss, **kwargs)
 
             return backward
@@ -305,9 +299,9 @@ class StabilityTrainerCallback(AttachedCallback):
 
         def route(original: Callable[..., Any]) -> Callable[..., Any]:
             def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-                core = self.core
-                if core is not None and core.rerun is not None:
-                    core.rerun.start_step()
+                engine = self.engine
+                if engine is not None and engine.rerun is not None:
+                    engine.rerun.start_step()
                     kept = copy.copy(inputs)
                     self._rerun_step = lambda: original(model, copy.copy(kept), *args, **kwargs)
                 return original(model, inputs, *args, **kwargs)
@@ -317,7 +311,7 @@ class StabilityTrainerCallback(AttachedCallback):
         return route
 
     def _rerun_args(self) -> dict[str, Any]:
-        """``core.evaluate``'s rerun arguments: the Trainer's own step again (forward, and backward through
+        """``Driver.decide``'s rerun arguments: the Trainer's own step again (forward, and backward through
         ``accelerator.backward``, whose route records the loss), so the backward given has nothing to do."""
         step, self._rerun_step = self._rerun_step, None
         return {} if step is None else {"rerun_replay": step, "backward": lambda _loss: None}
@@ -325,13 +319,13 @@ class StabilityTrainerCallback(AttachedCallback):
     def _clip_route(self, accelerator: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def route(original: Callable[..., Any]) -> Callable[..., Any]:
             def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
-                core = self.core
-                if core is None or core.decision is not None or not accelerator.sync_gradients:
+                engine = self.engine
+                if engine is None or engine.in_flight is not None or not accelerator.sync_gradients:
                     return original(parameters, max_norm, norm_type)
-                decision = core.evaluate(log_step=self._global_step + 1, **self._rerun_args())  # before any clipping
+                decision = self.driver.decide(engine, log_step=self._global_step + 1, **self._rerun_args())
                 norm = decision.report.grad_norm
                 if max_norm is not None and math.isfinite(max_norm) and max_norm > 0:
-                    self._trainer_clip(core, norm, float(max_norm))
+                    self._trainer_clip(engine, norm, float(max_norm))
                     self._count_trainer_clip(norm, float(max_norm), decision.report.skipped)
                 return norm
 
@@ -348,16 +342,16 @@ class StabilityTrainerCallback(AttachedCallback):
     def summary(self) -> RunSummary | None:
         """The run's totals (None before training starts): the steps the Trainer's ``max_grad_norm``
         clipped are counted in ``clipped``, rollbacks apart (see ``RunSummary``)."""
-        if self.core is None:
+        if self.engine is None:
             return None
-        summary = self.core.summary()
+        summary = self.driver.summary()
         clipped = int(self._trainer_clipped) if self._trainer_clipped is not None else 0
         return dataclasses.replace(summary, clipped=summary.clipped + clipped)
 
     @staticmethod
-    def _trainer_clip(core: DriverCore, norm: Tensor, max_norm: float) -> None:
+    def _trainer_clip(engine: StabilityEngine, norm: Tensor, max_norm: float) -> None:
         """``max_grad_norm`` applied from the norm just measured (as torch's clip_grad_norm_ does)."""
-        grads = [p.grad for p in core.engine.params if p.grad is not None]
+        grads = [p.grad for p in engine.params if p.grad is not None]
         if not grads:
             return
         # an Inf norm gives coefficient 0 (torch zeroes the grads); only a NaN coefficient becomes 1
@@ -381,8 +375,8 @@ class StabilityTrainerCallback(AttachedCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Grads are final; when the Trainer did not call ``clip_grad_norm_`` (mixed meshes) decide here."""
-        core = self.core
-        if core is None or core.decision is not None:
+        engine = self.engine
+        if engine is None or engine.in_flight is not None:
             return
         if args.max_grad_norm and args.max_grad_norm > 0 and not self._warned_fallback:
             warnings.warn(
@@ -392,14 +386,14 @@ class StabilityTrainerCallback(AttachedCallback):
                 stacklevel=2,
             )
             self._warned_fallback = True
-        core.evaluate(log_step=state.global_step + 1, **self._rerun_args())
+        self.driver.decide(engine, log_step=state.global_step + 1, **self._rerun_args())
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """After the optimizer and scheduler: events, sinks, the divergence check; events to the Trainer's logs."""
         self._global_step = state.global_step
-        if self.core is None:
+        if self.engine is None:
             return
-        self.core.finish()
+        self.driver.end_step(self.engine)
         self._write_events(merge=bool(control.should_log))
 
     def _write_events(self, merge: bool = False, at_end: TrainerState | None = None) -> None:
@@ -436,7 +430,7 @@ class StabilityTrainerCallback(AttachedCallback):
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
         """What the Trainer writes into ``trainer_state.json`` at each checkpoint (JSON values only)."""
-        saved = to_json(self.driver.state_dict()) if self.core is not None else None
+        saved = to_json(self.driver.state_dict()) if self.engine is not None else None
         if saved is not None and self._trainer_clipped is not None:
             saved[_TRAINER_CLIPPED] = int(self._trainer_clipped)  # a checkpoint: syncs anyway
         return {"args": {"restore_into_attached": True}, "attributes": {"saved_state": saved}}

@@ -1,10 +1,10 @@
-"""StabilityCallback: Lightning's hooks mapped onto the driver core, one core per optimizer.
+"""StabilityCallback: Lightning's hooks mapped onto the driver base, one engine per optimizer.
 
 * ``on_train_batch_start``: the data guard (OR-ed over the micro-batches of a step).
 * ``on_before_backward``: the micro-batch loss is recorded (device tensor, no sync).
 * ``on_before_optimizer_step``: grads are final (after accumulation, DDP reduction and the
-  precision plugin's unscale, before clipping): the core measures, clips and decides.
-* each optimizer's ``step`` is routed through its core at fit start (a skipped step never reaches
+  precision plugin's unscale, before clipping): the engine measures, clips and decides.
+* each optimizer's ``step`` is routed through its engine at fit start (a skipped step never reaches
   the optimizer; fused optimizers get the skip in ``found_inf``), and step-interval LR schedulers
   are held on skipped steps without touching their saved state. ``training_step`` never returns
   None, so nothing hangs under DDP: every rank takes the same, all-reduced decision.
@@ -23,8 +23,7 @@ import torch
 from torch import Tensor
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.drivers.base import Driver
-from stabilitykit.drivers.core import DriverCore
+from stabilitykit.drivers.base import Driver, guard_batch
 from stabilitykit.engine.cadence import TrainerAlignedEngine
 from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.nan import NonFiniteRecord
@@ -64,7 +63,7 @@ class StabilityCallback(Callback):
         rules: Sequence[SkipRule] = (),
     ) -> None:
         """``rules``: your own skip rules (``stabilitykit.SkipRule``), run after the built-in ones."""
-        #: The lifecycle every driver shares (``drivers/base.py``): cores, losses, rules, state, the end.
+        #: The lifecycle every driver shares (``drivers/base.py``): engines, losses, rules, state, the end.
         self.driver = Driver(config, sinks=sinks, rules=rules, final_row=False)  # Lightning's own rows only
         self.config = self.driver.config
         self.name = name
@@ -73,9 +72,9 @@ class StabilityCallback(Callback):
         self._state_key = self._generate_state_key(name=name or "default")
 
     @property
-    def cores(self) -> list[DriverCore]:
-        """One core per optimizer (empty before fit starts)."""
-        return self.driver.cores
+    def engines(self) -> list[StabilityEngine]:
+        """One engine per optimizer (empty before fit starts)."""
+        return self.driver.engines
 
     def record(self, name: str, value: Tensor | float, reduce: str = "mean") -> None:
         """Record a metric of the coming optimizer step (call it from ``training_step``; no sync); see
@@ -94,22 +93,23 @@ class StabilityCallback(Callback):
     @property
     def engine(self) -> StabilityEngine | None:
         """The first optimizer's engine (None before fit starts)."""
-        return self.cores[0].engine if self.cores else None
+        return self.engines[0] if self.engines else None
 
     @property
     def last_report(self) -> StepReport | None:
         """The first optimizer's latest step report."""
-        return self.cores[0].last_report if self.cores else None
+        return self.engines[0].last_report if self.engines else None
 
     @property
     def last_nonfinite(self) -> NonFiniteRecord | None:
         """Where the latest traced or replayed non-finite value came from."""
-        return self.cores[0].tracing.last_nonfinite if self.cores else None
+        tracing = self.engines[0].tracing if self.engines else None
+        return tracing.last_nonfinite if tracing is not None else None
 
     @property
     def precision_choice(self) -> PrecisionChoice | None:
         """What ``sk.select_precision()`` recommends for the model's device."""
-        return self.cores[0].precision_choice if self.cores else None
+        return self.driver.precision_choice
 
     # ------------------------------------------------------------------ setup and teardown
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -122,7 +122,7 @@ class StabilityCallback(Callback):
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """One core per optimizer; route each optimizer's step and its step-interval schedulers through it."""
+        """One engine per optimizer; route each optimizer's step and its step-interval schedulers through it."""
         if not trainer.optimizers:
             raise ValueError("StabilityCallback needs an optimizer: configure_optimizers returned none")
         self.driver.release()
@@ -141,7 +141,7 @@ class StabilityCallback(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         for sink, owned in sinks_for_loggers(trainer.loggers, self.hooks.sinks, trainer.is_global_zero):
             self.hooks.add_sink(sink, owned=owned)  # a WandbLogger's run gets a WandbSink: markers and alerts
-        self.driver.build_cores(
+        self.driver.build_engines(
             pl_module,
             trainer.optimizers,
             config,
@@ -169,8 +169,9 @@ class StabilityCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Undo every wrapper (idempotent) and remove tracing hooks."""
         self.driver.release()
-        for core in self.cores:
-            core.tracing.detach()
+        for engine in self.engines:
+            if engine.tracing is not None:
+                engine.tracing.detach()
 
     # ------------------------------------------------------------------ the step
 
@@ -179,10 +180,10 @@ class StabilityCallback(Callback):
     ) -> None:
         """The data guard on this micro-batch; the batch is kept for a replay if the step goes non-finite."""
         self._batch = (batch, batch_idx)
-        for core in self.cores:
-            core.check_batch(batch)
-            if core.rerun is not None:
-                core.rerun.start_step()  # the random state training_step starts with, for a rerun
+        for engine in self.engines:
+            guard_batch(engine, batch)
+            if engine.rerun is not None:
+                engine.rerun.start_step()  # the random state training_step starts with, for a rerun
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Remember each micro-batch's loss (stays on the device) for the optimizer that steps next."""
@@ -192,10 +193,10 @@ class StabilityCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         """Grads are final here: measure, clip and decide; the optimizer's routed step acts on it."""
-        core = self.driver.find_core(optimizer)
-        if core is None:
+        engine = self.driver.find_engine(optimizer)
+        if engine is None:
             return
-        self.driver.claim_losses(core)
+        self.driver.claim_losses(engine)
         batch = self._batch
 
         def replay() -> Tensor:
@@ -210,10 +211,11 @@ class StabilityCallback(Callback):
 
         def backward(loss: Tensor) -> None:  # Lightning's own backward (its hooks record the loss)
             trainer.strategy.backward(loss, optimizer)
-            self.driver.claim_losses(core)
+            self.driver.claim_losses(engine)
 
         automatic = batch is not None and pl_module.automatic_optimization
-        core.evaluate(
+        self.driver.decide(
+            engine,
             replay=replay if automatic else None,
             log_step=trainer.global_step,
             backward=backward if automatic else None,
@@ -225,15 +227,15 @@ class StabilityCallback(Callback):
     ) -> None:
         """After the optimizer step(s): sinks, events and the divergence check."""
         self._batch = None
-        for core in self.cores:
-            core.finish()
+        for engine in self.engines:
+            self.driver.end_step(engine)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Each core's state (counters, EMAs, detectors, unread journal rows), as every driver saves it."""
+        """Each engine's state (counters, EMAs, detectors, unread journal rows), as every driver saves it."""
         return self.driver.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the cores (the base applies it at fit start when they do not exist yet)."""
+        """Restore the engines (the base applies it at fit start when they do not exist yet)."""
         if state_dict:
             self.driver.load_state_dict(state_dict)

@@ -1,4 +1,4 @@
-"""StabilityGuard: the driver for plain PyTorch loops, on the driver base (one core per optimizer).
+"""StabilityGuard: the driver for plain PyTorch loops, on the driver base (one engine per optimizer).
 
 guard.backward(loss)   # scaled when a GradScaler is given; call it once per micro-batch
 report = guard.step()  # unscale once, norms, clip, skip or step, scheduler, scaler.update()
@@ -20,13 +20,11 @@ import torch
 from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.drivers.base import Driver
+from stabilitykit.drivers.base import Driver, guard_batch
 from stabilitykit.drivers.base import scheduler_target as scheduler_target
-from stabilitykit.drivers.core import DriverCore
 from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NaNTracer, NonFiniteRecord
-from stabilitykit.precision import PrecisionChoice
 from stabilitykit.report import StepReport
 from stabilitykit.rules import SkipRule
 from stabilitykit.schedulers import check_arguments
@@ -65,7 +63,7 @@ class StabilityGuard(Driver):
     LR scheduler bitwise unchanged. Calling ``scaler.unscale_(optimizer)`` yourself before ``step``
     (the PyTorch AMP recipe) is fine: the guard sees it and never unscales twice.
 
-    ``optimizer`` may be a list: each optimizer gets its own core (skip decision, step count,
+    ``optimizer`` may be a list: each optimizer gets its own engine (skip decision, step count,
     cadence) and metrics under ``<metric_prefix>/opt<i>``; ``scheduler`` may be a list too, each
     scheduler held with the optimizer it drives. The lifecycle (state, ``summary()``, ``close()``,
     ``with``, ``record``) is the driver base's (``drivers/base.py``).
@@ -110,11 +108,12 @@ class StabilityGuard(Driver):
         config: StabilityConfig | None = None,
         engine_cls: type[StabilityEngine] = StabilityEngine,
     ) -> None:
-        """The run starts: one core per optimizer, each optimizer's step routed through its core
+        """The run starts: one engine per optimizer, each optimizer's step routed through its engine
         (``_route_step``; undone by ``close()``)."""
-        self.build_cores(model, optimizers, config, scaler=scaler, extra_group=extra_group, engine_cls=engine_cls)
-        self.core = self.cores[0]
-        self.config = self.core.config
+        self.build_engines(model, optimizers, config, scaler=scaler, extra_group=extra_group, engine_cls=engine_cls)
+        #: The (first optimizer's) engine behind this guard (counters, layer names, journal, recovery).
+        self.engine = self.engines[0]
+        self.config = self.engine.config
         self.model = model
         self.optimizers = optimizers
         self.optimizer = optimizers[0]
@@ -122,28 +121,18 @@ class StabilityGuard(Driver):
         self.route_steps(self._route_step)
 
     @property
-    def engine(self) -> StabilityEngine:
-        """The (first optimizer's) engine behind this guard (counters, layer names, journal)."""
-        return self.core.engine
-
-    @property
-    def precision_choice(self) -> PrecisionChoice | None:
-        """What ``sk.select_precision()`` recommends for the model's device (``config.precision``)."""
-        return self.core.precision_choice
-
-    @property
     def tracer(self) -> NaNTracer | None:
         """The NaN tracer, when ``config.nan_trace`` uses one."""
-        return self.core.tracing.tracer
+        return self.engine.tracing.tracer if self.engine.tracing is not None else None
 
     @property
     def last_nonfinite(self) -> NonFiniteRecord | None:
         """Where the latest traced or replayed non-finite value came from."""
-        return self.core.tracing.last_nonfinite
+        return self.engine.tracing.last_nonfinite if self.engine.tracing is not None else None
 
-    def _outer(self, core: DriverCore) -> Any:
-        """The object the user gave for ``core``'s optimizer (a framework wrapper, maybe)."""
-        return self.optimizers[self.cores.index(core)]
+    def _outer(self, engine: StabilityEngine) -> Any:
+        """The object the user gave for ``engine``'s optimizer (a framework wrapper, maybe)."""
+        return self.optimizers[self.engines.index(engine)]
 
     # ------------------------------------------------------------------ the loop API
     def check_batch(self, batch: Any) -> None:
@@ -153,8 +142,8 @@ class StabilityGuard(Driver):
         ``mode="skip"``: the coming step is skipped on the device when any of its micro-batches was
         bad (no sync); a ``bad_batch`` event reports it.
         """
-        for core in self.cores:
-            core.check_batch(batch)
+        for engine in self.engines:
+            guard_batch(engine, batch)
 
     def backward(self, loss: Tensor, *, optimizer: Any | None = None, **kwargs: Any) -> None:
         """Backpropagate ``loss`` (scaled when a GradScaler is enabled) and remember its value.
@@ -165,7 +154,7 @@ class StabilityGuard(Driver):
         if self.closed:
             self.check_open("backward")
         self.record_loss(loss, optimizer)
-        self.core.scaler.scale(loss).backward(**kwargs)
+        self.engine.scaler.scale(loss).backward(**kwargs)
 
     def step(
         self,
@@ -186,25 +175,28 @@ class StabilityGuard(Driver):
         """
         if self.closed:
             self.check_open("step")
-        core = self.cores[0] if optimizer is None and len(self.cores) == 1 else self.core_for(optimizer)
+        engine = self.engines[0] if optimizer is None and len(self.engines) == 1 else self.engine_for(optimizer)
 
         def backward(loss: Tensor) -> None:  # a rerun of a flagged step backpropagates as the guard does
             self.backward(loss, optimizer=optimizer)
 
-        return self.run_step(core, lambda: self._optimizer_step(core, update_scaler), replay=replay, backward=backward)
+        def optimizer_step() -> None:
+            self._optimizer_step(engine, update_scaler)
 
-    def _route_step(self, core: DriverCore) -> Callable[[], None]:
-        """Route the optimizer's step through ``core`` (installed once, at construction); returns the undo."""
-        return core.wrap_optimizer_step(core.optimizer)
+        return self.train_step(engine, optimizer_step, replay=replay, backward=backward)
 
-    def _optimizer_step(self, core: DriverCore, update_scaler: bool) -> None:
+    def _route_step(self, engine: StabilityEngine) -> Callable[[], None]:
+        """Route the optimizer's step through ``engine`` (installed once, at construction); returns the undo."""
+        return self.routes.route(engine, engine.optimizer)
+
+    def _optimizer_step(self, engine: StabilityEngine, update_scaler: bool) -> None:
         """Step the optimizer (its routed step applies the skip); GradScaler-aware."""
-        if core.scaler.enabled:
-            self.scaler.step(core.optimizer)  # type: ignore[union-attr]  # skips an fp16 overflow itself
+        if engine.scaler.enabled:
+            self.scaler.step(engine.optimizer)  # type: ignore[union-attr]  # skips an fp16 overflow itself
             if update_scaler:
                 self.scaler.update()  # type: ignore[union-attr]  # the scale backs off after an overflow
         else:
-            core.optimizer.step()
+            engine.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True, *, optimizer: Any | None = None) -> None:
         """``optimizer.zero_grad`` (every optimizer when none is named): grads of a skipped step are dropped."""
@@ -215,7 +207,7 @@ class StabilityGuard(Driver):
     @property
     def step_count(self) -> int:
         """Optimizer steps attempted so far, skipped ones included (the first optimizer's)."""
-        return self.core.engine.step
+        return self.engine.step
 
     @property
     def schedule_step(self) -> int:
@@ -224,12 +216,12 @@ class StabilityGuard(Driver):
         ``lr = get_lr(guard.schedule_step)`` holds an LR written into ``param_group["lr"]`` by hand
         through a skip, as a scheduler passed as ``scheduler=`` is held (see the skipping guide).
         """
-        return self.core.schedule_step
+        return self.engine.step - self.engine.held_steps
 
     @property
     def skipped_total(self) -> int:
         """Skipped steps as of the host's last look (exact on logging steps and for non-fused optimizers)."""
-        return self.core.engine.skipped_total
+        return self.engine.skipped_total
 
     def restore_last_good(self) -> int:
         """Put back the last healthy recovery snapshot in place; returns its step (the state before that step).
@@ -238,7 +230,7 @@ class StabilityGuard(Driver):
         ``close()``; on disk as ``last-good-<step>.pt`` with disk storage or a ``record_dir``): restore it,
         then save a checkpoint. Otherwise the newest snapshot of the ring. Needs recovery on.
         """
-        recovery = self.core.recovery
+        recovery = self.engine.recovery
         if recovery is None:
             raise RuntimeError("stabilitykit: restore_last_good() needs recovery on (StabilityConfig(recovery=...))")
         return recovery.restore_last_good()

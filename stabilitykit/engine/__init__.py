@@ -1,6 +1,6 @@
 """The engine, split by job: layer naming, clipping strategies, the device journal, the ledger, the step.
 
-Nothing here knows Lightning, Hugging Face or W&B; drivers reach it through ``stabilitykit.drivers.core``.
+Nothing here knows Lightning, Hugging Face or W&B; drivers reach it through ``stabilitykit.drivers.base``.
 
 The step (``StabilityEngine``, ``TrainerAlignedEngine``, ``is_fused``) and the ledger (``Ledger``,
 ``Counters``, ``Divergence``) are imported on first use: they take a ``StabilityConfig``, and

@@ -22,6 +22,26 @@ from stabilitykit.rules.registry import SKIP
 
 
 @dataclass(frozen=True)
+class RecoveryAsk:
+    """What recovery asks of one step, read from it once before the step (``drivers/base.py``).
+
+    ``skip_ahead``: a batch a rollback skips (``RecoveryConfig.skip_after``): measured and logged, never
+    trained on; known on the host (the same on every rank), so it costs no sync. ``request``: a rollback
+    request of this rank (``recovery/agreement.py``) and ``verdict``: this rank's verdict on a snapshot's
+    step (``recovery/vetting.py``), both non-negative integers agreed in the step's collective (the
+    largest any rank sent) and written to its journal row.
+    """
+
+    skip_ahead: bool = False
+    request: int = 0
+    verdict: int = 0
+
+
+#: A step recovery asks nothing of (recovery off, or nothing to ask).
+NO_ASK = RecoveryAsk()
+
+
+@dataclass(frozen=True)
 class Known:
     """The host has read this step's decision code: the skip is applied and reported at once."""
 
@@ -63,6 +83,7 @@ class StepDecision:
     update_metrics: dict[str, float] = field(default_factory=dict)  # update ratio and weight norms (logging steps)
     lr_metrics: dict[str, float] = field(default_factory=dict)  # the LR each param group used (logging steps)
     divergence: Any = None  # a run of skips that reached max_consecutive, when ``finish`` did not raise it
+    log_step: int | None = None  # the step number sinks see (a framework's global step); None: the engine's
 
     @property
     def skipped_now(self) -> bool:

@@ -22,7 +22,7 @@ from stabilitykit.nn.qk_clip import QKClip
 
 
 class StepGate:
-    """One optimizer step's skip around the step (see ``StabilityEngine.open_step``)."""
+    """One optimizer step's skip around the step (opened around each routed step, ``drivers/routing.py``)."""
 
     def __init__(self, decision: StepDecision, fused_optimizer: Any | None, qk_clip: QKClip | None) -> None:
         self.decision = decision

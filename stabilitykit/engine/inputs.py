@@ -14,6 +14,7 @@ import math
 import torch
 from torch import Tensor
 
+from stabilitykit.engine.decision import NO_ASK, RecoveryAsk
 from stabilitykit.engine.record import RecordLayout, StepRecord, check_reduce
 from stabilitykit.grads import NormResult
 from stabilitykit.rules import RuleSet, SkipRule, StepValues
@@ -35,6 +36,8 @@ class StepInputs:
         self.true = ~self.false
         self.nan = torch.full((), math.nan, dtype=torch.float32, device=device)
         self._no_request = torch.zeros((), dtype=torch.float32, device=device)
+        #: The data guard's flag over this step's micro-batches (``config.data.mode="skip"``), or None.
+        self.bad_batch: Tensor | None = None
 
     def add_loss(self, loss: Tensor) -> None:
         """Add one micro-batch's loss (detached, on the device) to this optimizer step's loss.
@@ -46,6 +49,10 @@ class StepInputs:
         value = loss.detach().float().mean()
         self._losses += 1
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+
+    def add_bad_batch(self, bad: Tensor) -> None:
+        """One micro-batch's data-guard flag (0-d device bool), OR-ed into the step's: any bad one skips it."""
+        self.bad_batch = bad if self.bad_batch is None else self.bad_batch | bad
 
     def add_metric(self, name: str, value: Tensor | float, reduce: str, step: int) -> None:
         """Record a user metric for the step in flight (a 0-d device tensor; no sync). The same name
@@ -83,17 +90,16 @@ class StepInputs:
         rules: RuleSet,
         step: int,
         force_skip: Tensor | None = None,
-        skip_ahead: bool = False,
-        request: int = 0,
+        ask: RecoveryAsk = NO_ASK,
         scaler_active: bool = False,
-        verdict: int = 0,
         observed: dict[str, Tensor] | None = None,
     ) -> StepRecord:
         """The step record, each value with its cross-rank reduction (agreed in one collective).
 
         A rule decides on this rank's values (skip-on-spike may see another loss than its peers);
         its flag is OR-ed across ranks with the rest. ``observed``: values the monitors measured for
-        this step (router load...), which rules read by name but the record does not carry.
+        this step (router load...), which rules read by name but the record does not carry. ``ask``:
+        what recovery asks of this step (``RecoveryAsk``).
         """
         grads_finite = norms.finite if norms.finite is not None else torch.isfinite(norms.total)
         loss_finite = torch.isfinite(loss) if loss is not None else self.true
@@ -103,7 +109,7 @@ class StepInputs:
             "loss_finite": loss_finite,
             "loss": self.or_nan(loss),
             "bad_batch": force_skip if force_skip is not None else self.false,
-            "after_rollback": self.true if skip_ahead else self.false,
+            "after_rollback": self.true if ask.skip_ahead else self.false,
             "never": self.false,  # a constant False for a rule that does not apply this step
             **(observed or {}),
             **metrics,
@@ -117,9 +123,9 @@ class StepInputs:
             view.read.clear()
             record.put(f"rule/{rule.name}", rule_flag(rule, view), "any")
             rules.inputs[rule.name] = tuple(sorted(view.read))
-        asked = self._no_request if request == 0 else torch.full((), float(request), device=self.device)
+        asked = self._no_request if ask.request == 0 else torch.full((), float(ask.request), device=self.device)
         record.put("request", asked, "max")
-        judged = self._no_request if verdict == 0 else torch.full((), float(verdict), device=self.device)
+        judged = self._no_request if ask.verdict == 0 else torch.full((), float(ask.verdict), device=self.device)
         record.put("verdict", judged, "max")
         for name, value in metrics.items():
             record.put(f"metric/{name}", value, self.layout.columns[name])

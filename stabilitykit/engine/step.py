@@ -1,16 +1,18 @@
 """The step engine: norms, clipping, the skip decision, on the device; bookkeeping on the host.
 
-A driver (through ``stabilitykit.drivers.core.DriverCore``) calls, once per optimizer step and after the
-grads are final:
+One engine guards one optimizer. The driver base (``stabilitykit.drivers.base``) builds it, attaches
+what a driver needs around it (the optimizer, its GradScaler adapter, buffers, tracing, recovery,
+rerun, replica checks: public attributes, None on a bare engine) and calls, once per optimizer step
+and after the grads are final:
 
 1. ``inputs.add_loss(loss)`` for each micro-batch (optional; ``inputs.py``),
 2. ``decision = evaluate(...)``, top to bottom: one fused norm pass (``grads.GradNormPlan``); the
    step record agreed across ranks in ONE collective (``engine/record.py``, every rank,
    every step); the decision code (``rules/registry.py``); clipping in place (``clipping.py``); one
    journal row (``journal.py``); the host reads the row now only where it must (below),
-3. ``gate = open_step(decision, optimizer)``, the optimizer step unless ``gate.skip_now``, then
-   ``gate.close()`` (``gate.py``; ``apply`` does the three),
-4. ``ledger.consume_scheduler_hold(decision.skipped_now)`` before stepping an LR scheduler (once per step),
+3. ``gate = StepGate(decision, optimizer, qk_clip)``, the optimizer step unless ``gate.skip_now``,
+   then ``gate.close()`` (``gate.py``; the driver's step routes do this, ``drivers/routing.py``),
+4. ``holds_scheduler()`` before stepping an LR scheduler (decided once per step),
 5. ``finish(decision)``: rows the host read are folded into the ledger (events, counters,
    divergence) and, on logging steps, the metrics (``metrics.py``) go to the sinks; both are the
    host side's job (``readout.py``), which also does the logging step's read.
@@ -41,18 +43,20 @@ it with its journal (``engine/updates.py``), so it adds no sync.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from stabilitykit.buffers import BufferGuard
+from stabilitykit.compat.grad_scaler import ScalerAdapter
 from stabilitykit.compat.private import supports_amp_scaling
 from stabilitykit.distributed import is_distributed, mark_collective_step, reducer_for
 from stabilitykit.engine.clipping import ClipStrategy, PerTensorClip, make_clip_strategy
-from stabilitykit.engine.decision import TAKEN, Known, StepDecision
-from stabilitykit.engine.gate import StepGate
+from stabilitykit.engine.decision import NO_ASK, TAKEN, Known, RecoveryAsk, StepDecision
+from stabilitykit.engine.gate import NewStateCheck
 from stabilitykit.engine.inputs import StepInputs
 from stabilitykit.engine.journal import MAX_JOURNAL_ROWS, Journal, RowInfo
 from stabilitykit.engine.layers import build_layer_map
@@ -72,7 +76,10 @@ from stabilitykit.rules.spike import Spike
 
 if TYPE_CHECKING:  # the config module imports the sections' owners, this package among them
     from stabilitykit.config import StabilityConfig
+    from stabilitykit.recovery.controller import Recovery
+    from stabilitykit.replicas import ReplicaCheck
     from stabilitykit.rerun import Rerun
+    from stabilitykit.tracing import NaNTracing
 
 
 def is_fused(optimizer: Any | None) -> bool:
@@ -109,7 +116,7 @@ class _Parts:
 
 
 class StabilityEngine:
-    """One implementation of the stability step shared by every driver."""
+    """One guarded optimizer: the stability step every driver shares, and what is attached to it."""
 
     def __init__(
         self,
@@ -124,8 +131,6 @@ class StabilityEngine:
     ) -> None:
         self.config = config
         self.user_rules = list(rules)
-        #: An LR scheduler is held on skipped steps (the driver says so; named in a late skip's event).
-        self.has_scheduler = False
         self.hooks = hooks or HookManager()
         self.fused = fused
         self._model, self._names, self._extra_group = model, names, extra_group
@@ -140,11 +145,36 @@ class StabilityEngine:
         #: Whether anything can ever skip a step (configuration and rules only, so the same on every rank).
         self.can_skip = self.config.can_skip or bool(self.user_rules)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
-        #: Re-running a flagged step (``config.rerun``, ``rerun/policy.py``): set by the driver core, or None.
+        #: Re-running a flagged step (``config.rerun``, ``rerun/policy.py``): set by the driver base, or None.
         self.rerun: Rerun | None = None
         #: Modules that measure themselves, QK-clip and the model monitor (``engine/sources.py``).
         self.sources = MetricSources(self.config, model, self.params)
-        self._mark_measure()
+        self.sources.begin_step(self.step, self.is_logging_step())
+        # What the driver base attaches (``drivers/build.py``); a bare engine (benchmarks, tests) keeps these.
+        #: The torch optimizer this engine guards (framework wrappers looked through), or None; and the one
+        #: whose param groups hold the LRs the step uses (``lr/<group>``): another where the driver steps
+        #: one behind stand-ins (DeepSpeed's).
+        self.optimizer: Any = None
+        self.lr_optimizer: Any = None
+        #: The GradScaler (``compat/grad_scaler.py``): stage-aware unscale, the scale to log.
+        self.scaler = ScalerAdapter(None)
+        #: Running statistics (BatchNorm) put back on a skipped step (``config.skip.restore_buffers``).
+        self.buffers = BufferGuard([])
+        #: The NaN tracing policy (``config.nan_trace``), rollback (``config.recovery``) and replica
+        #: checks (``config.replicas``), or None when off.
+        self.tracing: NaNTracing | None = None
+        self.recovery: Recovery | None = None
+        self.replicas: ReplicaCheck | None = None
+        #: Steps a fused optimizer would create state on are decided on the host (``engine/gate.py``).
+        self.new_state = NewStateCheck()
+        #: The step decided and not finished yet (between a driver's ``decide`` and ``end_step``), or None.
+        self.in_flight: StepDecision | None = None
+        self.last_report: StepReport | None = None
+        #: Steps an LR scheduler was held for (``schedule_step = step - held_steps``), and this step's hold.
+        self.held_steps = 0
+        self._hold: bool | None = None
+        #: ``optimizer.step()`` calls made directly, outside a step of the driver (a warning names the first).
+        self.unguarded_steps = 0
 
     def _bind_params(self, params: Sequence[nn.Parameter | Tensor]) -> None:
         """Measure ``params`` (every parameter the optimizer holds, frozen ones too: a parameter without
@@ -195,17 +225,23 @@ class StabilityEngine:
         self._install(parts)
         self.sources.follow_params(self.params)
 
-    def note_scheduler_held(self) -> None:
-        """A driver holds an LR scheduler on skipped steps: a late skip's event says so (kept across
-        the ledgers a state load or a change of parameters builds)."""
-        self.has_scheduler = self.ledger.has_scheduler = True
-
     def _install(self, parts: _Parts) -> None:
-        """Swap ``parts`` in (all at once, after they were built and loaded)."""
-        parts.ledger.has_scheduler = self.has_scheduler
+        """Swap ``parts`` in (all at once, after they were built and loaded); whether an LR scheduler is
+        held on skips (named in a late skip's event) carries over from the ledger it replaces."""
+        previous = vars(self).get("ledger")  # None at construction
+        parts.ledger.has_scheduler = previous is not None and previous.has_scheduler
         self.ledger, self.clip = parts.ledger, parts.clip
         self.rules, self.journal = parts.rules, parts.journal
         self.spike_rule = parts.spike_rule
+        #: A skip the host read with a non-finite norm may be an fp32 overflow of finite grads, re-measured in
+        #: fp64 (``overflow.py``): with clipping by the total norm, non-finite steps skipped and skip-on-spike
+        #: off (it skips such a step as a spike anyway; an fp16 overflow has Inf grads and stays skipped).
+        self._overflow_possible = (
+            parts.clip is not None
+            and not isinstance(parts.clip, PerTensorClip)
+            and parts.spike_rule is None
+            and self.config.skip.nonfinite
+        )
         self.readout.bind(parts.ledger, parts.journal, parts.rules, self.names, self.updates, parts.clip is not None)
 
     def _fresh_parts(self) -> _Parts:
@@ -254,10 +290,6 @@ class StabilityEngine:
         every = self.config.log_every_n_steps or 1
         return (self.step if step is None else step) % every == 0
 
-    def key(self, name: str) -> str:
-        """The full metric name: ``<prefix>/<name>``."""
-        return self.names.key(name)
-
     @property
     def counters(self) -> Any:
         """The ledger's counters (exact after a logging step, and always for non-fused optimizers)."""
@@ -290,9 +322,7 @@ class StabilityEngine:
         scaler_active: bool = False,
         loss_scale: Tensor | None = None,
         force_skip: Tensor | None = None,
-        skip_ahead: bool = False,
-        request: int = 0,
-        verdict: int = 0,
+        ask: RecoveryAsk = NO_ASK,
     ) -> StepDecision:
         """Measure, agree, decide, clip and record this step; the host reads it now only where it must.
 
@@ -300,12 +330,8 @@ class StabilityEngine:
         are reported unscaled. ``scaler_active``: a GradScaler is in use, so a non-finite grad is an
         fp16 overflow. ``loss_scale``: the GradScaler's scale, logged on logging steps.
         ``force_skip``: a 0-d device bool (the data guard's verdict) that skips the step when true.
-        ``skip_ahead``: a batch a rollback skips (``RecoveryConfig.skip_after``): measured and logged,
-        never trained on; known on the host at once (the same on every rank), so it costs no sync.
-        ``request``: a rollback request of this rank (a non-negative integer, ``recovery/agreement.py``),
-        agreed in this step's collective and written to its row (the largest any rank sent).
-        ``verdict``: this rank's verdict on a snapshot's step (``recovery/vetting.py``), agreed and written
-        the same way.
+        ``ask``: what recovery asks of this step (``RecoveryAsk``: a batch a rollback skips, a rollback
+        request, a snapshot's verdict), agreed in this step's collective with the rest.
         """
         step = self.step
         mark_collective_step(step)
@@ -324,10 +350,8 @@ class StabilityEngine:
                 self.rules,
                 step,
                 force_skip,
-                skip_ahead,
-                request,
+                ask,
                 scaler_active,
-                verdict,
                 observed,
             )
             agreed = record.agree(self.config.skip.sync_ranks)
@@ -335,16 +359,16 @@ class StabilityEngine:
             return norms, grouped, loss, metrics, agreed, code
 
         rerun = self.rerun if self.rerun is not None and self.rerun.armed and self.can_skip else None
-        saved = self._saved_statistics() if rerun is not None else None
+        saved = _saved_statistics(self.rules, self.clip) if rerun is not None else None
         measured = measure()
         decision = self._decide(step, measured, scaler_active)
-        if skip_ahead:
+        if ask.skip_ahead:
             decision.settle(self.rules.constant("after_rollback"), "after_rollback")  # known on the host: no sync
         if decision.logging or self.journal.full:
             self.readout.read(decision, self.sources, loss_scale)
         elif self.can_skip and (not self.fused or (rerun is not None and rerun.config.read_every_step)):
             self.resolve(decision)  # the one sync a non-fused optimizer pays to skip (or rerun asked for it)
-        elif not self.can_skip and not skip_ahead:
+        elif not self.can_skip and not ask.skip_ahead:
             decision.settle(TAKEN.code, None)
         outcome = decision.outcome
         if (
@@ -355,12 +379,13 @@ class StabilityEngine:
             # a step the host reads anyway is re-run (no read of its own): see ``rerun/policy.py``
             assert saved is not None
             first = (measured[2], measured[0].total)  # this rank's own loss and norm, before they were agreed
-            self._load_statistics(saved)  # the rules and clipping see the step once
+            _load_statistics(self.rules, self.clip, saved)  # the rules and clipping see the step once
             rerun.recompute()  # the batch's forward and backward again, from the step's random state
             measured = measure()
-            decision = self._redecide(decision, self._decide(step, measured, scaler_active, rewrite=True))
+            again = self._decide(step, measured, scaler_active, rewrite=True)
+            decision = _redecide(self.journal, self.reason_of, decision, again)
             rerun.judge(step, first, (measured[2], measured[0].total))  # transient: this recomputed step goes on
-        if decision.skipped_now and self._overflowed(decision):
+        if decision.skipped_now and self._overflow_possible and _read_nonfinite(decision):
             self._remeasure(decision, measured[1], grad_scale, force_skip)
         if self.updates is not None and self.is_logging_step(step + 1):
             self.updates.snapshot(step)  # the parameters before this step's update, read at the next step
@@ -401,34 +426,6 @@ class StabilityEngine:
         )
         return StepDecision(report=report, skip=skip, code=code, logging=self.is_logging_step(step))
 
-    def _redecide(self, first: StepDecision, again: StepDecision) -> StepDecision:
-        """The decision of a step measured again (``again``, its row just written) in place of ``first``, whose
-        reads it keeps (earlier rows, a logging step's metrics): its own row read now (the rerun's one read)."""
-        if len(self.journal.infos) == 1:  # the step's own read emptied the journal (a logging step): empty it again
-            row = self.journal.read(current_step=again.report.step)[0][-1]
-        else:  # rows held and taken (a non-fused optimizer's reads): it stays held, taken, as theirs
-            row = self.journal.read_last()
-        rows = [r for r in first.rows if r.step != again.report.step]
-        again.rows = [*rows, row]
-        for name in ("loss_scale", "module_metrics", "signals", "update_metrics", "lr_metrics"):
-            setattr(again, name, getattr(first, name))
-        again.settle(row.code, self.reason_of(row.code))
-        return again
-
-    def _saved_statistics(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-        """The skip rules' and the clipping's state before a step (device copies, no sync): a rerun puts them
-        back so that the step is seen once."""
-        clip = self.clip.state_dict() if self.clip is not None else None
-        return [rule.state_dict() for rule in self.rules], clip
-
-    def _load_statistics(self, saved: tuple[list[dict[str, Any]], dict[str, Any] | None]) -> None:
-        rules, clip = saved
-        for rule, state in zip(self.rules, rules, strict=True):
-            if state:
-                rule.load_state_dict(state)
-        if self.clip is not None and clip:
-            self.clip.load_state_dict(clip)
-
     def reason_of(self, code: int) -> str | None:
         """Why a step with decision ``code`` was skipped (None: taken): the rule set decodes it."""
         return self.rules.decode(code).reason
@@ -454,23 +451,6 @@ class StabilityEngine:
         coef = torch.where(active, clip_coefficient(total, threshold, grads_finite), 1.0)
         apply_clip_coefficient(grouped, coef)
         return coef, threshold
-
-    def _overflowed(self, decision: StepDecision) -> bool:
-        """The host read a skip with a non-finite norm while clipping is on: maybe an fp32 overflow of finite grads.
-
-        The row's total is agreed across ranks, so every rank takes the same branch (across ranks an
-        overflow arrives as NaN, like a real NaN, so both are re-measured). With skip-on-spike on,
-        such a step is skipped as a spike anyway; an fp16 overflow has Inf grads and stays skipped.
-        """
-        row = decision.rows[-1] if decision.rows and decision.rows[-1].step == decision.report.step else None
-        return (
-            row is not None
-            and not math.isfinite(row.total)
-            and self.clip is not None
-            and not isinstance(self.clip, PerTensorClip)
-            and self.spike_rule is None
-            and self.config.skip.nonfinite
-        )
 
     def _remeasure(
         self, decision: StepDecision, grouped: list[list[Tensor]], grad_scale: Tensor | None, force_skip: Tensor | None
@@ -501,30 +481,20 @@ class StabilityEngine:
             decision.settle(row.code, self.reason_of(row.code))
         return decision.skipped_now
 
-    def _mark_measure(self) -> None:
-        """Tell the metric sources about the coming step (monitors sample on their own cadence)."""
-        self.sources.begin_step(self.step, self.is_logging_step())
+    def holds_scheduler(self) -> bool:
+        """True when LR schedulers must not advance after the step in flight; decided once per step,
+        whoever asks (a hold for a skip learned late is paid off here), and counted in ``held_steps``."""
+        if self.in_flight is None:
+            return False
+        if self._hold is None:
+            self._hold = self.ledger.consume_scheduler_hold(self.in_flight.skipped_now)
+            self.held_steps += int(self._hold)
+        return self._hold
 
-    def close_monitors(self) -> None:
-        """Remove the monitors' hooks from the model (a driver calls it when training ends)."""
-        self.sources.close()
-
-    def open_step(self, decision: StepDecision, optimizer: Any | None = None) -> StepGate:
-        """The gate around the optimizer step (``gate.py``): no step when ``skip_now``; ``close()`` after."""
-        return StepGate(decision, optimizer if self.fused else None, self.sources.qk_clip)
-
-    def apply(self, decision: StepDecision, step_fn: Callable[[], Any], optimizer: Any | None = None) -> Any:
-        """Run the optimizer step unless this step is skipped; fused optimizers skip on the device."""
-        gate = self.open_step(decision, optimizer)
-        try:
-            return None if gate.skip_now else step_fn()
-        finally:
-            gate.close()
-
-    def finish(self, decision: StepDecision, log_step: int | None = None, raise_divergence: bool = True) -> StepReport:
+    def finish(self, decision: StepDecision, raise_divergence: bool = True) -> StepReport:
         """Host-side bookkeeping after the step: the ledger, events, sinks, then the divergence check.
 
-        ``log_step``: the step number sinks see (a framework's global step); default the engine's.
+        Sinks see the step as ``decision.log_step`` (a framework's global step) when set, else the engine's.
         ``raise_divergence=False``: a divergence is left in ``decision.divergence`` for the caller
         (recovery) instead of being reported and raised; ``readout.report_divergence`` does that.
         """
@@ -532,19 +502,27 @@ class StabilityEngine:
         self.step += 1
         if self.updates is not None:
             self.updates.measure()  # after the optimizer step: this step's update, if it was snapshotted
-        self._mark_measure()
+        self._hold = None
+        self.sources.begin_step(self.step, self.is_logging_step())
         divergence = self.readout.fold(decision.rows, step, decision.signals)
         if decision.logging:
             for event in self.sources.events(step, decision.module_metrics):
                 self.readout.hooks.emit(event)
             extra = [decision.module_metrics, decision.update_metrics, decision.lr_metrics]
-            self.readout.log(decision.rows[-1], step if log_step is None else log_step, decision.loss_scale, extra)
+            log_step = step if decision.log_step is None else decision.log_step
+            self.readout.log(decision.rows[-1], log_step, decision.loss_scale, extra)
         if divergence is not None:
             if not raise_divergence:
                 decision.divergence = divergence
             else:
                 self.readout.report_divergence(divergence, raise_error=True)
         return decision.report
+
+    def flush(self, final_row: bool = False) -> None:
+        """Fold the steps since the last logging step now (one sync); ``final_row``: and log their row."""
+        rows = self.readout.flush(self.step, final_row=final_row)
+        if self.recovery is not None:
+            self.recovery.flush(rows)
 
     # ----------------------------------------------------------------------------- state
 
@@ -582,7 +560,7 @@ class StabilityEngine:
         self._install(parts)
         if self.updates is not None:
             self.updates.reset()
-        self._mark_measure()
+        self.sources.begin_step(self.step, self.is_logging_step())
 
     def rewind(self, state: dict[str, Any]) -> None:
         """A rollback to a snapshot whose engine state is ``state``: its statistics come back, the count goes on.
@@ -608,4 +586,46 @@ class StabilityEngine:
         if self.updates is not None:
             self.updates.reset()
         self.sources.discard()  # values measured on the undone steps are not the restored model's
-        self._mark_measure()
+        self.sources.begin_step(self.step, self.is_logging_step())
+
+
+def _redecide(journal: Journal, decode: Any, first: StepDecision, again: StepDecision) -> StepDecision:
+    """The decision of a step measured again (``again``, its row just written) in place of ``first``, whose
+    reads it keeps (earlier rows, a logging step's metrics): its own row read now (the rerun's one read)."""
+    if len(journal.infos) == 1:  # the step's own read emptied the journal (a logging step): empty it again
+        row = journal.read(current_step=again.report.step)[0][-1]
+    else:  # rows held and taken (a non-fused optimizer's reads): it stays held, taken, as theirs
+        row = journal.read_last()
+    rows = [r for r in first.rows if r.step != again.report.step]
+    again.rows = [*rows, row]
+    for name in ("loss_scale", "module_metrics", "signals", "update_metrics", "lr_metrics"):
+        setattr(again, name, getattr(first, name))
+    again.settle(row.code, decode(row.code))
+    return again
+
+
+def _saved_statistics(rules: RuleSet, clip: Any) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The skip rules' and the clipping's state before a step (device copies, no sync): a rerun puts them
+    back so that the step is seen once."""
+    saved = clip.state_dict() if clip is not None else None
+    return [rule.state_dict() for rule in rules], saved
+
+
+def _load_statistics(rules: RuleSet, clip: Any, saved: tuple[list[dict[str, Any]], dict[str, Any] | None]) -> None:
+    """Put back what ``_saved_statistics`` kept."""
+    states, clip_state = saved
+    for rule, state in zip(rules, states, strict=True):
+        if state:
+            rule.load_state_dict(state)
+    if clip is not None and clip_state:
+        clip.load_state_dict(clip_state)
+
+
+def _read_nonfinite(decision: StepDecision) -> bool:
+    """The host read this step's row and its norm is not finite (maybe an fp32 overflow of finite grads).
+
+    The row's total is agreed across ranks, so every rank takes the same branch (across ranks an
+    overflow arrives as NaN, like a real NaN, so both are re-measured).
+    """
+    row = decision.rows[-1] if decision.rows and decision.rows[-1].step == decision.report.step else None
+    return row is not None and not math.isfinite(row.total)

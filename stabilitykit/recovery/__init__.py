@@ -7,7 +7,7 @@ and restored in place), ``store`` (the ring of pending and confirmed snapshots, 
 rollback off), ``rollback`` (the rollback itself, or the LR lowered in place, or the limit),
 ``escalation`` (the learning rate after it, the LR's fault or the data's), ``record`` (the skipped
 step ranges, ``skipped_batches.json``) and ``controller`` (``Recovery``: wires them together for the
-driver core). Configure it with ``RecoveryConfig``.
+driver base, ``stabilitykit.drivers.base``). Configure it with ``RecoveryConfig``.
 
 ``Recovery`` is imported on first use: the controller needs the engine, and this package is also
 imported by ``stabilitykit.config`` (for ``RecoveryConfig``), which the engine's types name.

@@ -71,7 +71,7 @@ class Recovery:
         agree: bool | None = None,
     ) -> None:
         """``guard_state``: the driver's own state a snapshot keeps (the engine's included);
-        ``restore_guard``: puts such a state back after a rollback (``DriverCore`` rewinds its engine);
+        ``restore_guard``: puts such a state back after a rollback (``drivers/build.py`` rewinds the engine);
         ``agree``: agree every rollback across ranks (``agreement.py``; default: under torch.distributed)."""
         self.config = config
         self.engine = engine

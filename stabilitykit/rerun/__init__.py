@@ -2,7 +2,7 @@
 
 ``config`` (``RerunConfig``), ``compare`` (first pass against the recomputation, agreed across ranks),
 ``record`` (the verdicts in a small JSON lines file a resumed run reads), ``policy`` (when a step is
-re-run, the random state it started with, the verdict, the event). ``stabilitykit.core.DriverCore``
+re-run, the random state it started with, the verdict, the event). ``stabilitykit.drivers.base.Driver``
 arms it per step with the driver's way to recompute the batch; the engine consults it once per step.
 """
 

@@ -68,12 +68,12 @@ def _current_step() -> int:
     from stabilitykit.drivers.base import active_drivers
 
     drivers = active_drivers()
-    if not drivers or not drivers[-1].cores:
+    if not drivers or not drivers[-1].engines:
         raise RuntimeError(
             "stabilitykit.testing: a fault fires at a step, and no stabilitykit driver is running to say which "
             "step this is: build the guard (or callback) first, or pass step_of=lambda: my_step"
         )
-    return int(drivers[-1].cores[0].engine.step)
+    return int(drivers[-1].engines[0].step)
 
 
 def _this_rank() -> int:

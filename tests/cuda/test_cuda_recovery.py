@@ -53,7 +53,7 @@ def test_snapshot_step_makes_no_host_sync_and_lands_in_pinned_memory() -> None:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert not [w for w in caught if "synchroniz" in str(w.message)]
-    recovery = guard.core.recovery
+    recovery = guard.engine.recovery
     assert recovery is not None
     (snapshot,) = recovery.store.snapshots
     assert snapshot.tree is not None

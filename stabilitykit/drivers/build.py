@@ -1,0 +1,109 @@
+"""One engine per guarded optimizer, with what the driver base needs attached to it.
+
+``build_engine`` checks the optimizer (``drivers/optimizers.py``), builds the ``StabilityEngine``
+over its parameters and attaches the optimizer, the GradScaler adapter, the running-statistics
+guard, NaN tracing, recovery, rerun and replica checks, each built here once from its config
+section; ``closers`` are what the run's end undoes (the monitors' hooks, recovery, rerun).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from stabilitykit.buffers import BufferGuard, running_stat_buffers
+from stabilitykit.compat.grad_scaler import ScalerAdapter
+from stabilitykit.config import StabilityConfig
+from stabilitykit.drivers.optimizers import guarded_params, unwrap_optimizer
+from stabilitykit.engine.step import StabilityEngine, is_fused
+from stabilitykit.hooks import HookManager
+from stabilitykit.recovery.controller import Recovery
+from stabilitykit.replicas import ReplicaCheck
+from stabilitykit.rerun import Rerun
+from stabilitykit.rules import SkipRule
+from stabilitykit.tracing import NaNTracing
+
+
+def build_engine(
+    model: nn.Module | None,
+    optimizer: Any,
+    config: StabilityConfig,
+    hooks: HookManager,
+    closers: list[Callable[[], None]],
+    scaler: Any | None = None,
+    tracing: bool = True,
+    extra_group: Any | None = None,
+    engine_cls: type[StabilityEngine] = StabilityEngine,
+    rules: Sequence[SkipRule] = (),
+    precision: Callable[[StabilityEngine], None] | None = None,
+) -> StabilityEngine:
+    """The engine guarding ``optimizer`` (framework wrappers looked through), everything attached.
+
+    ``tracing``: this engine owns the NaN tracer's hooks (the first optimizer's). ``extra_group``: a
+    process group the norms also sum over (pipeline stages). ``engine_cls``: a ``StabilityEngine``
+    subclass for a framework that logs on another cadence. ``rules``: the user's skip rules.
+    ``precision``: applies ``config.precision`` once the engine and its scaler exist (the first
+    optimizer's; before recovery, whose snapshots then hold the converted model).
+    """
+    torch_optimizer = unwrap_optimizer(optimizer)
+    params = guarded_params(model, torch_optimizer)
+    engine = engine_cls(
+        params,
+        config,
+        model=model,
+        hooks=hooks,
+        fused=is_fused(torch_optimizer),
+        extra_group=extra_group,
+        rules=rules,
+    )
+    engine.optimizer = engine.lr_optimizer = torch_optimizer
+    engine.scaler = ScalerAdapter(scaler)
+    engine.buffers = BufferGuard(running_stat_buffers(model, config.skip.restore_buffers))
+    if precision is not None:
+        precision(engine)
+    engine.tracing = NaNTracing(model, config.nan_trace, enabled=tracing)
+    closers.append(engine.sources.close)  # the monitors' forward hooks (config.monitors)
+    if config.recovery.enabled:
+        engine.recovery = Recovery(
+            config.recovery,
+            engine,
+            model,
+            torch_optimizer,
+            engine.scaler,
+            hooks,
+            guard_state=lambda: snapshot_state(engine),
+            restore_guard=lambda state: restore_snapshot_state(engine, state),
+        )
+        closers.append(engine.recovery.close)
+    if config.rerun is not None:
+        if engine.scaler.enabled:
+            raise ValueError(
+                "stabilitykit: RerunConfig cannot be used with a GradScaler yet (a recomputed step would unscale "
+                "the grads a second time); use bf16 autocast, or leave rerun off"
+            )
+        engine.rerun = Rerun(config.rerun, model, engine.device, hooks)
+        closers.append(engine.rerun.close)
+    if config.replicas is not None:
+        names = engine.param_names
+        engine.replicas = ReplicaCheck(config.replicas, engine.params, names, torch_optimizer, model, hooks)
+    engine.tracing.attach_for(engine.step)
+    return engine
+
+
+def snapshot_state(engine: StabilityEngine) -> dict[str, Any]:
+    """What a recovery snapshot keeps of the guard: the engine's state and the held steps."""
+    return {"engine": engine.state_dict(), "held_steps": engine.held_steps}
+
+
+def restore_snapshot_state(engine: StabilityEngine, state: dict[str, Any]) -> None:
+    """A rollback restored a snapshot whose guard state is ``state``.
+
+    The engine gets the snapshot's statistics while its step count goes on (``rewind``);
+    ``schedule_step`` becomes the snapshot's again, as the restored LR schedulers' counts do; the
+    restored buffers are what a later skip puts back.
+    """
+    engine.rewind(state["engine"])
+    engine.held_steps = int(state["held_steps"]) + engine.step - int(state["engine"]["step"])
+    engine.buffers.save()
