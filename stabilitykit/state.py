@@ -26,7 +26,7 @@ from stabilitykit.recovery.escalation import LrChange
 from stabilitykit.recovery.record import RollbackRecord
 
 #: Version of the state a driver saves, and the only one this release reads.
-STATE_VERSION = 7
+STATE_VERSION = 8  # 8: the version stored once, beside the optimizers' states (not in each)
 
 
 class _State(BaseModel):
@@ -231,8 +231,7 @@ class _Recovery(_State):
     escalation: _Escalation | None = None
 
 
-class _Core(_State):
-    version: int = Field(ge=1)
+class _Core(_State):  # one optimizer's state; the version is the driver's, stored once beside them
     engine: _Engine
     trace_left: int = Field(ge=0)
     held_steps: int = Field(ge=0)

@@ -133,16 +133,16 @@ class AccelerateGuard(StabilityGuard):
         replay: Callable[[], Tensor] | None = None,
         *,
         optimizer: Any | None = None,
-        update_scaler: bool = True,
     ) -> StepReport | None:
         """On the micro-batch that syncs grads: measure, clip, step or skip (the report); else None.
 
         Call it on every micro-batch inside ``accelerator.accumulate``, as you would
-        ``optimizer.step()``: partial grads are never read and only optimizer steps are counted.
+        ``optimizer.step()``: partial grads are never read and only optimizer steps are counted. Accelerate's
+        optimizer step updates its GradScaler itself (there is no ``update_scaler`` to pass).
         """
         if not self.sync_gradients:
             return None
-        return super().step(replay, optimizer=optimizer, update_scaler=update_scaler)
+        return super().step(replay, optimizer=optimizer)
 
     def _route_step(self, engine: StabilityEngine) -> Callable[[], None]:
         return route_accelerated_step(self.routes, engine, self._outer(engine))

@@ -216,12 +216,14 @@ class Driver:
         """Run ``undo`` with the run's other undos (a route a framework needs put back its own way)."""
         self._undo.append((undo, False))
 
-    def route_steps(self, router: Callable[[StabilityEngine], Callable[[], None]] | None = None) -> None:
+    def route_steps(self, router: Callable[[StabilityEngine], Callable[[], None] | None] | None = None) -> None:
         """Each engine's optimizer ``step`` routed through it for the run (``router(engine)`` installs a
-        framework's own route and returns its undo; default ``StepRoutes.route``)."""
+        framework's own route and returns its undo, or None when it patched through ``patch`` /
+        ``replace``; default ``StepRoutes.route``)."""
         for engine in self.engines:
             undo = router(engine) if router is not None else self.routes.route(engine, engine.optimizer)
-            self.on_release(undo)
+            if undo is not None:
+                self.on_release(undo)
 
     def add_scheduler(self, scheduler: Any, *, stepped_here: bool) -> None:
         """``scheduler`` drives one of the guarded optimizers: recovery saves and restores it with each
@@ -515,7 +517,7 @@ def _follow_param_groups(engine: StabilityEngine, model: nn.Module | None, count
     the engine measures the optimizer's new set from this step on. Frozen parameters are in the
     set from the start, so unfreezing one (``requires_grad`` flipped) needs nothing here. ``counts``:
     each engine's parameter count so far (by engine id)."""
-    count = param_count(engine.optimizer)
+    count = sum(len(group["params"]) for group in engine.optimizer.param_groups)  # no call: every step pays it
     if count != counts.get(id(engine), count):
         params = optimizer_params(engine.optimizer)
         check_supported(model, engine.optimizer, params)
@@ -611,7 +613,6 @@ def _state(engine: StabilityEngine) -> dict[str, Any]:
     """One optimizer's state: everything that must survive a resume (plain values, small device tensors)."""
     assert engine.tracing is not None
     state = {
-        "version": STATE_VERSION,
         "engine": engine.state_dict(),
         "trace_left": engine.tracing.left,
         "held_steps": engine.held_steps,

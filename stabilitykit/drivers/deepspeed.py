@@ -45,13 +45,12 @@ non-finite layer from the norms.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from stabilitykit.compat.attributes import replace_attribute
 from stabilitykit.compat.deepspeed import (
     clear_overflow_mark,
     drop_step,
@@ -331,22 +330,15 @@ class DeepSpeedGuard(StabilityGuard):
         for scheduler in self.schedulers:  # DeepSpeed steps it (not after a skip); recovery restores it
             self.track_scheduler(scheduler)
 
-    def _route_step(self, _: StabilityEngine) -> Callable[[], None]:
-        """The engine's ``backward``, ``step`` and checkpoints, and its optimizer's ``step``, through the guard."""
+    def _route_step(self, _: StabilityEngine) -> None:
+        """The engine's ``backward``, ``step`` and checkpoints, and its optimizer's ``step``, through the guard
+        (undone with the run's other patches)."""
         engine = self.deepspeed_engine
-        undos = [
-            replace_attribute(engine.optimizer, "step", self._guarded_step(engine.optimizer.step)),
-            replace_attribute(engine, "backward", self._routed_backward(engine.backward)),
-            replace_attribute(engine, "step", self._routed_step(engine.step)),
-            replace_attribute(engine, "save_checkpoint", self._routed_save(engine.save_checkpoint)),
-            replace_attribute(engine, "load_checkpoint", self._routed_load(engine.load_checkpoint)),
-        ]
-
-        def undo() -> None:
-            for each in reversed(undos):
-                each()
-
-        return undo
+        self.replace(engine.optimizer, "step", self._guarded_step(engine.optimizer.step))
+        self.replace(engine, "backward", self._routed_backward(engine.backward))
+        self.replace(engine, "step", self._routed_step(engine.step))
+        self.replace(engine, "save_checkpoint", self._routed_save(engine.save_checkpoint))
+        self.replace(engine, "load_checkpoint", self._routed_load(engine.load_checkpoint))
 
     # ------------------------------------------------------------------ the loop API
     def backward(self, loss: Tensor, *, optimizer: Any | None = None, **kwargs: Any) -> Any:

@@ -15,7 +15,7 @@ guard with the rest: ``fabric.save(path, {"model": model, "optimizer": optimizer
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -25,6 +25,7 @@ from stabilitykit.drivers._extras import missing
 from stabilitykit.drivers.loop import StabilityGuard
 from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.hooks import HookManager
+from stabilitykit.report import StepReport
 from stabilitykit.rules import SkipRule
 from stabilitykit.sinks.base import Sink
 
@@ -71,6 +72,11 @@ class FabricGuard(StabilityGuard):
         """``fabric.backward(loss)`` (scaled by Fabric's precision plugin); the loss is recorded as given."""
         self.record_loss(loss, optimizer)
         self.fabric.backward(loss, **kwargs)
+
+    def step(self, replay: Callable[[], Tensor] | None = None, *, optimizer: Any | None = None) -> StepReport:  # type: ignore[override]
+        """The plain guard's ``step``; Fabric's optimizer step updates its GradScaler itself (there is no
+        ``update_scaler`` to pass)."""
+        return super().step(replay, optimizer=optimizer)
 
     def _optimizer_step(self, engine: StabilityEngine, update_scaler: bool) -> None:
         """Fabric's optimizer step: strategy, precision plugin, GradScaler step and update."""

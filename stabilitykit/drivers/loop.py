@@ -185,7 +185,7 @@ class StabilityGuard(Driver):
 
         return self.train_step(engine, optimizer_step, replay=replay, backward=backward)
 
-    def _route_step(self, engine: StabilityEngine) -> Callable[[], None]:
+    def _route_step(self, engine: StabilityEngine) -> Callable[[], None] | None:
         """Route the optimizer's step through ``engine`` (installed once, at construction); returns the undo."""
         return self.routes.route(engine, engine.optimizer)
 

@@ -27,12 +27,6 @@ class _StepSkipped(Exception):
     """Raised from a guarded closure to stop the optimizer before its update (a skip the host knows)."""
 
 
-def _gate(engine: StabilityEngine) -> StepGate:
-    """The gate around the optimizer step of the step in flight (a fused optimizer skips on the device)."""
-    assert engine.in_flight is not None
-    return StepGate(engine.in_flight, engine.optimizer if engine.fused else None, engine.qk_clip)
-
-
 class StepRoutes:
     """The routed ``optimizer.step`` of every engine of a run, and what a routed step does."""
 
@@ -80,8 +74,8 @@ class StepRoutes:
             if not self.released:
                 _unguarded_step(engine)
             return step_fn()
-        with _step_lr(engine):
-            gate = _gate(engine)
+        with _step_lr(engine):  # the gate: a skip the host knows is not run, a fused optimizer's goes to found_inf
+            gate = StepGate(engine.in_flight, engine.optimizer if engine.fused else None, engine.sources.qk_clip)
             try:
                 return None if gate.skip_now else step_fn()
             finally:
@@ -105,7 +99,7 @@ class StepRoutes:
             nonlocal gate, result
             result = closure()
             if gate is None and engine.in_flight is not None:
-                gate = _gate(engine)
+                gate = StepGate(engine.in_flight, engine.optimizer if engine.fused else None, engine.sources.qk_clip)
                 if gate.skip_now:
                     raise _StepSkipped
             return result
