@@ -14,10 +14,9 @@ import os
 
 import torch
 
-import stabilitykit
-
-#: Files in these folders are not the user's code: this package, and torch (module calls and hooks).
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep for m in (stabilitykit, torch))
+#: Files in these folders are not the user's code: this package (this module's folder: importing the
+#: package itself here would make every module that warns part of an import circle), and torch.
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(f or "")) + os.sep for f in (__file__, torch.__file__))
 
 
 def user_stacklevel() -> int:
