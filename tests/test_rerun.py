@@ -132,7 +132,7 @@ def test_transient_counts_per_rank_survive_a_resume() -> None:
         with sk.StabilityGuard(model, opt, cfg) as guard:
             if state:
                 guard.load_state_dict(state)
-            inject_fault(model, "activation", "2", step=guard.core.engine.step, kind="nan")
+            inject_fault(model, "activation", "2", step=guard.engine.step, kind="nan")
             x, y = _data()[run]
 
             def loss_of(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:

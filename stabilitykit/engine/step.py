@@ -76,7 +76,6 @@ from stabilitykit.rules.spike import Spike
 
 if TYPE_CHECKING:  # the config module imports the sections' owners, this package among them
     from stabilitykit.config import StabilityConfig
-    from stabilitykit.recovery.controller import Recovery
     from stabilitykit.replicas import ReplicaCheck
     from stabilitykit.rerun import Rerun
     from stabilitykit.tracing import NaNTracing
@@ -160,10 +159,11 @@ class StabilityEngine:
         self.scaler = ScalerAdapter(None)
         #: Running statistics (BatchNorm) put back on a skipped step (``config.skip.restore_buffers``).
         self.buffers = BufferGuard([])
-        #: The NaN tracing policy (``config.nan_trace``), rollback (``config.recovery``) and replica
-        #: checks (``config.replicas``), or None when off.
+        #: The NaN tracing policy (``config.nan_trace``), rollback (``config.recovery``: a
+        #: ``recovery.controller.Recovery``, typed loosely here because the recovery package imports the
+        #: engine) and replica checks (``config.replicas``), or None when off.
         self.tracing: NaNTracing | None = None
-        self.recovery: Recovery | None = None
+        self.recovery: Any = None
         self.replicas: ReplicaCheck | None = None
         #: Steps a fused optimizer would create state on are decided on the host (``engine/gate.py``).
         self.new_state = NewStateCheck()
