@@ -96,6 +96,13 @@ class StepDecision:
         """The decision is on the device only (a fused optimizer skips through ``found_inf``)."""
         return isinstance(self.outcome, Pending)
 
+    def keep_reads(self, first: StepDecision, row: Any) -> None:
+        """This step was measured again (a rerun): keep what the host read for its ``first`` decision (earlier
+        rows, a logging step's metrics), with ``row``, the new measurement's own, in place of the first's."""
+        self.rows = [*(r for r in first.rows if r.step != self.report.step), row]
+        self.loss_scale, self.module_metrics, self.signals = first.loss_scale, first.module_metrics, first.signals
+        self.update_metrics, self.lr_metrics = first.update_metrics, first.lr_metrics
+
     def settle(self, code: int, reason: str | None) -> None:
         """The host has read this step's code (``reason``: what the rule set decodes it to)."""
         self.outcome = Known(code, reason)

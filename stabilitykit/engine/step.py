@@ -596,10 +596,7 @@ def _redecide(journal: Journal, decode: Any, first: StepDecision, again: StepDec
         row = journal.read(current_step=again.report.step)[0][-1]
     else:  # rows held and taken (a non-fused optimizer's reads): it stays held, taken, as theirs
         row = journal.read_last()
-    rows = [r for r in first.rows if r.step != again.report.step]
-    again.rows = [*rows, row]
-    for name in ("loss_scale", "module_metrics", "signals", "update_metrics", "lr_metrics"):
-        setattr(again, name, getattr(first, name))
+    again.keep_reads(first, row)
     again.settle(row.code, decode(row.code))
     return again
 
