@@ -230,7 +230,7 @@ class StabilityTrainerCallback(AttachedCallback):
         self.driver.patch(accelerator, "backward", self._backward_route(accelerator))
         if engine.rerun is not None:  # what a rerun computes again: the Trainer's step
             self.driver.patch(trainer, "training_step", self._step_route())
-            self.core.rerun.watch_local_grads(trainer.model_wrapped)  # the Accelerator's DDP wrapper, if any
+            engine.rerun.watch_local_grads(trainer.model_wrapped)  # the Accelerator's DDP wrapper, if any
         self.driver.patch(accelerator, "clip_grad_norm_", self._clip_route(accelerator))
         self.driver.patch(trainer, "log", self._log_route(trainer))
         for printer in trainer.callback_handler.callbacks:  # the console: no per-layer keys

@@ -149,9 +149,9 @@ class StabilityCallback(Callback):
             engine_cls=TrainerAlignedEngine,  # Lightning's logging rows: global steps n-1, 2n-1, ...
         )
         self.driver.route_steps()
-        for core in self.cores:
-            if core.rerun is not None:  # the strategy's DDP wrapper, for the rank of a local-gradient fault
-                core.rerun.watch_local_grads(trainer.strategy.model)
+        for engine in self.engines:
+            if engine.rerun is not None:  # the strategy's DDP wrapper, for the rank of a local-gradient fault
+                engine.rerun.watch_local_grads(trainer.strategy.model)
         for sched_cfg in trainer.lr_scheduler_configs:
             if sched_cfg.interval == "step":  # Lightning steps it; held on skipped steps
                 self.driver.add_scheduler(sched_cfg.scheduler, stepped_here=False)

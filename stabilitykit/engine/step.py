@@ -592,10 +592,10 @@ class StabilityEngine:
 def _redecide(journal: Journal, decode: Any, first: StepDecision, again: StepDecision) -> StepDecision:
     """The decision of a step measured again (``again``, its row just written) in place of ``first``, whose
     reads it keeps (earlier rows, a logging step's metrics): its own row read now (the rerun's one read)."""
-    if len(journal.infos) == 1:  # the step's own read emptied the journal (a logging step): empty it again
-        row = journal.read(current_step=again.report.step)[0][-1]
-    else:  # rows held and taken (a non-fused optimizer's reads): it stays held, taken, as theirs
-        row = journal.read_last()
+    # the step's own read emptied the journal (a logging step): empty it again; else rows held and taken
+    # (a non-fused optimizer's reads): it stays held, taken, as theirs
+    emptied = len(journal.infos) == 1
+    row = journal.read(current_step=again.report.step)[0][-1] if emptied else journal.read_last()
     again.keep_reads(first, row)
     again.settle(row.code, decode(row.code))
     return again
