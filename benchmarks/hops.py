@@ -32,6 +32,15 @@ def _name(frame) -> str | None:  # type: ignore[no-untyped-def]
     return None
 
 
+#: The same paths measured on the tree before the driver core was merged into the base and the engine
+#: (three layers under the driver then: the base, one ``DriverCore`` per optimizer, the engine): calls,
+#: distinct functions, modules, and the chain to the JSONL line as frames / modules. Printed beside
+#: today's, for comparison; remeasure both on one machine and interpreter.
+BEFORE: dict[str, tuple[int, int, int, str]] = {
+    "skipped step": (153, 113, 32, "8 / 7"),
+    "rollback": (406, 182, 45, "8 / 7"),
+}
+
 #: The chain of stabilitykit frames (outermost first) when the path's event (the skip, the rollback)
 #: had its JSONL line written.
 CHAINS: dict[str, list[str]] = {}
@@ -127,6 +136,8 @@ def main() -> None:
         chain = CHAINS.get(name, [])
         chain_modules = len({c.split(":")[0] for c in chain})
         print(f"| {name} | {len(calls)} | {len(set(calls))} | {len(modules)} | {len(chain)} / {chain_modules} |")
+    for name, (hops, distinct, modules_before, chain_before) in BEFORE.items():
+        print(f"| {name}, before DriverCore merged away | {hops} | {distinct} | {modules_before} | {chain_before} |")
     for name, calls in paths.items():
         modules = sorted({c.split(":")[0] for c in calls})
         print(f"\n{name}: modules: {', '.join(m.removeprefix('stabilitykit.') for m in modules)}")
