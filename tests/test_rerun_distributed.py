@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.distributed_script_runner import run_world
+from tests.time_limits import limit, waits_for
+
+pytestmark = waits_for("distributed_rerun_script_4")  # the larger world's launch
 
 SCRIPT = Path(__file__).parent / "distributed_rerun_script.py"
 FAULT_STEP = 6
@@ -21,12 +24,12 @@ FAULT_STEP = 6
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_world(SCRIPT, 2, tmp_path_factory.mktemp("rerun2"), timeout=300)
+    return run_world(SCRIPT, 2, tmp_path_factory.mktemp("rerun2"), timeout=limit("distributed_rerun_script_2"))
 
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_world(SCRIPT, 4, tmp_path_factory.mktemp("rerun4"), timeout=300)
+    return run_world(SCRIPT, 4, tmp_path_factory.mktemp("rerun4"), timeout=limit("distributed_rerun_script_4"))
 
 
 def _reruns(cell: dict) -> list[dict]:
