@@ -246,8 +246,14 @@ class _Invalid(ValueError):
         self.where, self.what = where, what
 
 
-def check_version(state: Mapping[str, Any]) -> None:
-    """Refuse a state whose ``version`` is not an int, or not the one this release reads."""
+def check_version(state: Mapping[str, Any], required: bool = False) -> None:
+    """Refuse a state whose ``version`` is not an int, or not the one this release reads; ``required``: a
+    driver's state, where the version is stored (a key dropped is refused as a wrong one is)."""
+    if required and "version" not in state:
+        raise ValueError(
+            f"invalid stabilitykit state at 'version': missing (this release saves {STATE_VERSION}; not saved by a "
+            "stabilitykit driver's state_dict()?). Nothing was loaded."
+        )
     version = state.get("version")
     if isinstance(version, int) and not isinstance(version, bool) and version > STATE_VERSION:
         raise ValueError(

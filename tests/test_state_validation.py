@@ -189,6 +189,7 @@ def test_every_altered_state_loads_or_is_refused_by_path(mode: str) -> None:
     assert outcome["broke"] == []
     assert len(outcome["refused"]) > 50 and len(outcome["accepted"]) > 5
     assert "version given as the string '2'" in outcome["refused"]
+    assert "<root>.version dropped" in outcome["refused"]
 
 
 def test_detector_list_one_short_is_refused_and_training_goes_on() -> None:
@@ -211,6 +212,9 @@ def test_version_as_a_string_is_refused_by_name() -> None:
     state = guard.state_dict()
     state["version"] = "2"
     with pytest.raises(ValueError, match=r"invalid stabilitykit state at 'version': must be an int.*got str '2'"):
+        guard.load_state_dict(state)
+    del state["version"]  # a key dropped is refused as a wrong one is
+    with pytest.raises(ValueError, match=r"invalid stabilitykit state at 'version': missing"):
         guard.load_state_dict(state)
     state["version"] = STATE_VERSION
     state["optimizers"][0]["engine"]["ledger"]["spikes"]["alerts"] = "2"

@@ -490,7 +490,7 @@ class Driver:
         if not self.engines:
             self._pending_state = dict(state) if state else None
             return
-        check_version(state)
+        check_version(state, required=True)  # stored once, at this level: a driver's state has it
         states = state.get("optimizers")
         if not isinstance(states, list):
             got = "missing" if states is None else f"got {type(states).__name__}"
