@@ -218,6 +218,23 @@ def _case(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
 ROLLBACK_PLAN = [None, None, None, "nan", "nan", None, None, None]  # a divergence at step 4: 2 skips in a row
 
 
+def _short_run_recovery() -> Any:
+    """Rollback on a divergence in a few-step run: a snapshot every 2 steps, any but the first's restorable
+    (the rollback is agreed at step 5), no cooldown; one config for the rollback and the fp16 cells."""
+    import stabilitykit as sk
+
+    return sk.RecoveryConfig(
+        enabled=True,
+        snapshot_every=2,
+        keep=2,
+        trigger=["diverged"],
+        min_lookback=0,
+        skip_after=0,
+        max_lookback_share=1.0,
+        cooldown_steps=0,
+    )
+
+
 def _rollback(engine: Any, rank: int, dtype: torch.dtype) -> dict[str, Any]:
     """Recovery: NaN on rank 1 only at steps 3 and 4 (two skips in a row: diverged). Both ranks roll back
     together to the same snapshot, every rank's own partitions, fp32 masters, moments, LR scheduler and the
@@ -226,16 +243,7 @@ def _rollback(engine: Any, rank: int, dtype: torch.dtype) -> dict[str, Any]:
     import stabilitykit as sk
     from stabilitykit.integrations.deepspeed import DeepSpeedGuard
 
-    recovery = sk.RecoveryConfig(
-        enabled=True,
-        snapshot_every=2,
-        keep=2,
-        trigger=["diverged"],
-        min_lookback=0,
-        skip_after=0,
-        max_lookback_share=1.0,  # a few steps: any snapshot but the first's (the rollback is agreed at step 5)
-        cooldown_steps=0,
-    )
+    recovery = _short_run_recovery()
     cfg = sk.StabilityConfig(
         log_every_n_steps=1, skip=sk.SkipConfig(nonfinite=True, max_consecutive=2), recovery=recovery
     )
@@ -463,16 +471,7 @@ def _fp16(stage: int, rank: int) -> dict[str, Any]:
             if fault is None:
                 ref_norms.append(_ds_norm(reference, None))
     engine = _fp16_engine(stage)
-    recovery = sk.RecoveryConfig(
-        enabled=True,
-        snapshot_every=2,
-        keep=2,
-        trigger=["diverged"],
-        min_lookback=0,
-        skip_after=0,
-        max_lookback_share=1.0,  # a few steps: any snapshot but the first's (the rollback is agreed at step 5)
-        cooldown_steps=0,
-    )
+    recovery = _short_run_recovery()
     # no spike detection: the overflow is injected as a loss 1e6x on rank 1, which its detectors would
     # rightly call a jump, and the agreed verdict would then drop the snapshot after it (step 6's), the one
     # whose halved loss scale this case restores
