@@ -90,6 +90,21 @@ def all_gather(tensor: Tensor, group: Any | None = None) -> Tensor:
     return torch.stack(parts)
 
 
+def all_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` in rank order (one ``all_gather_object``; call it on every rank); ``[obj]`` alone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def own_entry(entries: Sequence[Any]) -> Any:
+    """This rank's entry of a list ``all_objects`` made (the first when the world that made it was smaller)."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return entries[rank] if rank < len(entries) else entries[0]
+
+
 def is_distributed() -> bool:
     """True when a default process group with more than one rank is running."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

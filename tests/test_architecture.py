@@ -18,7 +18,7 @@ MAX_METHODS = 25
 DRIVER_FILES = ["drivers/*.py", "guard.py", "lightning.py", "core.py", "integrations/*.py"]
 DRIVER_LINE_BUDGET = 2_200
 #: What they hold today: they may not grow while the cut to the budget is under way.
-DRIVER_LINES_NOW = 3_080
+DRIVER_LINES_NOW = 2_895
 
 
 @functools.cache

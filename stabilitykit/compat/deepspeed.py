@@ -1,4 +1,13 @@
-"""DeepSpeed's internals the DeepSpeed driver must reach: a skipped step's clean-up and the engine's counters.
+"""DeepSpeed's internals the DeepSpeed driver must reach: its grads, a skipped step's clean-up, its counters.
+
+Where the grads are when they are final (after ``engine.backward`` on the accumulation boundary):
+stage 0 in the module's parameters (``p.grad``, whole and averaged); stages 1 and 2 this rank's
+partition of the averaged grads, one piece per parameter it owns (``optimizer.averaged_gradients``,
+a parameter split across two ranks in two pieces); stage 3 this rank's partition of every parameter.
+``GradPartitions`` hands those pieces to the step as they are: one fused norm pass over this rank's
+pieces and the step record's one all-reduce, which sums their p-th powers over the ranks per layer,
+give DeepSpeed's own global norm and exact per-layer norms with nothing gathered; clipping scales
+the pieces in place before DeepSpeed builds its fp32 grad partition from them.
 
 DeepSpeed has no public way to drop a step: after its own fp16 overflow its ZeRO optimizers run
 private clean-up (``_overflow_clean_up`` at stage 3, resetting the micro-step and the flat grad
@@ -8,9 +17,15 @@ DeepSpeed 0.19; a release that renames them breaks this file (and ``tests/test_d
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
+
+from stabilitykit.compat.grad_scaler import ScalerAdapter
+from stabilitykit.compat.tensors import mark_shard
+from stabilitykit.recovery.snapshot import TrainingObjects
 
 #: The engine's counters an applied step advances and a skipped step leaves as they were.
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
@@ -144,3 +159,114 @@ def put_loss_scaler_state(engine: Any, state: dict[str, Any] | None) -> None:
         return
     for name, value in state.items():
         setattr(scaler, name, value)
+
+
+def _stand_in(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A tensor of ``shape`` with no memory of its own (one zero, expanded) that can hold a ``.grad``."""
+    return torch.zeros((), dtype=dtype, device=device).expand(*shape).requires_grad_(True)
+
+
+class GradPartitions:
+    """This rank's final grads as the step measures them: one stand-in tensor per model parameter, and
+    ``param_groups`` holding them (what the driver base takes for an optimizer; DeepSpeed's own
+    optimizer is stepped by its engine, never through this object).
+
+    Every rank holds one stand-in per parameter, in the same order, so layer names and the step
+    record's per-layer columns are the same everywhere; ``bind()`` points each stand-in's ``.grad``
+    at the piece this rank owns now (DeepSpeed builds new grad tensors every step).
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.stage = int(engine.zero_optimization_stage())
+        self.zero = engine.optimizer
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        if self.stage == 0:
+            self.params: list[Tensor] = [p for p in engine.module.parameters() if p.requires_grad]
+            self.tensors = self.params  # the grads are the parameters' own, whole and averaged
+        else:
+            groups = self.zero.fp16_groups if self.stage == 3 else self.zero.bit16_groups
+            self.params = [p for group in groups for p in group]
+            self.tensors = [_stand_in((0,), p.dtype, p.device) for p in self.params]
+            group = getattr(self.zero, "dp_process_group", None) or torch.distributed.group.WORLD
+            for t in self.tensors:  # each grad is a shard over the data-parallel group: sum per layer
+                mark_shard(t, (group,))
+        self.names = [names.get(id(p), f"param_{i}") for i, p in enumerate(self.params)]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.param_groups = [{"params": self.tensors}]
+        self.state: dict[Any, Any] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to clear: DeepSpeed's step drops its grads itself (``guard.zero_grad()`` is harmless)."""
+
+    def bind(self) -> None:
+        """Point every stand-in's grad at this rank's piece of its parameter's final grad (stages 1-3)."""
+        if self.stage == 0:
+            return
+        for t in self.tensors:
+            t.grad = None
+        grads = self.zero.averaged_gradients
+        groups = self.zero.fp16_groups if self.stage == 3 else self.zero.params_in_partition
+        for i, params in enumerate(groups):
+            pieces = grads.get(i) if isinstance(grads, Mapping) else grads[i]
+            if not pieces:
+                continue
+            for p, piece in zip(params, pieces, strict=True):
+                if piece is None:
+                    continue
+                held = self.tensors[self._index[id(p)]]
+                if held.shape != piece.shape or held.dtype != piece.dtype:
+                    # the same tensor object (the engine holds it) takes this rank's piece's shape once
+                    held.data = _stand_in(piece.shape, piece.dtype, piece.device).detach()
+                held.grad = piece
+
+
+class DeepSpeedLossScale(ScalerAdapter):
+    """DeepSpeed's own dynamic loss scaler (fp16) as the step sees a loss scaler: the grads are still scaled
+    when final (DeepSpeed unscales them inside its step), so the norms divide by ``grads_loss_scale``; its
+    scale is logged as ``scaler/scale``; the engine's ``backward`` scales the loss."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(None)
+        self.engine = engine
+        self.enabled = True
+
+    def grads_scale(self, optimizer: Any, fused: bool) -> Tensor | None:
+        return torch.tensor(grads_loss_scale(self.engine), device=self.engine.device)
+
+    def loss_scale(self) -> Tensor | None:
+        return torch.tensor(float(self.engine.optimizer.loss_scale), device=self.engine.device)
+
+    def scale(self, loss: Tensor) -> Tensor:
+        return loss
+
+    def state_tensors(self) -> dict[str, Tensor] | None:
+        return None  # saved with DeepSpeed's own checkpoints
+
+
+class _EngineState:
+    """What a snapshot keeps of the engine itself: its step counters and, in fp16, its loss scaler. Restored
+    after the tensors, it also drops stage 3's gathered parameter copies."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"counters": engine_counters(self.engine), "loss_scaler": loss_scaler_state(self.engine)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        put_engine_counters(self.engine, dict(state["counters"]))
+        put_loss_scaler_state(self.engine, state["loss_scaler"])
+        release_gathered(self.engine)  # the next forward gathers the restored partitions
+
+
+def rank_state(engine: Any, scaler: ScalerAdapter, guard_state: Any) -> TrainingObjects:
+    """What a recovery snapshot of this rank holds under DeepSpeed: its own parameter tensors (its partitions at
+    stage 3), the fp32 master partitions and moments of the torch optimizer inside DeepSpeed's, the module's
+    buffers, the engine's counters and fp16 loss scaler. Each rank keeps only its own; nothing is gathered."""
+    params = rank_tensors(engine)
+    seen = {id(t) for t in params}
+    masters = master_partitions(engine)
+    params += [p for p in masters if id(p) not in seen]
+    buffers = [b for b in engine.module.buffers() if b is not None]
+    inner = inner_optimizer(engine)
+    return TrainingObjects(params, buffers, inner, masters, scaler, guard_state, stateful=[_EngineState(engine)])

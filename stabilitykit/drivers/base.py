@@ -88,6 +88,9 @@ def scheduler_target(scheduler: Any) -> Any:
 class Driver:
     """The lifecycle every driver shares; a driver maps its framework's hooks onto these calls."""
 
+    #: The framework's step cannot skip on the device (DeepSpeed): ``decide`` reads every decision (one sync).
+    host_decides = False
+
     def __init__(
         self,
         config: StabilityConfig | Mapping[str, Any] | str | None = None,
@@ -135,6 +138,7 @@ class Driver:
         scaler: Any | None = None,
         extra_group: Any | None = None,
         engine_cls: type[StabilityEngine] = StabilityEngine,
+        names: Sequence[str] | None = None,
     ) -> list[StabilityEngine]:
         """One engine per optimizer (metrics under ``<prefix>/opt<i>`` when there are several; the model's
         monitor hooks, the tracer and the precision setup with the first); a state loaded earlier is
@@ -167,6 +171,7 @@ class Driver:
                 tracing=i == 0,
                 extra_group=extra_group,
                 engine_cls=engine_cls,
+                names=names,
                 rules=self.rules,
                 precision=precision if i == 0 else None,
             )
@@ -371,7 +376,7 @@ class Driver:
         creates_state = engine.fused and engine.new_state.creates_state(
             engine.optimizer, engine.params, engine.plan.present
         )  # a fused optimizer's step asks on every step until settled (logging steps too)
-        if decision.pending and (replay is not None or creates_state):
+        if decision.pending and (self.host_decides or replay is not None or creates_state):
             engine.resolve(decision)  # one sync: the replay, or state a skipped step must not create
         if decision.pending:
             engine.buffers.restore(decision.skip)  # on the device: restored where the skip flag is set

@@ -36,6 +36,7 @@ def build_engine(
     tracing: bool = True,
     extra_group: Any | None = None,
     engine_cls: type[StabilityEngine] = StabilityEngine,
+    names: Sequence[str] | None = None,
     rules: Sequence[SkipRule] = (),
     precision: Callable[[StabilityEngine], None] | None = None,
 ) -> StabilityEngine:
@@ -43,7 +44,8 @@ def build_engine(
 
     ``tracing``: this engine owns the NaN tracer's hooks (the first optimizer's). ``extra_group``: a
     process group the norms also sum over (pipeline stages). ``engine_cls``: a ``StabilityEngine``
-    subclass for a framework that logs on another cadence. ``rules``: the user's skip rules.
+    subclass for a framework that logs on another cadence. ``names``: the parameters' names where the
+    model cannot give them (DeepSpeed's stand-ins). ``rules``: the user's skip rules.
     ``precision``: applies ``config.precision`` once the engine and its scaler exist (the first
     optimizer's; before recovery, whose snapshots then hold the converted model).
     """
@@ -57,6 +59,7 @@ def build_engine(
         fused=is_fused(torch_optimizer),
         extra_group=extra_group,
         rules=rules,
+        names=names,
     )
     engine.optimizer = engine.lr_optimizer = torch_optimizer
     engine.scaler = ScalerAdapter(scaler)

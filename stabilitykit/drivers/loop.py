@@ -105,12 +105,11 @@ class StabilityGuard(Driver):
         optimizers: list[Any],
         scaler: Any | None = None,
         extra_group: Any | None = None,
-        config: StabilityConfig | None = None,
-        engine_cls: type[StabilityEngine] = StabilityEngine,
+        names: Sequence[str] | None = None,
     ) -> None:
         """The run starts: one engine per optimizer, each optimizer's step routed through its engine
         (``_route_step``; undone by ``close()``)."""
-        self.build_engines(model, optimizers, config, scaler=scaler, extra_group=extra_group, engine_cls=engine_cls)
+        self.build_engines(model, optimizers, scaler=scaler, extra_group=extra_group, names=names)
         #: The (first optimizer's) engine behind this guard (counters, layer names, journal, recovery).
         self.engine = self.engines[0]
         self.config = self.engine.config
