@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,6 +74,22 @@ SMALL: dict[str, Any] = {
 OVERRIDES: dict[str, dict[str, Any]] = {
     "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_state": 16, "mamba_chunk_size": 16},
     "zaya": {"num_experts_per_tok": 1},  # top-1 only, its config says
+    # families whose default layer pattern leaves a 2-layer model without a routed layer
+    "beam": {"mlp_layer_types": ["sparse", "sparse"]},
+    # hash-routed first (a fixed token -> expert table, not recorded as router logits), then top-k, as it ships
+    "deepseek_v4": {"mlp_layer_types": ["hash_moe", "moe"]},
+    "doge": {"is_moe": True, "num_experts": 16},  # product keys: 4 x 4 experts
+    "gemma4": {
+        "enable_moe_block": True,
+        "top_k_experts": TOP_K,
+        "vocab_size_per_layer_input": VOCAB,
+        "hidden_size_per_layer_input": 8,
+        "global_head_dim": 8,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    # its sliding-window layers double the key heads: 2 -> 4, the query heads
+    "mimo_v2_flash": {"num_key_value_heads": 2},
     # its config's own names for the expert groups and k (n_group / num_experts_per_tok are aliases)
     "bailing_hybrid": {"num_expert_group": 1, "num_experts_per_token": 2, "layer_group_size": 2},
     "kimi_linear": {"linear_head_dim": 8, "linear_num_heads": 4},
@@ -96,8 +113,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 def moe_families() -> list[str]:
     """Every model type of the installed transformers with a causal-LM head whose model records router logits."""
     out = []
+    models = Path(transformers.__file__).parent / "models"
     for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
         module_name = model_type.replace("-", "_")
+        source = models / module_name / f"modeling_{module_name}.py"
+        if not source.is_file() or "router_logits" not in source.read_text():
+            continue  # imported only where the source names router logits: the import of all is 10 s
         try:
             module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
         except Exception:
@@ -129,7 +150,9 @@ def tiny_moe(model_type: str, seed: int = 0, **changes: Any) -> torch.nn.Module:
     torch.manual_seed(seed)
     if config.model_type != model_type:  # a text config: the family's causal-LM class builds from it
         module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-        return getattr(module, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config)  # type: ignore[no-any-return]
+        # the text model's own causal-LM class where it has one (Gemma 4), else the family's
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+        return getattr(module, name)(config)  # type: ignore[no-any-return]
     return AutoModelForCausalLM.from_config(config)
 
 

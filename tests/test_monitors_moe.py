@@ -21,37 +21,34 @@ ONLY_ROUTERS = {"activations": False, "attention": False, "logits": False, "resi
 #: The families checked value by value: every MoE family of the installed transformers (5.24) with a
 #: causal-LM head that builds and trains as a tiny model on the CPU within a second or two.
 TESTED = [
-    "afmoe", "axk1", "axk2", "bailing_hybrid", "cohere2_moe", "dbrx", "deepseek_v2", "deepseek_v3", "deepseek_v32",
-    "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
-    "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3",
-    "hy_v4", "jamba", "jetmoe", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4",
-    "longcat_flash", "mellum", "minimax", "minimax_m2", "mixtral", "nemotron_h", "olmoe", "phimoe", "qwen2_moe",
-    "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen4_exp", "solar_open",
+    "afmoe", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "dbrx", "deepseek_v2", "deepseek_v3",
+    "deepseek_v32", "deepseek_v4", "doge", "dots1", "dots3_note", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint",
+    "gemma4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa",
+    "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "jamba", "jetmoe", "kimi_linear",
+    "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4", "longcat_flash", "mellum", "mimo_v2_flash", "minimax",
+    "minimax_m2", "mixtral", "nemotron_h", "olmoe", "phimoe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next",
+    "qwen4_exp", "solar_open", "zaya",
 ]  # fmt: skip
 #: The others, and why they are not in the value-by-value matrix (found automatically all the same).
-NOT_TESTED: dict[str, str] = {
-    "zaya": "builds (top-1), but its experts are not the top-1 of the logits it returns: the reference needs its rule",
-    "beam": "its forward returns no router_logits (0 tensors) to compare with",
-    "gemma4": "a multimodal model whose text model is dense unless its config enables experts; not built in time",
-    "doge": "its forward returns no router_logits to compare with (product-key routing, not top-k)",
-    "dots3_note": "building the tiny config does not finish",
-    "deepseek_v4": "its own aux-loss function raises (IndexError) on the tiny model's router_logits",
-    "mimo_v2_flash": "its eager attention's key heads come out empty in the tiny config (a size mismatch)",
-}
+NOT_TESTED: dict[str, str] = {}
 
 
 #: The tested families that score experts with a sigmoid (normalised for the entropy), read in their code.
 SIGMOID_FAMILIES = {
     "afmoe", "axk1", "axk2", "deepseek_v3", "deepseek_v32", "exaone_moe", "flint", "glm4_moe", "glm4_moe_lite",
     "hy_v3", "hy_v4", "kolibri1", "laguna", "minimax_m2", "solar_open", "glm_moe_dsa", "dots1", "lfm2_moe",
-    "nemotron_h", "llama4_text", "bailing_hybrid", "kimi_linear",
+    "nemotron_h", "llama4_text", "bailing_hybrid", "kimi_linear", "beam", "dots3_note_text", "mimo_v2_flash",
 }  # fmt: skip
+#: Tested families whose config names a scoring of its own (``scoring_func``).
+CONFIG_SCORED = {"deepseek_v4"}
 #: Tested families whose routers return no top-k weights to compare the scoring with, and why.
 OWN_WEIGHTS_NOT_COMPARED = {
     "llama4_text": "its router returns sigmoid scores over all experts (-inf but the top-k) and no chosen experts",
     "dbrx": "its router returns the logits only (the top-k of their softmax is taken in its FFN)",
     "jetmoe": "its gate returns the top-k weights flattened and sorted by expert (a softmax over the top-k logits)",
     "phimoe": "its weights come from sparsemixer (a masked softmax per chosen expert, with jitter), no scoring of all",
+    "doge": "its router returns its two product-key halves only (the weights are a softmax over the top-k sums)",
+    "gemma4_text": "its top-k weights are scaled per expert (per_expert_scale) after normalising",
 }
 
 
@@ -64,27 +61,38 @@ def _guard(model: torch.nn.Module, rules: list[Any] | None = None, **monitors: A
 
 
 def routing_probs(rows: torch.Tensor, scoring: str) -> torch.Tensor:
-    """The routing distribution as the family computes it: softmax, or sigmoid scores normalised to 1."""
-    if scoring == "sigmoid":
-        scores = rows.sigmoid()
+    """The routing distribution as the family computes it: softmax, or sigmoid (sqrt-softplus) scores summing to 1."""
+    if scoring in ("sigmoid", "sqrtsoftplus"):
+        scores = rows.sigmoid() if scoring == "sigmoid" else torch.nn.functional.softplus(rows).sqrt()
         return scores / scores.sum(-1, keepdim=True)
     return rows.softmax(-1)
 
 
-def reference(logits: torch.Tensor, mask: torch.Tensor | None, k: int, scoring: str = "softmax") -> dict[str, float]:
-    """The four router values computed from one router's logits the model returned (``output.router_logits``)."""
+def reference(
+    logits: torch.Tensor,
+    mask: torch.Tensor | None,
+    k: int,
+    scoring: str = "softmax",
+    chosen: torch.Tensor | None = None,
+    experts: int | None = None,
+) -> dict[str, float]:
+    """The four router values computed from one router's logits the model returned (``output.router_logits``):
+    the top ``k`` of the logits counted, or ``chosen`` where the family's own rule says otherwise, over the
+    first ``experts`` classes (all of them unless given)."""
     rows = logits.detach().float().reshape(-1, logits.shape[-1])
-    experts = rows.shape[-1]
+    classes = rows.shape[-1]
+    experts = classes if experts is None else experts
     w = torch.ones(rows.shape[0])
     if mask is not None and mask.numel() == rows.shape[0]:
         w = mask.reshape(-1).float()
-    chosen = rows.topk(k, dim=-1).indices
+    chosen = rows.topk(k, dim=-1).indices if chosen is None else chosen
     counts = torch.zeros(experts)
     for row in range(rows.shape[0]):
         for e in chosen[row].tolist():
-            counts[e] += w[row]
+            if e < experts:
+                counts[e] += w[row]
     p = routing_probs(rows, scoring)
-    entropy = -(p * p.log()).sum(-1) / math.log(experts)
+    entropy = -(p * p.log()).sum(-1) / math.log(classes)
     z = rows.logsumexp(-1) ** 2
     return {
         "expert_load_max": float(counts.max() * experts / counts.sum()),
@@ -126,26 +134,61 @@ def _weights_follow_the_scoring(outputs: list[Any], scoring: str) -> int:
     return checked
 
 
+def _own_rules(
+    family: str, router_logits: list[torch.Tensor], proj: list[torch.Tensor], k: int
+) -> list[tuple[torch.Tensor, torch.Tensor | None, int | None]]:
+    """(logits over the experts, the chosen experts or None for the top-k, the real experts or None) for each
+    router logits tensor the model returned, by the family's own routing rule, read in its code:
+
+    * Doge (product keys): its router logits are the two halves (2, tokens, keys); expert i * keys + j scores
+      x[i] + y[j], and its top-k is over those sums.
+    * ZAYA: the last of its experts + 1 classes is a skip expert with no compute; it chooses the top-k of
+      softmax(logits) + its balancing biases (the test sets them to 0, so the skip class is chosen too).
+    * Gemma 4: its router returns the softmax of its ``proj``, so the logits are ``proj``'s output (checked
+      against the probabilities it returned).
+    """
+    if family == "doge":
+        return [((t[0][:, :, None] + t[1][:, None, :]).reshape(t.shape[1], -1), None, None) for t in router_logits]
+    if family == "zaya":
+        return [(t, (t.float().softmax(-1)).topk(k, dim=-1).indices, t.shape[-1] - 1) for t in router_logits]
+    if family == "gemma4_text":
+        assert len(proj) == len(router_logits)
+        for logits, probs in zip(proj, router_logits, strict=True):
+            torch.testing.assert_close(logits.float().softmax(-1).reshape(probs.shape), probs.float())
+        return [(t, None, None) for t in proj]
+    return [(t, None, None) for t in router_logits]
+
+
 def _check_against_reference(model: torch.nn.Module, guard: sk.StabilityGuard, batch: dict[str, torch.Tensor]) -> int:
     monitor = guard.engines[0].monitor
     assert monitor is not None and monitor.routers is not None
     outputs: list[Any] = []
+    proj: list[torch.Tensor] = []
     handles = [
         r.module.register_forward_hook(lambda m, a, output: outputs.append(output)) for r in monitor.routers.routers
+    ] + [
+        r.module.proj.register_forward_hook(lambda m, a, output: proj.append(output.detach()))
+        for r in monitor.routers.routers
+        if type(r.module).__name__ == "Gemma4TextRouter"
     ]
     out = _step(guard, model, batch)
     for handle in handles:
         handle.remove()
     scoring = monitor.routers.scoring
-    assert scoring == ("sigmoid" if model.config.model_type in SIGMOID_FAMILIES else "softmax")
-    if model.config.model_type not in OWN_WEIGHTS_NOT_COMPARED and monitor.routers.routers[0].k >= 2:  # top-1: all 1
+    family = model.config.model_type
+    if family in CONFIG_SCORED:
+        assert scoring == model.config.scoring_func
+    else:
+        assert scoring == ("sigmoid" if family in SIGMOID_FAMILIES else "softmax")
+    if family not in OWN_WEIGHTS_NOT_COMPARED and monitor.routers.routers[0].k >= 2:  # top-1: all 1
         assert _weights_follow_the_scoring(outputs, scoring), "no router output with top-k weights to compare"
     names = monitor.routers.names
     logits = [t for t in (out.router_logits or ()) if t is not None]
     assert names and len(logits) == len(names), (names, [tuple(t.shape) for t in logits])
     metrics = guard.engines[0].readout.last_host_metrics
     k = monitor.routers.routers[0].k  # TOP_K, or a top-1 family's own
-    expected = [reference(t, batch.get("attention_mask"), k, scoring) for t in logits]
+    mask = batch.get("attention_mask")
+    expected = [reference(t, mask, k, scoring, c, e) for t, c, e in _own_rules(family, logits, proj, k)]
     for name in names:  # the model's order of calls may differ from its modules' (JetMoE: attention experts)
         got = {signal: metrics[f"stability/monitors/{signal}/{name}"] for signal in expected[0]}
         match = [e for e in expected if all(got[k] == pytest.approx(v, abs=1e-4, rel=1e-4) for k, v in e.items())]
@@ -157,6 +200,10 @@ def _check_against_reference(model: torch.nn.Module, guard: sk.StabilityGuard, b
 @pytest.mark.parametrize("family", TESTED)
 def test_router_values_equal_the_models_own_router_logits_with_and_without_padding(family: str) -> None:
     model = tiny_moe(family)
+    if family == "zaya":  # its skip expert (last class) chosen like the others: its bias -1 -> 0
+        for module in model.modules():
+            if hasattr(module, "balancing_biases"):
+                module.balancing_biases.zero_()
     guard = _guard(model)
     padded = padded_batch(seed=1)
     routers = _check_against_reference(model, guard, padded)

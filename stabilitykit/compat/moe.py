@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,9 @@ def hf_router_specs(model: nn.Module) -> list[RouterSpec]:
 SIGMOID_SCORED = frozenset(
     {
         "afmoe", "axk1", "axk2", "bailing_hybrid", "beam", "deepseek_v3", "deepseek_v32", "dots1", "dots3_note",
-        "exaone_moe", "flint", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "hy_v3", "hy_v4", "kimi_linear",
-        "kolibri1", "laguna", "lfm2_moe", "llama4", "llama4_text", "mimo_v2_flash", "minimax_m2", "nemotron_h",
-        "solar_open",
+        "dots3_note_text", "exaone_moe", "flint", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "hy_v3", "hy_v4",
+        "kimi_linear", "kolibri1", "laguna", "lfm2_moe", "llama4", "llama4_text", "mimo_v2_flash", "minimax_m2",
+        "nemotron_h", "solar_open",
     }
 )  # fmt: skip
 
@@ -88,3 +89,51 @@ def router_scoring(model: nn.Module) -> str | None:
         if getattr(source, "model_type", None) in SIGMOID_SCORED:
             return "sigmoid"
     return "softmax"
+
+
+#: Routers whose output holds routing probabilities where other families put their logits (Gemma 4's text
+#: router returns the softmax of its ``proj``): the sub-module whose output is the router logits.
+LOGITS_SUBMODULES = {"Gemma4TextRouter": "proj"}
+
+
+def logits_submodule(router: nn.Module) -> nn.Module | None:
+    """The sub-module of ``router`` whose output is its logits, for a router whose own output holds
+    probabilities instead (None for every other router)."""
+    name = LOGITS_SUBMODULES.get(type(router).__name__)
+    child = getattr(router, name, None) if name is not None else None
+    return child if isinstance(child, nn.Module) else None
+
+
+def expert_logits(router: nn.Module, logits: Tensor) -> Tensor:
+    """The router's logits over its experts, from what its output holds.
+
+    A product-key router (Doge's ``DogeCDMoE``: ``num_keys`` keys on each of two axes, expert
+    ``i * num_keys + j`` scored ``x[i] + y[j]``) returns its two key-score halves as a ``(2, tokens,
+    num_keys)`` tensor; its logit for every expert is that sum, as its forward computes it before its
+    top-k. Every other router's output already is its logits."""
+    keys = getattr(router, "num_keys", None)
+    if isinstance(keys, int) and logits.dim() == 3 and logits.shape[0] == 2 and logits.shape[-1] == keys:
+        return (logits[0][:, :, None] + logits[1][:, None, :]).reshape(logits.shape[1], keys * keys)
+    return logits
+
+
+def family_choice(router: nn.Module, rows: Tensor, chosen: Tensor | None) -> tuple[Tensor | None, int]:
+    """(the experts each token went to, the number of real experts) for routers with a routing rule of their own.
+
+    ZAYA's router scores ``num_experts + 1`` classes, the last a skip expert with no compute, and chooses the
+    top-k of its softmax plus its ``balancing_biases``; the indices it returns have the skip class replaced by
+    expert 0 (its probability zeroed), so its choice is taken again by that rule, the skip class counting for no
+    expert. Every other router: its own choice (or None) and as many experts as logits.
+    """
+    biases = getattr(router, "balancing_biases", None)
+    experts = getattr(router, "num_experts", None)
+    k = getattr(router, "top_k", None)
+    if (
+        isinstance(biases, Tensor)
+        and isinstance(experts, int)
+        and isinstance(k, int)
+        and rows.shape[-1] == experts + 1 == biases.numel()
+    ):
+        scores = torch.softmax(rows.detach(), dim=-1).float() + biases.to(rows.device)
+        return torch.topk(scores, k, dim=-1).indices, experts
+    return chosen, rows.shape[-1]

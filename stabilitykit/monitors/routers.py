@@ -3,8 +3,10 @@
 Each router is measured on sampled steps from its own output, as the model computes it: the router
 logits (``tokens x experts``) and, where the router returns them, the experts it chose for each
 token (an integer ``tokens x k`` tensor in its output: every ``transformers`` top-k router); else the
-top ``k`` of the logits. Positions the model's ``attention_mask`` marks as padding are left out. Per
-router, under the metric prefix:
+top ``k`` of the logits. Families that route by a rule of their own are read by it (``compat/moe.py``:
+Doge's product keys, ZAYA's skip expert, Gemma 4's router returning probabilities, its logits read from its
+``proj``). Positions the model's ``attention_mask`` marks as padding are left out. Per router, under the
+metric prefix:
 
 * ``monitors/expert_load_max/<router>``: the largest expert's share of the routed tokens divided by
   the mean share (1.0 is perfect balance; ``experts / k`` is every token on the same experts);
@@ -51,7 +53,14 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from stabilitykit.caller import user_stacklevel
-from stabilitykit.compat.moe import RouterSpec, hf_router_specs, router_scoring
+from stabilitykit.compat.moe import (
+    RouterSpec,
+    expert_logits,
+    family_choice,
+    hf_router_specs,
+    logits_submodule,
+    router_scoring,
+)
 from stabilitykit.events import Event
 from stabilitykit.section import Section
 
@@ -149,6 +158,7 @@ class Router:
     streak_before: Tensor | None = None  # the streak when the step in flight began
     last_counts: Tensor | None = None  # the counts of the newest finished sampled step
     pending: bool = False  # forward passes measured since the step was last finished
+    captured: Tensor | None = None  # logits taken from its logits sub-module, where its output holds probabilities
     warned: bool = False  # a "router_collapse" event was raised for the current streak
     handles: list[Any] = field(default_factory=list)
 
@@ -266,16 +276,18 @@ def routing_log_probs(logits: Tensor, scoring: str = "softmax") -> Tensor:
 
 
 def router_step_sums(
-    logits: Tensor, chosen: Tensor, weights: Tensor | None, scoring: str = "softmax"
+    logits: Tensor, chosen: Tensor, weights: Tensor | None, scoring: str = "softmax", experts: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One forward pass of one router: (tokens per expert, token count, entropy sum, z sum), float32.
 
-    ``logits``: (rows, experts); ``chosen``: (rows, k) expert indices (an index outside the experts,
-    a dropped token, counts for none); ``weights``: (rows,) 1 for a real token, 0 for padding, or None.
-    The entropy is of the routing distribution (``routing_log_probs`` with ``scoring``), divided by
-    log(experts); z is logsumexp(logits)².
+    ``logits``: (rows, classes); ``chosen``: (rows, k) expert indices (an index outside the experts,
+    a dropped token, counts for none); ``weights``: (rows,) 1 for a real token, 0 for padding, or None;
+    ``experts``: the real experts, the first ``experts`` classes (None: every class; ZAYA's extra skip
+    class is no expert). The entropy is of the routing distribution over the classes (``routing_log_probs``
+    with ``scoring``), divided by log(classes); z is logsumexp(logits)².
     """
-    experts = logits.shape[-1]
+    classes = logits.shape[-1]
+    experts = classes if experts is None else experts
     rows = logits.detach().float()
     index = chosen.detach().long()
     index = torch.where((index >= 0) & (index < experts), index, experts)
@@ -286,7 +298,7 @@ def router_step_sums(
     counts = torch.zeros(experts + 1, device=rows.device).scatter_add_(0, index.reshape(-1), spread)[:experts]
     lse = torch.logsumexp(rows, dim=-1)
     logp = routing_log_probs(rows, scoring)
-    entropy = -(logp.exp() * logp).sum(-1) / math.log(max(experts, 2))
+    entropy = -(logp.exp() * logp).sum(-1) / math.log(max(classes, 2))
     return counts, tokens, (entropy * weights).sum(), (lse.square() * weights).sum()
 
 
@@ -368,6 +380,9 @@ class RouterMonitor:
         for router in self.routers:
             for signal in ROUTER_SIGNALS:
                 declare(signal, router.name)
+            source = logits_submodule(router.module)
+            if source is not None:
+                self._handles.append(source.register_forward_hook(self._capture(router)))
             self._handles.append(router.module.register_forward_hook(self._hook(router)))
         self._handles.append(model.register_forward_pre_hook(self._take_inputs, with_kwargs=True))
 
@@ -387,6 +402,13 @@ class RouterMonitor:
         if asked is not None:
             self._asked_router_logits = bool(asked)
 
+    def _capture(self, router: Router) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._sampling() and module.training and isinstance(output, Tensor):
+                router.captured = output
+
+        return hook
+
     def _hook(self, router: Router) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self._sampling() or not module.training or router.name in self.disabled:
@@ -401,11 +423,13 @@ class RouterMonitor:
         return hook
 
     def _measure(self, router: Router, output: Any) -> None:
-        logits = router_logits_of(output, router.index)
+        logits = router_logits_of(output, router.index) if router.captured is None else router.captured
+        router.captured = None
         if logits is None or not logits.is_floating_point() or logits.dim() == 0:
             raise ValueError("its output holds no floating-point router logits")
+        logits = expert_logits(router.module, logits)
         rows = logits.reshape(-1, logits.shape[-1])
-        chosen = chosen_experts(output, rows.shape[0])
+        chosen, experts = family_choice(router.module, rows, chosen_experts(output, rows.shape[0]))
         if chosen is None:
             if router.top_k is None:
                 raise ValueError("it returns no chosen experts and no top_k is known: set RouterConfig(top_k=...)")
@@ -414,8 +438,8 @@ class RouterMonitor:
         weights = None
         if mask is not None and mask.numel() == rows.shape[0]:
             weights = mask.detach().reshape(-1).to(device=rows.device, dtype=torch.float32).clamp(0, 1)
-        counts, tokens, entropy, z = router_step_sums(rows, chosen, weights, router.scoring)
-        router.experts, router.k = rows.shape[-1], chosen.shape[-1]
+        counts, tokens, entropy, z = router_step_sums(rows, chosen, weights, router.scoring, experts)
+        router.experts, router.k = experts, chosen.shape[-1]
         if (
             router.counts is None
             or router.tokens is None
