@@ -246,6 +246,8 @@ def _result(
             for e in events
         ],
         "trace": trace,
+        # what recovery did and said, to read a run again without training it again
+        "events": [{"kind": e.kind, "step": e.step, "message": e.message} for e in events],
     }
 
 

@@ -149,8 +149,9 @@ def test_an_optimizer_without_lr_rolls_back_with_one_warning() -> None:
 
 
 def test_the_lr_each_group_used_is_logged_cooldown_included() -> None:
-    """``stability/lr/<group>`` on logging steps: what the step used (the rollback's cooldown included), while
-    the param groups outside the step keep the schedule's values."""
+    """``stability/lr/<group>`` on logging steps: what the step used (the rollback's cooldown included: held,
+    then rising back over the last half of its span), while the param groups outside the step keep the
+    schedule's values."""
     model = mlp()
     opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[3].parameters(), "lr": 0.01}], lr=0.1)
     cfg = diverged_only_config(lr_scale=0.5, cooldown_steps=3).model_copy(update={"log_every_n_steps": 1})
@@ -164,7 +165,8 @@ def test_the_lr_each_group_used_is_logged_cooldown_included() -> None:
     guard.close()
     logged = {s: (m["stability/lr/0"], m["stability/lr/1"]) for s, m in sink.rows.items() if "stability/lr/0" in m}
     assert logged[9] == (0.1, 0.01) and logged[16] == (0.1, 0.01)
-    assert logged[13] == logged[15] == (pytest.approx(0.05), pytest.approx(0.005))
+    assert logged[13] == logged[14] == (pytest.approx(0.05), pytest.approx(0.005))  # the cooldown: steps 13-15
+    assert logged[15] == (pytest.approx(0.075), pytest.approx(0.0075))  # half way back to the schedule's
     assert opt.param_groups[0]["lr"] == 0.1
 
 

@@ -90,8 +90,6 @@ class Recovery:
             agree = is_distributed()
         #: With several ranks: this rank's queued trigger and the agreed request (None: act at once).
         self.agreement: Agreement | None = Agreement() if agree else None
-        #: The snapshot cadence and the verdicts that keep or drop snapshots.
-        self.points = RestorePoints(config, engine, self.store, agree)
         #: The LR after rollbacks, and whether trouble was the LR's or the data's (``escalation.py``).
         self.escalation = Escalation(
             config.lr_scale,
@@ -101,6 +99,8 @@ class Recovery:
             config.window,
             judge_data=not agree,
         )
+        #: The snapshot cadence and the verdicts that keep or drop snapshots.
+        self.points = RestorePoints(config, engine, self.store, agree, self.escalation)
         #: What a trigger does (restore, lower the LR in place, stand down, raise).
         self.rollback = Rollback(
             config, engine, hooks, self.store, self.log, self.escalation, self._restore, self._restored, agree

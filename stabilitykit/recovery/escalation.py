@@ -11,7 +11,15 @@ steps of that action:
 * the skipped batches were bad: the cause is the **data** (a long burst): roll back and skip again;
 * they were not (the trouble recurred on data the healthy model reads fine): the cause is the
   **learning rate**: roll back without skipping and lower the LR one level further
-  (``lr_backoff``, 0.5 then 0.25 times the schedule's), held for ``backoff_steps``.
+  (``lr_backoff``, 0.5 then 0.25 times the schedule's), held for ``backoff_steps``;
+* nothing was measured (the last action lowered the LR where the run was, with no restore point to
+  measure batches on): there is no evidence either way, so the cause is **undetermined** again and both
+  are handled. Blaming the LR without a verdict would stop the skipping that a burst of bad data needs.
+
+A lowered LR does not come back at once: over the second half of each change's span its factor rises
+linearly to the schedule's (``RAMP_SHARE``). A run still near its edge meets the full LR again gradually,
+as in a warm-up; a step back to the full LR is a shock of its own (the persistent arms of
+``benchmarks/recovery_defaults.py``: the loss climbed again right after a 50-step halving ended).
 
 Under torch.distributed each rank measures its own batches' loss, so ranks could judge differently;
 there a recurrence is always the learning rate's (a choice every rank makes alike).
@@ -35,6 +43,8 @@ Cause = Literal["undetermined", "data", "lr"]
 BAD_DATA_RATIO = 1.5
 #: Taken steps before the restored step whose losses make the reference loss when the restored step's is unknown.
 REFERENCE_STEPS = 20
+#: The share of an LR change's span (its last part) over which its factor rises back linearly to 1.
+RAMP_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,7 @@ class Escalation:
         self.level = 0  # backoff levels used so far (0: none; len(lr_backoff): the deepest)
         self.changes: list[LrChange] = []
         self.last_action: int | None = None  # the step of the last rollback or LR change
+        self.last_onset: int | None = None  # where the trouble last acted on began
         #: ``(first, end)`` of the batches the last rollback skips ahead, the reference loss, their losses.
         self._skipped: tuple[int, int] | None = None
         self._reference: float | None = None
@@ -100,11 +111,16 @@ class Escalation:
 
     # ------------------------------------------------------------------ deciding
     def cause(self, onset: int) -> Cause:
-        """Why trouble at ``onset`` came: "undetermined" when nothing was done within ``window`` steps before,
-        else "data" when the batches skipped after the last rollback were bad, else "lr"."""
+        """Why trouble at ``onset`` came: "undetermined" when nothing was done within ``window`` steps before
+        or nothing was measured since (no verdict on the data), else "data" when the batches skipped after the
+        last rollback were bad, else "lr" (under torch.distributed, where no verdict is shared: always "lr")."""
         if self.last_action is None or onset - self.last_action > self.window:
             return "undetermined"
-        return "data" if self.judge_data and self.data_bad else "lr"
+        if not self.judge_data:  # several ranks: no verdict to share, every rank blames the LR alike
+            return "lr"
+        if self.data_bad is None:  # nothing measured since the last action (an LR lowered in place)
+            return "undetermined"
+        return "data" if self.data_bad else "lr"
 
     @property
     def exhausted(self) -> bool:
@@ -115,10 +131,14 @@ class Escalation:
         """The lowest backoff level holds at ``step`` (or there is no backoff): lowering did not help."""
         return not self.lr_backoff or (self.exhausted and self.factor(step) <= self.lr_backoff[-1])
 
-    def act(self, cause: Cause, step: int, restart: int, rolled_back: bool) -> LrChange | None:
-        """Note an action at ``step`` for ``cause``; training goes on at ``restart`` (after the batches skipped
-        ahead). Returns the LR change it makes (None: none)."""
+    def act(
+        self, cause: Cause, step: int, restart: int, rolled_back: bool, onset: int | None = None
+    ) -> LrChange | None:
+        """Note an action at ``step`` for ``cause`` on trouble that began at ``onset`` (default: ``step``);
+        training goes on at ``restart`` (after the batches skipped ahead). Returns the LR change it makes
+        (None: none)."""
         self.last_action = step
+        self.last_onset = step if onset is None else onset
         self.data_bad = None
         if cause == "lr" and self.lr_backoff:
             self.level = min(self.level + 1, len(self.lr_backoff))
@@ -146,8 +166,23 @@ class Escalation:
         self._skipped, self._skipped_losses = (first, max(end, first + 1)), []
 
     def factor(self, step: int) -> float:
-        """The factor on the learning rate at ``step`` (1.0: the schedule's): the lowest change in force."""
-        return min((c.factor for c in self.changes if c.step < step < c.until), default=1.0)
+        """The factor on the learning rate at ``step`` (1.0: the schedule's): the lowest change in force, each
+        held over the first part of its span and rising linearly back to 1 over its last ``RAMP_SHARE``."""
+        return min((_ramped(c, step) for c in self.changes if c.step < step < c.until), default=1.0)
+
+    def lowered(self, step: int) -> bool:
+        """A change made by recovery lowers the learning rate at ``step`` (recovery has acted and it holds)."""
+        return self.factor(step) < 1.0
+
+    def recovered(self, step: int) -> bool:
+        """The loss of taken step ``step`` is back at or under the median loss of the ``REFERENCE_STEPS`` taken
+        steps before the trouble last acted on began (False when either is unknown)."""
+        onset = self.last_onset
+        if onset is None or step < onset:
+            return False
+        now = [loss for s, loss in self._losses if s == step]
+        before = [loss for s, loss in self._losses if onset - REFERENCE_STEPS <= s < onset]
+        return bool(now and before) and now[-1] <= statistics.median(before)
 
     def tried(self) -> str:
         """What was tried to lower the learning rate, for a message ("" when nothing)."""
@@ -155,7 +190,9 @@ class Escalation:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The level, the LR changes and the last action (the verdict in progress is not kept)."""
+        """The level, the LR changes and the last action (the verdict in progress and the last onset, which
+        keeps snapshots taken in an alert's cooldown, are not kept: after a resume such a snapshot waits for a
+        settled step)."""
         return {"level": self.level, "changes": [c.to_dict() for c in self.changes], "last_action": self.last_action}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -164,3 +201,13 @@ class Escalation:
         self.changes = [LrChange(**c) for c in state.get("changes", [])]
         last = state.get("last_action")
         self.last_action = int(last) if last is not None else None
+
+
+def _ramped(change: LrChange, step: int) -> float:
+    """``change``'s factor at ``step`` inside its span: held, then rising linearly to 1 over its last
+    ``RAMP_SHARE`` (reaching 1 at ``until``)."""
+    ramp = max(1, round((change.until - change.step) * RAMP_SHARE))
+    start = change.until - ramp
+    if step <= start:
+        return change.factor
+    return change.factor + (1.0 - change.factor) * (step - start) / ramp

@@ -7,6 +7,12 @@ monitor is not settled (then at the next settled step). A snapshot whose step th
 later is vetted then, and dropped if that step was not settled: a state inside a climb or an alert is
 not a restore point (``_vet``).
 
+Once recovery has acted on an alert (its lowered LR in force), the monitor stays unsettled for the
+alert's cooldown although the run may be healthy again; without a restore point then, trouble that
+comes next finds none inside the bound. So while recovery's lowered LR holds, the snapshot due on the
+cadence is taken anyway, and kept when the loss at its step is back under the median it had before the
+trouble recovery acted on (``Escalation.recovered``), dropped otherwise (``_keeps``).
+
 Under torch.distributed each rank's monitor scores its own loss, so a snapshot is taken on the
 cadence whatever this rank's monitor says; each rank's verdict on it rides in a later step's
 all-reduce (``vetting.py``), and a snapshot any rank judged unsettled is dropped on every rank
@@ -19,6 +25,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from stabilitykit.recovery.config import RecoveryConfig
+from stabilitykit.recovery.escalation import Escalation
 from stabilitykit.recovery.snapshot import TrainingObjects, take_snapshot
 from stabilitykit.recovery.store import SnapshotStore
 from stabilitykit.recovery.vetting import Verdicts, decode_verdict
@@ -33,12 +40,16 @@ if TYPE_CHECKING:
 class RestorePoints:
     """The snapshot cadence and the verdicts that keep or drop each snapshot, over one ``SnapshotStore``."""
 
-    def __init__(self, config: RecoveryConfig, engine: StabilityEngine, store: SnapshotStore, agree: bool) -> None:
-        """``agree``: several ranks agree on each snapshot's verdict (else this rank's monitor decides)."""
+    def __init__(
+        self, config: RecoveryConfig, engine: StabilityEngine, store: SnapshotStore, agree: bool, escalation: Escalation
+    ) -> None:
+        """``agree``: several ranks agree on each snapshot's verdict (else this rank's monitor decides);
+        ``escalation``: whether recovery's lowered LR holds, and whether the loss is back (``_keeps``)."""
         self.config = config
         self.engine = engine
         self.store = store
         self.agree = agree
+        self.escalation = escalation
         #: With several ranks: this rank's verdicts on snapshots, sent to be agreed (``vetting.py``).
         self.verdicts = Verdicts()
         #: Snapshot at the end of the next healthy, settled step: the first step of a run (a blow-up before the
@@ -50,19 +61,22 @@ class RestorePoints:
     def after_step(self, decision: StepDecision, objects: TrainingObjects) -> None:
         """The step is over and nothing rolled back: take a snapshot of ``objects`` if one is due."""
         step = self.engine.step  # steps done: a snapshot now holds the state before this step
-        due = step % self.config.snapshot_every == 0 or self.due_next
-        if not due or decision.skipped_now:
+        cadence = step % self.config.snapshot_every == 0
+        if not (cadence or self.due_next) or decision.skipped_now:
             return
         monitor = self._monitor()
+        scored = monitor is not None and monitor.last_step is not None and monitor.last_step >= step - 1
         if not self.agree and monitor is not None and not monitor.settled():
-            self.due_next = True  # inside a climb or an alert: not a restore point; the next settled step
-            return
+            # recovery acted and its lowered LR holds: taken on the cadence, kept by the loss (``_keeps``)
+            acted = cadence and self.escalation.lowered(step - 1)
+            if not acted or (scored and not self._keeps(monitor, step - 1)):
+                self.due_next = True  # inside a climb or an alert: not a restore point; the next settled step
+                return
         if not self._scheduler_checked:
             self._scheduler_checked = True
             _warn_unpassed_scheduler(objects)
         snapshot = take_snapshot(objects, self.store.copier, step, confirmed=not decision.pending)
         if not self.agree:
-            scored = monitor is not None and monitor.last_step is not None and monitor.last_step >= step - 1
             snapshot.vetted = monitor is None or scored
         else:
             snapshot.vetted = monitor is None  # vetted by the agreed verdict of every rank (``_apply_verdicts``)
@@ -109,7 +123,7 @@ class RestorePoints:
             return
         for snapshot in self.store.snapshots:
             if not snapshot.vetted and snapshot.step - 1 <= monitor.last_step:
-                self.verdicts.judge(snapshot.step, not monitor.was_settled(snapshot.step - 1))
+                self.verdicts.judge(snapshot.step, not self._keeps(monitor, snapshot.step - 1))
 
     def _apply_verdicts(self, rows: list[Row]) -> None:
         """With several ranks: keep or drop snapshots by the verdicts agreed in ``rows`` (the same on every
@@ -138,13 +152,20 @@ class RestorePoints:
         for snapshot in list(self.store.snapshots):
             if snapshot.vetted or snapshot.step - 1 > monitor.last_step:
                 continue
-            if monitor.was_settled(snapshot.step - 1):
+            if self._keeps(monitor, snapshot.step - 1):
                 snapshot.vetted = changed = True
             else:
                 self.store.discard(snapshot)
                 self.due_next = True  # inside a climb: the next settled step gives the restore point
         if changed:
             self.store.trim()
+
+    def _keeps(self, monitor: SpikeMonitor, step: int) -> bool:
+        """The state after taken step ``step`` is a restore point: the monitor was settled there, or recovery's
+        lowered LR held there and the loss was back under its median from before the trouble."""
+        if monitor.was_settled(step):
+            return True
+        return self.escalation.lowered(step) and self.escalation.recovered(step)
 
 
 def _warn_unpassed_scheduler(objects: TrainingObjects) -> None:

@@ -83,13 +83,13 @@ class Rollback:
         if found is None:
             if divergence is not None:
                 self.engine.readout.report_divergence(divergence)  # nothing to go back to: raise as before
-            return self._lower_in_place(at_step, trigger, trigger_step, cause)
+            return self._lower_in_place(at_step, trigger, trigger_step, cause, onset)
         snapshot, tree = found
         self._restore(tree)
         self._restored(snapshot.step)
         skip = 0 if cause == "lr" and cfg.lr_backoff else cfg.skip_after  # the LR's fault: no data to skip
         self.skip_until = self.engine.step + skip
-        change = esc.act(cause, at_step, self.skip_until, True)
+        change = esc.act(cause, at_step, self.skip_until, True, onset)
         esc.skipping(self.engine.step, self.skip_until, snapshot.step, onset)
         if change is not None:
             self.cooldown_until = max(self.cooldown_until, change.until)
@@ -117,10 +117,10 @@ class Rollback:
         share = math.ceil(at_step - cfg.max_lookback_share * at_step)
         return max(at_step - cfg.max_lookback, share, 2)
 
-    def _lower_in_place(self, at_step: int, trigger: str, trigger_step: int, cause: Cause) -> bool:
+    def _lower_in_place(self, at_step: int, trigger: str, trigger_step: int, cause: Cause, onset: int) -> bool:
         """An alert with no restore point inside the bound: no rollback; the LR is lowered where the run is
         (as a rollback for ``cause`` would), and skipping and clipping go on. Returns False."""
-        change = self.escalation.act(cause, at_step, self.engine.step, False)
+        change = self.escalation.act(cause, at_step, self.engine.step, False, onset)
         oldest = self.oldest_restorable(at_step)
         message = (
             f"{trigger} at step {trigger_step}: no healthy snapshot from step {oldest} on (RecoveryConfig."
