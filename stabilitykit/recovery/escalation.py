@@ -16,11 +16,6 @@ steps of that action:
   measure batches on): there is no evidence either way, so the cause is **undetermined** again and both
   are handled. Blaming the LR without a verdict would stop the skipping that a burst of bad data needs.
 
-A lowered LR does not come back at once: over the second half of each change's span its factor rises
-linearly to the schedule's (``RAMP_SHARE``). A run still near its edge meets the full LR again gradually,
-as in a warm-up; a step back to the full LR is a shock of its own (the persistent arms of
-``benchmarks/recovery_defaults.py``: the loss climbed again right after a 50-step halving ended).
-
 Under torch.distributed each rank measures its own batches' loss, so ranks could judge differently;
 there a recurrence is always the learning rate's (a choice every rank makes alike).
 
@@ -43,8 +38,6 @@ Cause = Literal["undetermined", "data", "lr"]
 BAD_DATA_RATIO = 1.5
 #: Taken steps before the restored step whose losses make the reference loss when the restored step's is unknown.
 REFERENCE_STEPS = 20
-#: The share of an LR change's span (its last part) over which its factor rises back linearly to 1.
-RAMP_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -166,23 +159,25 @@ class Escalation:
         self._skipped, self._skipped_losses = (first, max(end, first + 1)), []
 
     def factor(self, step: int) -> float:
-        """The factor on the learning rate at ``step`` (1.0: the schedule's): the lowest change in force, each
-        held over the first part of its span and rising linearly back to 1 over its last ``RAMP_SHARE``."""
-        return min((_ramped(c, step) for c in self.changes if c.step < step < c.until), default=1.0)
+        """The factor on the learning rate at ``step`` (1.0: the schedule's): the lowest change in force."""
+        return min((c.factor for c in self.changes if c.step < step < c.until), default=1.0)
 
     def lowered(self, step: int) -> bool:
         """A change made by recovery lowers the learning rate at ``step`` (recovery has acted and it holds)."""
         return self.factor(step) < 1.0
 
     def recovered(self, step: int) -> bool:
-        """The loss of taken step ``step`` is back at or under the median loss of the ``REFERENCE_STEPS`` taken
-        steps before the trouble last acted on began (False when either is unknown)."""
+        """The loss of taken step ``step`` is back near its level from before the trouble last acted on: under
+        ``BAD_DATA_RATIO`` times the median loss of the ``REFERENCE_STEPS`` taken steps before it began (the
+        ratio that calls a loss far above; False when either is unknown). Not "under the median": a run at
+        the top of its warm-up is noisy, and a state a little above its earlier median is still one a
+        rollback can go back to, where a state inside a blow-up is many times above it."""
         onset = self.last_onset
         if onset is None or step < onset:
             return False
         now = [loss for s, loss in self._losses if s == step]
         before = [loss for s, loss in self._losses if onset - REFERENCE_STEPS <= s < onset]
-        return bool(now and before) and now[-1] <= statistics.median(before)
+        return bool(now and before) and now[-1] < BAD_DATA_RATIO * statistics.median(before)
 
     def tried(self) -> str:
         """What was tried to lower the learning rate, for a message ("" when nothing)."""
@@ -201,13 +196,3 @@ class Escalation:
         self.changes = [LrChange(**c) for c in state.get("changes", [])]
         last = state.get("last_action")
         self.last_action = int(last) if last is not None else None
-
-
-def _ramped(change: LrChange, step: int) -> float:
-    """``change``'s factor at ``step`` inside its span: held, then rising linearly to 1 over its last
-    ``RAMP_SHARE`` (reaching 1 at ``until``)."""
-    ramp = max(1, round((change.until - change.step) * RAMP_SHARE))
-    start = change.until - ramp
-    if step <= start:
-        return change.factor
-    return change.factor + (1.0 - change.factor) * (step - start) / ramp

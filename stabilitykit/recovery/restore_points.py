@@ -10,8 +10,9 @@ not a restore point (``_vet``).
 Once recovery has acted on an alert (its lowered LR in force), the monitor stays unsettled for the
 alert's cooldown although the run may be healthy again; without a restore point then, trouble that
 comes next finds none inside the bound. So while recovery's lowered LR holds, the snapshot due on the
-cadence is taken anyway, and kept when the loss at its step is back under the median it had before the
-trouble recovery acted on (``Escalation.recovered``), dropped otherwise (``_keeps``).
+cadence is taken anyway, and kept when the loss at its step is back near its level from before the
+trouble recovery acted on (``Escalation.recovered``: under 1.5 times its median then), dropped otherwise
+(``_keeps``).
 
 Under torch.distributed each rank's monitor scores its own loss, so a snapshot is taken on the
 cadence whatever this rank's monitor says; each rank's verdict on it rides in a later step's
@@ -162,7 +163,7 @@ class RestorePoints:
 
     def _keeps(self, monitor: SpikeMonitor, step: int) -> bool:
         """The state after taken step ``step`` is a restore point: the monitor was settled there, or recovery's
-        lowered LR held there and the loss was back under its median from before the trouble."""
+        lowered LR held there and the loss was back near its level from before the trouble."""
         if monitor.was_settled(step):
             return True
         return self.escalation.lowered(step) and self.escalation.recovered(step)
