@@ -7,7 +7,9 @@ records a bad ``quality`` at step 3, so only rank 1's flag is raised: both ranks
 ones (1.5, 3, 2) on both ranks. ``SK_REDUCE_MAX_ONLY=1``: only "max" metrics, so the agreement rides
 the MAX all-reduce instead of the all-gather. ``SK_DRIVER=accelerate``:
 the same through Accelerate (``AccelerateGuard``; Accelerate wraps the model in DDP over the group).
-Each rank writes ``rank<r>.json``.
+The guard's cell then trains a tiny Mixtral in DDP for one sampled step per ``RouterConfig.across_ranks``
+setting, each rank on its own small batch, and returns the router values it logged with the router
+logits its model returned (``moe_routers``). Each rank writes ``rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -57,6 +59,44 @@ def _accelerate(rank: int, world: int, model: Any, opt: Any, cfg: sk.StabilityCo
     return wrapped, opt, guard
 
 
+class MonitorRows:
+    """The monitor values of the last logged step."""
+
+    def __init__(self) -> None:
+        self.logged: dict[str, float] = {}
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.logged = {k: float(v) for k, v in metrics.items() if "/monitors/" in k}
+
+
+def moe_routers(rank: int) -> dict[str, Any]:
+    """Router monitors in DDP: per ``across_ranks`` setting, the router values this rank logged at its one
+    (sampled) step, and the router logits and attention mask of its own batch (different on each rank)."""
+    from moe_models import padded_batch, tiny_mixtral
+
+    out: dict[str, Any] = {}
+    for across in (True, False):
+        model = tiny_mixtral()  # the same weights on every rank
+        ddp = DistributedDataParallel(model)
+        sink = MonitorRows()
+
+        routers = sk.RouterConfig(across_ranks=across)
+        off = {"activations": False, "attention": False, "logits": False, "residual": False}
+        cfg = sk.StabilityConfig(log_every_n_steps=1, monitors=sk.MonitorConfig(routers=routers, **off))
+        guard = sk.StabilityGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg, sinks=[sink])
+        batch = padded_batch(batch_size=2, seq=4, seed=rank)  # 6 tokens: some experts idle on each rank
+        result = ddp(**batch, output_router_logits=True)
+        guard.backward(result.loss)
+        guard.step()
+        guard.close()
+        out[str(across)] = {
+            "logged": sink.logged,
+            "router_logits": [t.detach().tolist() for t in result.router_logits],
+            "mask": batch["attention_mask"].tolist(),
+        }
+    return out
+
+
 def worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -85,7 +125,9 @@ def worker(rank: int, world: int) -> dict:
             unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     guard.close()
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+    routers = moe_routers(rank) if os.environ.get("SK_DRIVER") != "accelerate" and not max_only else None
     return {
+        "routers": routers,
         "skipped": [e for e in rows.events if e[1] == "skipped"],
         "metrics": rows.rows[STEPS - 2],
         "unchanged": unchanged,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -411,6 +412,47 @@ def test_ddp_a_rule_raised_on_one_rank_skips_every_rank_and_metrics_are_agreed(
         assert metrics["stability/metrics/rank_id_mean"] == 1.5
         assert metrics["stability/metrics/rank_id_sum"] == 3.0
         assert metrics["stability/metrics/quality"] == 1.0
+    if driver == "guard" and not max_only:
+        _check_ddp_router_values([r["routers"] for r in ranks])
+
+
+def _router_sums(logits: list[list[float]], mask: list[list[int]]) -> tuple[Tensor, float, float, float]:
+    """(tokens per expert, tokens, entropy sum, z sum) of one rank's router logits (top-2, padding left out)."""
+    rows = torch.tensor(logits)
+    weights = torch.tensor(mask, dtype=torch.float32).reshape(-1)
+    counts = torch.zeros(rows.shape[-1])
+    counts.index_add_(0, rows.topk(2, dim=-1).indices.reshape(-1), weights.repeat_interleave(2))
+    p = rows.softmax(-1)
+    entropy = -(p * p.log()).sum(-1) / math.log(rows.shape[-1])
+    z = rows.logsumexp(-1) ** 2
+    return counts, float(weights.sum()), float((entropy * weights).sum()), float((z * weights).sum())
+
+
+def _router_values(counts: Tensor, tokens: float, entropy: float, z: float) -> dict[str, float]:
+    return {
+        "expert_load_max": float(counts.max() * counts.numel() / counts.sum()),
+        "experts_dead": float((counts == 0).float().mean()),
+        "router_entropy": entropy / tokens,
+        "router_z": z / tokens,
+    }
+
+
+def _check_ddp_router_values(ranks: list[dict[str, Any]]) -> None:
+    """Router values under DDP on 2 ranks with different batches: the global values (counts summed across
+    ranks) on both ranks by default; each rank's own with ``across_ranks=False``; and the two differ."""
+    names = ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    for layer, name in enumerate(names):
+        own = [_router_sums(r["True"]["router_logits"][layer], r["True"]["mask"]) for r in ranks]
+        summed = _router_values(own[0][0] + own[1][0], *(a + b for a, b in zip(own[0][1:], own[1][1:], strict=True)))
+        for rank, result in enumerate(ranks):
+            for setting, expected in (("True", summed), ("False", _router_values(*own[rank]))):
+                logged = result[setting]["logged"]
+                for signal, value in expected.items():
+                    got = logged[f"stability/monitors/{signal}/{name}"]
+                    assert got == pytest.approx(value, abs=1e-4), (rank, setting, signal, name, got, value)
+    # the cell tells them apart: some expert idle on a rank is fed on the other
+    dead = [[r[s]["logged"][f"stability/monitors/experts_dead/{names[0]}"] for s in ("True", "False")] for r in ranks]
+    assert any(own > summed for summed, own in dead), dead
 
 
 def test_sk_record_feeds_the_run_started_last_and_a_closed_one_no_more() -> None:

@@ -284,7 +284,7 @@ class ModelMonitor:
     def step_values(self) -> dict[str, Tensor]:
         """This step's router values by metric name (``monitors/<signal>/<router>``), for the skip rules:
         measured on a sampled step, NaN otherwise (``routers.py``). Called when the step is decided."""
-        return self.routers.finish() if self.routers is not None else {}
+        return self.routers.finish(agree=True) if self.routers is not None else {}
 
     def discard(self) -> None:
         """Drop the values measured since the last read (a rollback undid the steps they came from)."""

@@ -29,11 +29,12 @@ Routers are found in every ``transformers`` MoE from the model's own record of w
 logits come from (``compat/moe.py``); in a user's own MoE they are named with
 ``RouterConfig(modules=[...])``.
 
-The values are per rank: under data parallelism each rank measures the tokens it routed (its own
-micro-batches), and the logging step reads them with its one device-to-host copy, with no collective
-of its own. A router that concentrates does so on every rank (the router is the same function of
-each rank's tokens), so a collapse shows on rank 0 as on the others; ``experts_dead`` of one rank is an
-upper bound of the global share (an expert idle on one rank may have had tokens on another).
+Under data parallelism the values are global: on a sampled step, when the step is decided, every rank
+adds its sums (tokens per expert, tokens, entropy and z sums of every router, packed in one vector) into
+one SUM all-reduce, so every rank logs and judges the load of all ranks' tokens (an expert idle on one
+rank but fed on another is not dead). Whether it runs depends only on the sampling cadence, the same on
+every rank; unsampled steps run no collective. ``RouterConfig(across_ranks=False)`` keeps each rank's own
+values, with no collective.
 
 The load-balancing-loss trap (a positive ``router_aux_loss_coef``
 while ``output_router_logits`` is off, so the loss is not in the loss) is warned once.
@@ -61,6 +62,7 @@ from stabilitykit.compat.moe import (
     logits_submodule,
     router_scoring,
 )
+from stabilitykit.distributed import all_reduce, is_distributed
 from stabilitykit.events import Event
 from stabilitykit.section import Section
 
@@ -126,6 +128,14 @@ class RouterConfig(Section):
         description=(
             "... or when at least this fraction of its experts got no token, in a sampled step where each "
             "expert expected 8 tokens or more."
+        ),
+    )
+    across_ranks: bool = Field(
+        True,
+        description=(
+            "Sum the routers' counts across ranks on sampled steps (one SUM all-reduce of a few floats per router "
+            "and expert, sampled steps only), so the values are those of every rank's tokens; False: each rank's "
+            "own values, no collective (a rank's experts_dead overstates the global share)."
         ),
     )
     collapse_steps: int = Field(
@@ -232,7 +242,7 @@ def _experts(module: nn.Module) -> int:
         value = getattr(module, attr, None)
         if isinstance(value, int) and value > 0:
             return value
-    weight = getattr(module, "weight", None)
+    weight = getattr(logits_submodule(module) or module, "weight", None)
     return int(weight.shape[0]) if isinstance(weight, Tensor) and weight.dim() == 2 else 0
 
 
@@ -478,10 +488,17 @@ class RouterMonitor:
                 router.entropy = torch.zeros((), device=self.device)
                 router.z = torch.zeros((), device=self.device)
 
-    def finish(self) -> dict[str, Tensor]:
+    def finish(self, agree: bool = False) -> dict[str, Tensor]:
         """Turn the counts of the sampled step just run into its values (recorded, and returned by key for
-        the skip rules); the values of an unsampled step are NaN. No host sync."""
-        measured = [r for r in self.routers if r.pending]
+        the skip rules); the values of an unsampled step are NaN. No host sync.
+
+        ``agree``: the call made when the step is decided, on every rank: on a sampled step under
+        ``torch.distributed`` (and ``across_ranks``) the sums are added across ranks first, one all-reduce.
+        """
+        if agree and self.routers and self.config.across_ranks and self._sampling() and is_distributed():
+            measured = self._sum_across_ranks()
+        else:
+            measured = [r for r in self.routers if r.pending]
         if not measured:
             return self._unsampled
         self._seen_sample = True
@@ -501,7 +518,10 @@ class RouterMonitor:
             # counted from the streak before this step: a step measured twice (a rerun recomputes its forward)
             # counts once
             streak = router.streak_before if router.streak_before is not None else torch.zeros((), device=down.device)
-            router.streak = torch.where(down, streak + 1.0, torch.zeros_like(streak))
+            # a router no rank measured (an all-reduce of zeros) keeps its streak
+            router.streak = torch.where(
+                router.tokens > 0, torch.where(down, streak + 1.0, torch.zeros_like(streak)), streak
+            )
             stats["router_collapsed"] = router.streak
             for signal, value in stats.items():
                 self._record(signal, router.name, value)
@@ -511,6 +531,29 @@ class RouterMonitor:
             router.pending = False
         self._mask = None
         return out
+
+    def _sum_across_ranks(self) -> list[Router]:
+        """Add every router's sums across ranks in one SUM all-reduce (a router this rank did not measure
+        adds zeros); returns the routers, each now holding the global sums. Runs on every rank alike: the
+        layout is the routers in model order, each with its expert count, the same on every rank."""
+        parts: list[Tensor] = []
+        for router in self.routers:
+            experts = router.experts
+            if router.pending and router.counts is not None:
+                assert router.tokens is not None and router.entropy is not None and router.z is not None
+                parts += [router.counts.float(), torch.stack([router.tokens, router.entropy, router.z]).float()]
+            else:
+                parts += [torch.zeros(experts + 3, device=self.device)]
+        packed = torch.cat(parts)
+        all_reduce(packed, torch.distributed.ReduceOp.SUM)
+        offset = 0
+        for router in self.routers:
+            experts = router.experts
+            chunk = packed[offset : offset + experts + 3]
+            offset += experts + 3
+            router.counts, router.tokens, router.entropy, router.z = chunk[:experts], chunk[-3], chunk[-2], chunk[-1]
+            router.pending = True
+        return list(self.routers)
 
     def discard(self) -> None:
         """Forget what was measured since the last read and every streak (a rollback undid those steps)."""
