@@ -18,6 +18,11 @@ the timed region (the tiny Llama gets ten times the rounds: its steps take milli
 * ``sampled``: the guard with ``MonitorConfig()``, the step sampled (every hook measures);
 * ``unsampled``: the same guard on a step that is not sampled (every hook returns at once).
 
+For the MoE families two more rows attribute the cost without subtracting two noisy medians: ``router
+code, sampled`` is the CPU time spent inside the router monitor's own code on a sampled step (its hook's
+measurement and the step's finish, timed around those calls), and ``device ops added`` counts the ATen ops
+a sampled and an unsampled step run beyond the base step's (exact, from one step under a dispatch mode).
+
 ``default cadence`` is the mean over a logging interval of 10 steps (``log_every_n_steps=10``, one
 sampled step and nine others). This is a script, not a test: timings depend on the machine; the
 ratios are what to compare (medians over rounds). On the CPU each step is timed in CPU time of this
@@ -35,8 +40,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     BertConfig,
     BertForMaskedLM,
@@ -138,14 +145,52 @@ def _moe(family: str) -> Callable[[int], torch.nn.Module]:
     return make
 
 
+class _OpCount(TorchDispatchMode):
+    """Counts the ATen ops run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops(step: Callable[[], None]) -> int:
+    with _OpCount() as counter:
+        step()
+    return counter.ops
+
+
+def _time_router_code(monitor: Any, spent: list[float]) -> None:
+    """Add the CPU time of the router monitor's own code (each measurement, each finish) to ``spent[0]``."""
+    routers = monitor.routers
+
+    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.process_time() - start
+
+        return wrapper
+
+    routers._measure = timed(routers._measure)  # instance attributes: the hooks and the engine call these
+    routers.finish = timed(routers.finish)
+
+
 def _arm(
     model: torch.nn.Module,
     monitors: bool,
     sampled: bool,
     batch: dict[str, torch.Tensor],
     config: sk.MonitorConfig | None = None,
+    router_time: list[float] | None = None,
 ) -> Callable[[], None]:
-    """One whole training step of ``model`` under a guard; the monitor's sampling is set by hand."""
+    """One whole training step of ``model`` under a guard; the monitor's sampling is set by hand.
+    ``router_time``: a one-element list the router monitor's own CPU time is added to."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     cfg = sk.StabilityConfig(
         log_every_n_steps=10**9,  # step 0 logs (untimed warm-up); no timed step does
@@ -154,6 +199,8 @@ def _arm(
     )
     guard = sk.StabilityGuard(model, opt, config=cfg, sinks=[sk.sinks.ConsoleSink(stream=io.StringIO())])
     monitor = guard.engines[0].monitor
+    if router_time is not None and monitor is not None and monitor.routers is not None:
+        _time_router_code(monitor, router_time)
 
     def step() -> None:
         if monitor is not None:
@@ -183,19 +230,23 @@ def measure(
     device = torch.device(args.device)
     base_model = make(context).to(device)
     config = ROUTERS_ONLY if name.startswith("HF MoE") else None
+    router_time = [0.0] if config is not None else None
     vocab = base_model.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, context), generator=torch.Generator().manual_seed(0)).to(device)
     batch = {"input_ids": ids, "labels": ids}
     arms = {
         "base": _arm(copy.deepcopy(base_model), False, False, batch),
         "base_again": _arm(copy.deepcopy(base_model), False, False, batch),
-        "sampled": _arm(copy.deepcopy(base_model), True, True, batch, config),
+        "sampled": _arm(copy.deepcopy(base_model), True, True, batch, config, router_time),
         "unsampled": _arm(copy.deepcopy(base_model), True, False, batch, config),
     }
     for fn in arms.values():  # warm-up: the logging step 0, allocator, kernels
         for _ in range(2):
             fn()
+    ops = {k: _ops(arms[k]) for k in ("base", "sampled", "unsampled")} if router_time is not None else {}
     times: dict[str, list[float]] = {k: [] for k in arms}
+    if router_time is not None:
+        router_time[0] = 0.0
     cpu_clock = device.type == "cpu" and args.clock == "cpu"
     clock = time.process_time if cpu_clock else time.perf_counter
     for _ in range(rounds):
@@ -216,6 +267,11 @@ def measure(
         (f"default cadence ({CADENCE})", cadence),
     ]:
         print(f"{label:<22}{value * 1e3:>10.2f}{(value / base - 1) * 100:>+9.1f}%")
+    if router_time is not None:
+        own = router_time[0] / rounds
+        print(f"{'router code, sampled':<22}{own * 1e3:>10.2f}{own / base * 100:>+9.1f}%")
+        added = {k: ops[k] - ops["base"] for k in ("sampled", "unsampled")}
+        print(f"device ops added: sampled {added['sampled']} (base {ops['base']}), unsampled {added['unsampled']}")
 
 
 def main() -> None:
