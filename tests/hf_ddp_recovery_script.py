@@ -7,7 +7,11 @@ are unchanged): only rank 1's detector raises a ``spike_alert``. Both ranks must
 at the same step, to the same snapshot, and keep identical replicas. Each rank writes
 ``rank<r>.json`` to ``SK_OUT``. The same run carries a user's skip rule and recorded metrics
 (``sk.record`` in ``compute_loss``): rank 1 alone records a bad ``quality`` at step 5, so both ranks
-skip step 5; ``rank_id`` is recorded with reduce "sum" and logged agreed (3) on both.
+skip step 5; ``rank_id`` is recorded with reduce "sum" and logged agreed (3) on both. Rerun is on: a NaN
+in rank 1's logits at step ``NAN_STEP`` and a flipped exponent bit in rank 1's local gradient at step
+``GRAD_STEP``, once each, are judged transient naming rank 1 (the gradient's through a communication hook
+on the Accelerator's DDP wrapper), the steps taken; rank 1's loss NaN at step ``BAD_STEP`` every time it
+is computed is judged reproducible and skipped on both ranks.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ import torch
 
 import stabilitykit as sk
 from stabilitykit.integrations import stabilize
+from stabilitykit.testing import inject_fault
 from tests.custom_rules import QualityGate
 from tests.hf_models import tiny_llama, token_batches
 
 JUMP_STEP = 12
 RULE_STEP = 5
+NAN_STEP, GRAD_STEP, BAD_STEP = 8, 10, 18
 
 
 def main() -> None:
@@ -46,6 +52,8 @@ def main() -> None:
             sk.record("rank_id", torch.tensor(float(self.args.process_index + 1)), reduce="sum")
             if self.args.process_index == 1 and self.state.global_step == JUMP_STEP:
                 loss = loss + 1000.0 * loss.detach()
+            if self.args.process_index == 1 and self.state.global_step == BAD_STEP:
+                loss = loss * float("nan")
             return loss
 
     args = TrainingArguments(
@@ -62,15 +70,21 @@ def main() -> None:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    trainer = JumpTrainer(model=tiny_llama(), args=args, train_dataset=rows)
+    model = tiny_llama()
+    trainer = JumpTrainer(model=model, args=args, train_dataset=rows)
+    at = {"rank": 1, "step_of": lambda: trainer.state.global_step}
+    inject_fault(model, "activation", "lm_head", step=NAN_STEP, kind="nan", **at)
+    inject_fault(model, "grad", "model.layers.0.mlp.down_proj.weight", step=GRAD_STEP, **at)
     cfg = sk.StabilityConfig(
         spikes=sk.SpikeConfig(warmup_steps=5),
         recovery=sk.RecoveryConfig(
             enabled=True, snapshot_every=2, keep=3, trigger=["spike_alert"], skip_after=0, cooldown_steps=0
         ),
+        rerun=sk.RerunConfig(read_every_step=True),
     )
     sums: set[float] = set()
     skipped: list[list] = []
+    reruns: list[list] = []
 
     class Rows:
         def log_metrics(self, metrics: dict, step: int) -> None:
@@ -79,6 +93,8 @@ def main() -> None:
         def log_event(self, event: sk.Event) -> None:
             if event.kind == "skipped":
                 skipped.append([event.step, event.details["reason"]])
+            if event.kind == "rerun":
+                reruns.append([event.step, event.details["verdict"], event.details["rank"]])
 
     callback = stabilize(trainer, cfg, sinks=[Rows()], rules=[QualityGate()])
     rollbacks: list[dict[str, int]] = []
@@ -98,6 +114,8 @@ def main() -> None:
         "checksum": sum(float(p.double().sum()) for p in params),
         "finite": all(bool(torch.isfinite(p).all()) for p in params),
         "rule_skips": [s for s in skipped if s[1] == "quality_gate"],
+        "skipped": [s[0] for s in skipped],
+        "reruns": reruns,
         "sums": sorted(sums),
     }
     (out / f"rank{args.process_index}.json").write_text(json.dumps(result))

@@ -7,6 +7,8 @@ step 6's forward: reported at the check after step 7, naming rank 1 and the weig
 same averaged update on every rank, so every other tensor stays bitwise equal across the ranks. Rerun
 is on too: a flipped bit in rank 1's local gradient at step 9, once, is judged transient naming rank 1
 (its grads before the all-reduce, seen by a communication hook on the strategy's DDP wrapper).
+With neither (DDP): rerun on; step 5's NaN comes again when computed again (reproducible: skipped on both
+ranks) and a NaN in rank 1's logits at step 8, once, is judged transient naming rank 1 (the step taken).
 ``SK_STRATEGY``: "ddp" (default), or "fsdp2" (``ModelParallelStrategy`` with ``fully_shard`` in
 ``configure_model``; Lightning's ``FSDPStrategy`` requires CUDA). ``SK_RECOVERY=1``: recovery on
 (a snapshot every 2 steps, a divergence after 3 skips) and a NaN on rank 1 only at steps 5-7, so
@@ -99,6 +101,8 @@ def main() -> None:
     if rule:
         poison = {}
         cfg = cfg.model_copy(update={"replicas": sk.ReplicaCheckConfig(every_n_steps=4), "rerun": sk.RerunConfig()})
+    elif kind == "ddp" and not recovery:  # rerun: the NaN of step 5 comes again (reproducible), step 8's not
+        cfg = cfg.model_copy(update={"rerun": sk.RerunConfig()})
     mismatches: list[dict] = []
     reruns: list[list] = []
     callback = StabilityCallback(cfg, sinks=[Rows()], rules=[QualityGate()] if rule else [])
@@ -127,6 +131,10 @@ def main() -> None:
         )  # fmt: skip
         inject_fault(  # a flipped exponent bit in rank 1's local gradient at step 9, once: a transient fault
             module.model, "grad", "blocks.1.mlp.fc.weight", step=9, rank=1, step_of=lambda: trainer.global_step
+        )
+    elif kind == "ddp" and not recovery:  # a NaN in rank 1's logits at step 8, once: a transient fault
+        inject_fault(
+            module.model, "activation", "lm_head", step=8, rank=1, kind="nan", step_of=lambda: trainer.global_step
         )
     trainer.fit(module, gpt_dataloader(30))
     named = [(n, p) for n, p in module.named_parameters() if not (rule and n == CORRUPTED)]

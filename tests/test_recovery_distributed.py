@@ -102,7 +102,8 @@ def test_a_snapshot_inside_one_ranks_climb_is_dropped_on_every_rank(ranks: list[
 
 @waits_for("hf_ddp_recovery_script")
 def test_hf_trainer_ddp_ranks_roll_back_together_on_one_ranks_alert(tmp_path: Path) -> None:
-    """The real HF Trainer under ``torchrun`` (DDP over gloo through Accelerate): rank 1 alone alerts."""
+    """The real HF Trainer under ``torchrun`` (DDP over gloo through Accelerate): rank 1 alone alerts; rerun
+    verdicts on faults on rank 1 only (``hf_ddp_recovery_script.py``)."""
     script = Path(__file__).parent / "hf_ddp_recovery_script.py"
     first, second = run_torchrun(script, 2, tmp_path, timeout=limit("hf_ddp_recovery_script"))
     assert first["world"] == second["world"] == 2
@@ -114,6 +115,11 @@ def test_hf_trainer_ddp_ranks_roll_back_together_on_one_ranks_alert(tmp_path: Pa
     # the user's skip rule (raised on rank 1 only) skipped step 5 on both ranks; the summed metric agreed
     assert first["rule_skips"] == second["rule_skips"] == [[5, "quality_gate"]]
     assert first["sums"] == second["sums"] == [3.0]
+    # rerun: one-time faults on rank 1 (its logits, its local gradient) transient, rank 1 named, the steps taken;
+    # rank 1's NaN loss that comes again when the step is computed again is reproducible, skipped on both ranks
+    verdicts = [[8, "transient", 1], [10, "transient", 1], [18, "reproducible", None]]
+    assert first["reruns"] == second["reruns"] == verdicts
+    assert first["skipped"] == second["skipped"] == [5, 18]
 
 
 def _recovery(cfg: sk.StabilityConfig) -> None:

@@ -51,6 +51,14 @@ class RerunConfig(Section):
             "optimizer."
         ),
     )
+    host_rng: bool = Field(
+        False,
+        description=(
+            "Also take and put back Python's random and numpy's global generators for a rerun (about 0.2 ms per "
+            "step). Off: torch's generators only (CPU and CUDA, a few microseconds per step), what a model's "
+            "forward draws from (dropout, sampling); turn it on if your forward draws from random or numpy."
+        ),
+    )
     record_path: str | None = Field(
         None,
         description=(

@@ -61,7 +61,7 @@ class Rerun:
         self.events: list[Event] = []
         self._recompute: Callable[[], None] | None = None
         self._reasons: list[str] = []
-        self._rng: dict[str, Any] = capture_rng()
+        self._rng: dict[str, Any] = capture_rng(config.host_rng)
         self._captured = False
         self._hook = model.register_forward_pre_hook(self._on_forward) if model is not None else None
         #: This rank's own grads before DDP's all-reduce (``local.py``): names the rank of a local-gradient fault.
@@ -73,7 +73,7 @@ class Rerun:
     def _on_forward(self, _module: nn.Module, _args: Any) -> None:
         """The step's first forward starts: the random state it starts with (a replay's forward is not first)."""
         if not self._captured:
-            self._rng = capture_rng()
+            self._rng = capture_rng(self.config.host_rng)
             self._captured = True
 
     def watch_local_grads(self, model: nn.Module | None) -> None:
@@ -86,7 +86,7 @@ class Rerun:
         """A driver that knows where the step starts (Lightning's ``on_train_batch_start``): the random
         state is taken now, before anything of the step draws from it (not at the model's first forward,
         which a framework's training step may never call)."""
-        self._rng = capture_rng()
+        self._rng = capture_rng(self.config.host_rng)
         self._captured = True
 
     def arm(self, recompute: Callable[[], None] | None) -> None:
