@@ -311,10 +311,11 @@ def rerun_cost(args: argparse.Namespace) -> dict[str, float]:
     batches = [next(data) for _ in range(8)]
     arms: dict[str, Callable[[], None]] = {}
     guards = []
-    for name, rerun, faulty in (
-        ("rerun off", False, False),
-        ("rerun on", True, False),
-        ("every step re-run", True, True),
+    for name, rerun, faulty, host_rng in (
+        ("rerun off", False, False, False),
+        ("rerun on", True, False, False),
+        ("rerun on, host_rng", True, False, True),  # Python's random and numpy's states taken too
+        ("every step re-run", True, True, False),
     ):
         torch.manual_seed(0)
         model = tiny_gpt(n_layer=args.layers, n_embd=args.width, vocab_size=256, block_size=64)
@@ -325,7 +326,7 @@ def rerun_cost(args: argparse.Namespace) -> dict[str, float]:
             skip=sk.SkipConfig(max_consecutive=None),
             # the faulty arm reads every step's decision so that every step is re-run (fused AdamW otherwise
             # re-runs only a flagged logging step: rerun adds no read of its own)
-            rerun=sk.RerunConfig(read_every_step=faulty) if rerun else None,
+            rerun=sk.RerunConfig(read_every_step=faulty, host_rng=host_rng) if rerun else None,
         )
         guard = sk.StabilityGuard(model, opt, cfg)
         guards.append((model, opt, guard))
@@ -373,6 +374,8 @@ def _rerun_table(result: dict[str, float]) -> None:
         print(f"{name:<28}{ms:>10.3f}")
     off = result["rerun off"]
     print(f"rerun on, no step flagged vs off: {100 * (result['rerun on'] / off - 1):+.1f}% per step")
+    host = result["rerun on, host_rng"]
+    print(f"rerun on with host_rng vs off: {100 * (host / off - 1):+.1f}% per step")
     print(f"a re-run step vs an ordinary step: {result['every step re-run'] / off:.2f}x")
     check = result["replica check (one)"]
     print(

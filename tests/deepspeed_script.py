@@ -37,6 +37,8 @@ from torch import nn
 
 CLEAN = [0, 1, 3, 5]  # the batches the reference run sees
 PLAN = [(0, None), (1, None), (2, "nan"), (3, None), (4, "inf"), (5, None)]  # (batch, fault) of the guarded run
+#: The (stage, bf16) cells that rerun: every stage, both precisions (all eight passed once; these four stay).
+RERUN_CELLS = [(0, False), (1, True), (2, False), (3, True)]
 
 
 def _model() -> nn.Module:
@@ -427,6 +429,47 @@ FP16_PLAN = [(0, None), (1, None), (2, "overflow"), (3, None), (4, "nan"), (5, N
 FP16_ROLLBACK = [(6, "overflow"), (7, "nan"), (8, "nan"), (9, None)]
 
 
+def _rerun(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
+    """Rerun (``guard.step(replay=...)``) over batches 0-2, a NaN loss at batch 1 on rank 1 only: once (gone when
+    computed again: transient, rank 1 named, the recomputed step taken, the end state bitwise DeepSpeed's own
+    over the clean batches 0-2) or every time it is computed (reproducible, skipped on both ranks, the end state
+    bitwise DeepSpeed's over batches 0 and 2)."""
+    import stabilitykit as sk
+    from stabilitykit.integrations.deepspeed import DeepSpeedGuard
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    out: dict[str, Any] = {}
+    for name, clean, once in (("transient", [0, 1, 2], True), ("reproducible", [0, 2], False)):
+        theirs = _engine(stage, bf16)
+        for i in clean:
+            theirs.backward(_loss(theirs, i, rank, dtype, None, 0))
+            theirs.step()
+        engine = _engine(stage, bf16)
+        guard = DeepSpeedGuard(engine, config=sk.StabilityConfig(log_every_n_steps=2, rerun=sk.RerunConfig()))
+        events: list[Any] = []
+        guard.hooks.on("rerun", events.append)
+        computed, skipped = [0], []
+        for i in range(3):
+
+            def loss_of(i: int = i, engine: Any = engine, computed: list[int] = computed, once: bool = once) -> Any:
+                computed[0] += i == 1
+                fault = "nan" if i == 1 and (computed[0] == 1 or not once) else None
+                return _loss(engine, i, rank, dtype, fault, 1)
+
+            guard.backward(loss_of())
+            report = guard.step(replay=loss_of)
+            assert report is not None
+            skipped += [i] if bool(report.skipped) else []
+        out[name] = {
+            "events": [[e.step, e.details["verdict"], e.details["rank"]] for e in events],
+            "skipped": skipped,
+            "same": _same(_state(engine), _state(theirs)),
+            "diff": _diff(_state(engine), _state(theirs)),
+        }
+        guard.close()
+    return out
+
+
 def _fp16_engine(stage: int) -> Any:
     import deepspeed
 
@@ -620,6 +663,8 @@ def worker(rank: int, world: int) -> dict[str, Any]:
                 results[key] = _case(stage, bf16, rank)
                 results[key]["huge"] = _huge(stage, bf16, rank)
                 results[key]["unguarded"] = _unguarded_nan(stage, bf16, rank)
+                if (stage, bf16) in RERUN_CELLS:
+                    results[key]["rerun"] = _rerun(stage, bf16, rank)
             finally:
                 sys.stdout = old
         if stage in (0, 2, 3):

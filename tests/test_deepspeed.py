@@ -354,3 +354,21 @@ def test_lightning_deepspeed_callback_names_the_strategy_it_needs(tmp_path: Path
     )
     with pytest.raises(TypeError, match=r"DeepSpeedStrategy.*StabilityCallback"):
         trainer.fit(_tiny_module())
+
+
+@pytest.mark.parametrize("case", ["stage0-fp32", "stage1-bf16", "stage2-fp32", "stage3-bf16"])
+def test_rerun_judges_a_one_time_fault_transient_and_a_repeated_one_reproducible(
+    ranks: list[dict[str, Any]], case: str
+) -> None:
+    """``guard.step(replay=...)`` with rerun on, a NaN loss at step 1 on rank 1 only: once, it is transient (rank 1
+    named, the recomputed step taken, the end state bitwise DeepSpeed's own over the clean batches); every time
+    it is computed, reproducible (skipped on both ranks, the end state DeepSpeed's over the other batches)."""
+    for rank in ranks:
+        cell = rank[case]["rerun"]
+        assert cell["transient"]["events"] == [[1, "transient", 1]]
+        assert cell["transient"]["skipped"] == []
+        assert cell["transient"]["same"], cell["transient"]["diff"]
+        assert cell["reproducible"]["events"] == [[1, "reproducible", None]]
+        assert cell["reproducible"]["skipped"] == [1]
+        assert cell["reproducible"]["same"], cell["reproducible"]["diff"]
+

@@ -265,16 +265,30 @@ def test_the_accelerate_and_fabric_guards_rerun_through_their_own_backward(drive
     assert all(torch.equal(a, b) for a, b in zip(clean, faulty, strict=True))
 
 
-def _lightning_run(tmp_path: Path, fault: str | None) -> dict[str, Any]:
+def _lightning_run(tmp_path: Path, fault: str | None, manual: bool = False) -> dict[str, Any]:
     """The Lightning callback, 6 steps of the test GPT: a one-time NaN in ``ln_f``'s output at step 3
-    (``"transient"``), or a NaN loss every time step 3's training_step runs (``"bad-batch"``)."""
+    (``"transient"``), or a NaN loss every time step 3's training_step runs (``"bad-batch"``). ``manual``:
+    manual optimization (``training_step`` backpropagates and steps the optimizer itself)."""
     import lightning.pytorch as pl
 
     from stabilitykit.lightning import StabilityCallback
     from stabilitykit.testing.lightning_gpt import GPTModule, gpt_dataloader
 
-    module = GPTModule(fused=False, poison={3: math.nan} if fault == "bad-batch" else None)
-    record = tmp_path / f"{fault}.jsonl"
+    class ManualGPT(GPTModule):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            opt = self.optimizers()
+            opt.zero_grad()  # type: ignore[union-attr]
+            loss = super().training_step(batch, batch_idx)
+            self.manual_backward(loss)
+            opt.step()  # type: ignore[union-attr]
+            return loss
+
+    module = (ManualGPT if manual else GPTModule)(fused=False, poison={3: math.nan} if fault == "bad-batch" else None)
+    record = tmp_path / f"{fault}-{manual}.jsonl"
     cfg = sk.StabilityConfig(log_every_n_steps=2, rerun=sk.RerunConfig(record_path=str(record)))
     callback = StabilityCallback(cfg)
     reruns: list[sk.Event] = []
@@ -302,12 +316,17 @@ def _lightning_run(tmp_path: Path, fault: str | None) -> dict[str, Any]:
     }
 
 
-def test_the_lightning_callback_reruns_through_training_step_and_lightnings_backward(tmp_path: Path) -> None:
-    clean = _lightning_run(tmp_path, None)
-    transient = _lightning_run(tmp_path, "transient")
+@pytest.mark.parametrize("manual", [False, True])
+def test_the_lightning_callback_reruns_through_training_step_and_lightnings_backward(
+    tmp_path: Path, manual: bool
+) -> None:
+    """Automatic optimization: ``training_step`` and Lightning's backward again. Manual: ``training_step`` again
+    (its ``manual_backward``), stopped at its ``optimizer.step()`` (``rerun/lightning.py``)."""
+    clean = _lightning_run(tmp_path, None, manual)
+    transient = _lightning_run(tmp_path, "transient", manual)
     assert transient["reruns"] == [(3, "transient", 0)] and transient["skipped"] == 0
     assert _bitwise(transient, clean)  # the recomputed step was taken: a clean run's weights, bitwise
-    bad = _lightning_run(tmp_path, "bad-batch")
+    bad = _lightning_run(tmp_path, "bad-batch", manual)
     assert bad["reruns"] == [(3, "reproducible", None)] and bad["skipped"] == 1
     assert bad["record"] == ["reproducible"]
     assert clean["reruns"] == [] and clean["skipped"] == 0

@@ -55,6 +55,14 @@ def drop_step(optimizer: Any, stage: int) -> None:
     (counters the guard puts back). Nothing else of the optimizer's step runs: no fp32 partition,
     moment or parameter is touched.
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):  # stage 0 in fp32: the engine zeroes the module's grads
+        drop_grads(optimizer, stage)
+    optimizer.overflow = True  # the engine: not applied, no LR scheduler step
+
+
+def drop_grads(optimizer: Any, stage: int) -> None:
+    """Drop the step's grads, partitions and micro-step count, as DeepSpeed's overflow clean-up does, so that
+    the next backward fills them afresh (a skipped step; a step computed again by a rerun)."""
     if stage in (1, 2):
         from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
 
@@ -76,8 +84,8 @@ def drop_step(optimizer: Any, stage: int) -> None:
         for group in optimizer.fp32_groups:
             for param in group:
                 param.grad = None
-    # stage 0 in fp32: the engine's optimizer is the torch one; the engine zeroes the module's grads
-    optimizer.overflow = True  # the engine: not applied, no LR scheduler step
+    else:  # stage 0 in fp32: the engine's optimizer is the torch one, over the module's parameters
+        optimizer.zero_grad(set_to_none=True)
 
 
 def inner_optimizer(engine: Any) -> Any:

@@ -583,8 +583,8 @@ def _warn_no_rerun(has_backward: bool) -> None:
     how = (
         "pass guard.step(replay=...)"
         if has_backward
-        else "this driver cannot re-run a step yet (the plain loop, Accelerate, Fabric and Lightning's "
-        "automatic optimization can)"
+        else "this driver cannot re-run a step yet (the plain loop, Accelerate, Fabric, DeepSpeedGuard with "
+        "guard.step(replay=...), Lightning's automatic optimization, the HF Trainer without DeepSpeed can)"
     )
     warnings.warn(
         f"stabilitykit: RerunConfig is on but a step's batch cannot be computed again ({how}): "

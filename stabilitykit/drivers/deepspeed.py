@@ -44,6 +44,7 @@ from stabilitykit.engine.lr import noting_lr
 from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.report import StepReport
+from stabilitykit.rerun.deepspeed import recompute
 from stabilitykit.rules import SkipRule
 from stabilitykit.sinks.base import Sink
 
@@ -103,15 +104,13 @@ def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
         )
 
 
-
 class DeepSpeedGuard(StabilityGuard):
     """Keeps a loop over a DeepSpeed engine finite: norms, clipping, skip-the-batch, metrics and events.
 
-    ``engine``: what ``deepspeed.initialize`` returned (kept as ``deepspeed_engine``; ``guard.engine``
-    is the stability engine, as on every guard). For the guard's life the engine's ``backward``,
-    ``step`` and checkpoints are routed through it, so a loop (or Accelerate, or the Hugging Face
-    Trainer) calling ``engine.backward(loss)`` and ``engine.step()`` is guarded as it is. The rest
-    is the plain-loop guard's surface.
+    ``engine``: what ``deepspeed.initialize`` returned (kept as ``deepspeed_engine``; ``guard.engine`` is the
+    stability engine, as on every guard). For the guard's life the engine's ``backward``, ``step`` and
+    checkpoints are routed through it, so a loop (or Accelerate, or the HF Trainer) calling
+    ``engine.backward(loss)`` and ``engine.step()`` is guarded as it is; the rest is the loop guard's.
     """
 
     #: DeepSpeed's step cannot skip on the device: the host knows every decision before the step.
@@ -136,6 +135,7 @@ class DeepSpeedGuard(StabilityGuard):
         self.checkpoint_states: list[dict[str, Any]] | None = None
         self._last_report: StepReport | None = None
         self._deepspeed_step: Any = None  # the engine's own ``step`` of the step in flight
+        self._replay: Callable[[], Tensor] | None = None  # guard.step(replay=...), for a rerun
         self._start(None, [self.partitions], names=self.partitions.names)
         if self.fp16:
             self.engine.scaler = DeepSpeedLossScale(engine)
@@ -162,10 +162,10 @@ class DeepSpeedGuard(StabilityGuard):
         self.check_open("backward")
         return self.deepspeed_engine.backward(loss, **kwargs)
 
-    def step(self, **kwargs: Any) -> StepReport | None:  # type: ignore[override]  # DeepSpeed's own arguments
-        """``engine.step()``; the step's report on the micro-batch that ends an accumulation, else None."""
+    def step(self, replay: Callable[[], Tensor] | None = None, **kwargs: Any) -> StepReport | None:  # type: ignore[override]
+        """``engine.step()``: the report on an accumulation boundary, else None (``replay``: ``rerun/deepspeed.py``)."""
         self.check_open("step")
-        self._last_report = None
+        self._last_report, self._replay = None, replay
         self.deepspeed_engine.step(**kwargs)
         return self._last_report
 
@@ -179,7 +179,7 @@ class DeepSpeedGuard(StabilityGuard):
     ) -> StepDecision:
         """The base's ``decide`` over this rank's pieces of the final grads (bound first)."""
         self.partitions.bind()
-        return super().decide(engine, replay, log_step, backward, rerun_replay)
+        return super().decide(engine, replay, log_step, *recompute(self, self._replay, backward, rerun_replay))
 
     def _optimizer_step(self, engine: StabilityEngine, update_scaler: bool) -> None:
         """DeepSpeed's own ``engine.step``; a step the guard skipped leaves the engine's counters as they were."""
@@ -212,7 +212,7 @@ class DeepSpeedGuard(StabilityGuard):
             try:
                 self._last_report = StabilityGuard.step(self)
             finally:
-                self._deepspeed_step = None
+                self._deepspeed_step = self._replay = None
 
         return step
 

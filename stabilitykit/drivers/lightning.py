@@ -29,6 +29,7 @@ from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.nan import NonFiniteRecord
 from stabilitykit.precision import PrecisionChoice
 from stabilitykit.report import StepReport
+from stabilitykit.rerun.lightning import manual_rerun
 from stabilitykit.rules import SkipRule
 from stabilitykit.run_log import RunSummary
 from stabilitykit.sinks.base import Sink
@@ -214,13 +215,9 @@ class StabilityCallback(Callback):
             self.driver.claim_losses(engine)
 
         automatic = batch is not None and pl_module.automatic_optimization
-        self.driver.decide(
-            engine,
-            replay=replay if automatic else None,
-            log_step=trainer.global_step,
-            backward=backward if automatic else None,
-            rerun_replay=rerun_replay if automatic else None,
-        )
+        manual = manual_rerun(self, trainer, batch) if not automatic else {}
+        rerun = {"backward": backward, "rerun_replay": rerun_replay} if automatic else manual
+        self.driver.decide(engine, replay=replay if automatic else None, log_step=trainer.global_step, **rerun)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
