@@ -547,13 +547,19 @@ class RouterMonitor:
         packed = torch.cat(parts)
         all_reduce(packed, torch.distributed.ReduceOp.SUM)
         offset = 0
+        summed: list[Router] = []
         for router in self.routers:
             experts = router.experts
             chunk = packed[offset : offset + experts + 3]
             offset += experts + 3
+            if experts == 0:  # its expert count is not known yet (never measured here): no values
+                router.counts = router.tokens = router.entropy = router.z = None
+                router.pending = False
+                continue
             router.counts, router.tokens, router.entropy, router.z = chunk[:experts], chunk[-3], chunk[-2], chunk[-1]
             router.pending = True
-        return list(self.routers)
+            summed.append(router)
+        return summed
 
     def discard(self) -> None:
         """Forget what was measured since the last read and every streak (a rollback undid those steps)."""
