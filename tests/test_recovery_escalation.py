@@ -216,3 +216,34 @@ def test_an_alert_before_any_restore_point_leaves_one_for_the_next_trouble() -> 
     assert lowered["action"] == "lr_backoff" and lowered["trigger_step"] == 40 and lowered["cause"] == "undetermined"
     assert rollback["trigger"] == "diverged" and rollback["restored_step"] == 50, rollback
     assert rollback["cause"] == "undetermined" and rollback["skip_ahead_to"] == rollback["at_step"] + 50
+
+
+def test_trouble_still_there_when_the_lowered_lr_ends_lowers_it_further() -> None:
+    """The loss the guard sees is 5x from step 30 on, for good (AdamW: the updates keep their size). The alert
+    finds no restore point inside the bound, so the LR is halved where the run is for 50 steps; when that
+    ends the loss is still 5x its level from before, and the loss-level alert does not page twice for one
+    excursion: the LR goes to the first backoff level (0.5x for 500 steps, cause "lr") instead of back to
+    the schedule's, said in a recovery event."""
+    model, batches = regression(100)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sink = Metrics()
+    cfg = sk.StabilityConfig(log_every_n_steps=5, spikes=sk.SpikeConfig(warmup_steps=10), recovery=sk.RecoveryConfig())
+    guard = sk.StabilityGuard(model, opt, cfg, sinks=[sink])
+    events: list[sk.Event] = []
+    guard.hooks.on("rollback", events.append)
+    guard.hooks.on("recovery", events.append)
+    for step, (x, y) in enumerate(batches):
+        guard.backward(nn.functional.mse_loss(model(x), y) * (5.0 if step >= 30 else 1.0))
+        guard.step()
+        guard.zero_grad()
+    guard.close()
+    assert [(e.details["action"], e.details["cause"]) for e in events] == [
+        ("lr_backoff", "undetermined"),
+        ("lr_backoff", "lr"),
+    ], [e.message for e in events]
+    first, second = events[0].details, events[1].details
+    assert second["trigger"] == "unrecovered" and second["loss_ratio"] >= 1.5 and second["lr_factor"] == 0.5
+    assert second["trigger_step"] >= first["lr_until"] - 1 and second["lr_until"] > 500
+    assert "did not pass" in events[1].message
+    after = [m["stability/lr/0"] for s, m in sink.rows.items() if s > first["lr_until"] and "stability/lr/0" in m]
+    assert after and all(lr == pytest.approx(0.005) for lr in after)

@@ -227,6 +227,7 @@ class Recovery:
         if self.agreement is None:
             if trigger is not None:
                 return self.rollback.roll_back(*trigger, decision.divergence)
+            self.rollback.review(self.engine.step - 1)  # a lowered LR that ends with the trouble still there
         else:
             if trigger is not None:
                 self.agreement.queue(trigger[0], trigger[2])

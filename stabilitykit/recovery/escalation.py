@@ -38,6 +38,8 @@ Cause = Literal["undetermined", "data", "lr"]
 BAD_DATA_RATIO = 1.5
 #: Taken steps before the restored step whose losses make the reference loss when the restored step's is unknown.
 REFERENCE_STEPS = 20
+#: Taken steps at the end of an LR change whose median loss says whether the trouble passed (``unrecovered``).
+END_STEPS = 5
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class Escalation:
         self.changes: list[LrChange] = []
         self.last_action: int | None = None  # the step of the last rollback or LR change
         self.last_onset: int | None = None  # where the trouble last acted on began
+        self._reviewed: LrChange | None = None  # the last change whose end was reviewed (``unrecovered``)
         #: ``(first, end)`` of the batches the last rollback skips ahead, the reference loss, their losses.
         self._skipped: tuple[int, int] | None = None
         self._reference: float | None = None
@@ -165,6 +168,29 @@ class Escalation:
     def lowered(self, step: int) -> bool:
         """A change made by recovery lowers the learning rate at ``step`` (recovery has acted and it holds)."""
         return self.factor(step) < 1.0
+
+    def unrecovered(self, step: int) -> float | None:
+        """At the end of the last LR change (once the losses of its last steps are read, at ``step``): how many
+        times the best loss the run held (the lowest of the taken steps kept) the loss still is (the median of
+        the ``END_STEPS`` taken steps up to the change's last step), when that is ``BAD_DATA_RATIO`` or more:
+        the trouble did not pass while the LR was lowered. The best loss, not the level just before the onset:
+        a run that blows up from its first steps has no healthy level before the trouble. None otherwise, for
+        a change whose cause was the data (a lower LR cannot fix it), and under torch.distributed (each rank
+        reads its own loss: ranks would lower their LRs apart). Each change is reviewed once, within
+        ``REFERENCE_STEPS`` of its end."""
+        change = self.changes[-1] if self.changes else None
+        if not self.judge_data or change is None or change is self._reviewed:
+            return None
+        end = change.until - 1
+        if not end <= step < end + REFERENCE_STEPS or change.cause == "data":
+            return None
+        last = [loss for s, loss in self._losses if end - END_STEPS < s <= end]
+        best = min((loss for s, loss in self._losses if s <= end), default=None)
+        if not last or best is None or best <= 0:
+            return None
+        self._reviewed = change
+        ratio = statistics.median(last) / best
+        return ratio if ratio >= BAD_DATA_RATIO else None
 
     def recovered(self, step: int) -> bool:
         """The loss of taken step ``step`` is back near its level from before the trouble last acted on: under
