@@ -11,7 +11,8 @@ folded what the host read) and runs the optimizer step inside ``scaled_lr()``. I
    where the run is, or stops rolling back (``rollback.py``); the driver's own state is put back
    through ``restore_guard`` (the core rewinds its engine: ``StabilityEngine.rewind``); the learning
    rate after it, and whether trouble was the LR's or the data's, is ``escalation.py``'s;
-4. otherwise a snapshot is taken if one is due (``restore_points.py``).
+4. otherwise a lowered LR that ends with the trouble still there goes one level further
+   (``Rollback.review``, one process only), and a snapshot is taken if one is due (``restore_points.py``).
 
 With several ranks a trigger is not acted on where it is found: it is queued, agreed in the next
 step's all-reduce and acted on at the next logging step, by every rank at once (``agreement.py``).

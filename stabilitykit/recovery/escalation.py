@@ -171,8 +171,9 @@ class Escalation:
 
     def unrecovered(self, step: int) -> float | None:
         """At the end of the last LR change (once the losses of its last steps are read, at ``step``): how many
-        times the best loss the run held (the lowest of the taken steps kept) the loss still is (the median of
-        the ``END_STEPS`` taken steps up to the change's last step), when that is ``BAD_DATA_RATIO`` or more:
+        times the best loss the run held (the lowest median of ``END_STEPS`` taken steps in a row, of those
+        kept: one lucky batch is no level) the loss still is (the median of the ``END_STEPS`` taken steps up to
+        the change's last step), when that is ``BAD_DATA_RATIO`` or more:
         the trouble did not pass while the LR was lowered. The best loss, not the level just before the onset:
         a run that blows up from its first steps has no healthy level before the trouble. None otherwise, for
         a change whose cause was the data (a lower LR cannot fix it), and under torch.distributed (each rank
@@ -185,7 +186,8 @@ class Escalation:
         if not end <= step < end + REFERENCE_STEPS or change.cause == "data":
             return None
         last = [loss for s, loss in self._losses if end - END_STEPS < s <= end]
-        best = min((loss for s, loss in self._losses if s <= end), default=None)
+        held = [loss for s, loss in self._losses if s <= end]
+        best = min((statistics.median(held[i : i + END_STEPS]) for i in range(len(held) - END_STEPS + 1)), default=None)
         if not last or best is None or best <= 0:
             return None
         self._reviewed = change

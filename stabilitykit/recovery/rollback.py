@@ -11,6 +11,7 @@ With no restore point inside the bound, an alert lowers the LR where the run is 
 event) and a divergence raises as without recovery. Past ``max_rollbacks`` within ``window`` steps,
 when lowering the LR cannot help (the data) or did not (its lowest level holds), an alert stops the
 rollbacks (skip and clip go on) and a divergence raises ``RollbackLimitError``, saying what was tried.
+A lowered LR that ends with the trouble still there goes one backoff level further (``review``).
 """
 
 from __future__ import annotations
