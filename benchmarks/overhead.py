@@ -18,8 +18,9 @@ hits every arm alike. Two tables:
    ``--update-ratio-only`` runs just this table.
 4. The guard's host time per ordinary step: ``guard.backward`` + ``guard.step`` against
    ``loss.backward()`` + ``optimizer.step()`` on a model so small that the step's own work is
-   almost nothing, logging every 1000 steps (no logging step is timed), in microseconds.
-   ``--host-only`` runs just this one.
+   almost nothing, logging every 1000 steps (logging steps are not counted), in microseconds.
+   ``--host-only`` runs just this one, in the stepping thread's CPU time (median and IQR of paired
+   differences); ``--ab PATH`` compares the package tree at PATH with this one in alternating processes.
 5. Rerun and replica checks: whole guarded steps with ``RerunConfig`` off, on (no step flagged:
    what every step pays) and on with every step re-run (a NaN in the logits on every pass: what a
    rerun step costs); and one replica check (fingerprints of every parameter and AdamW state
@@ -37,6 +38,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -243,8 +245,39 @@ def update_ratio_cost(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return out
 
 
-def guard_host_us(rounds: int = 2000) -> float:
-    """Table 4: the guard's own host time per ordinary step (microseconds, median difference)."""
+@dataclass
+class HostTime:
+    """Table 4's reading: the guard's host time per ordinary step, microseconds of this thread's CPU time."""
+
+    median: float
+    q1: float
+    q3: float
+    bare: float  # the bare step's own median, for scale
+    ratio: float  # median of each round's guarded step over its bare step (a machine slowed down alike cancels)
+    samples: list[float]  # each round's difference (guard - bare)
+    bares: list[float]  # each round's bare step
+
+    def line(self) -> str:
+        return (
+            f"{self.median:.0f} us (IQR {self.q1:.0f}-{self.q3:.0f}, {len(self.samples)} paired steps; "
+            f"bare step {self.bare:.0f} us, guarded/bare {self.ratio:.2f}x), CPU time of the stepping thread"
+        )
+
+
+def _host_time(diffs: list[float], bares: list[float]) -> HostTime:
+    q1, median, q3 = statistics.quantiles(diffs, n=4)
+    ratio = statistics.median((d + b) / b for d, b in zip(diffs, bares, strict=True))
+    return HostTime(median, q1, q3, statistics.median(bares), ratio, diffs, bares)
+
+
+def guard_host_us(rounds: int = 3000, warmup: int = 20) -> HostTime:
+    """Table 4: the guard's own host time per ordinary step (microseconds).
+
+    Each round runs one bare step and one guarded step (which goes first alternates) and keeps their
+    difference; timed in the thread's CPU time (``time.thread_time_ns``), so time spent preempted on a
+    shared machine is not counted (the tensors are so small that torch runs every op on this thread).
+    Logging steps (every 1000th) are left out: an ordinary step is what is measured.
+    """
     torch.manual_seed(0)
     x, y = torch.randn(4, 8), torch.randn(4, 8)
 
@@ -260,7 +293,8 @@ def guard_host_us(rounds: int = 2000) -> float:
         opt.zero_grad()
 
     guarded_model, guarded_opt = make()
-    cfg = sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0), log_every_n_steps=1000)
+    every = 1000
+    cfg = sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0), log_every_n_steps=every)
     guard = sk.StabilityGuard(guarded_model, guarded_opt, cfg)
 
     def guarded() -> None:
@@ -268,8 +302,52 @@ def guard_host_us(rounds: int = 2000) -> float:
         guard.step()
         guard.zero_grad()
 
-    times = _interleave({"bare": bare, "guard": guarded}, min(rounds, 999 - 3))
-    return (times["guard"] - times["bare"]) * 1e3
+    clock = time.thread_time_ns
+    diffs: list[float] = []
+    bares: list[float] = []
+    for r in range(rounds + warmup):
+        spent = {}
+        for name, fn in (("bare", bare), ("guard", guarded)) if r % 2 else (("guard", guarded), ("bare", bare)):
+            start = clock()
+            fn()
+            spent[name] = clock() - start
+        if r >= warmup and r % every != 0:  # r: the guarded step's number; every 1000th is a logging step
+            diffs.append((spent["guard"] - spent["bare"]) / 1e3)
+            bares.append(spent["bare"] / 1e3)
+    guard.close()
+    return _host_time(diffs, bares)
+
+
+def host_ab(other: str, runs: int, rounds: int) -> None:
+    """Table 4 for two package trees: ``other`` and this one, in alternating child processes (A, B, A, B...),
+    each child one ``--host-only`` reading; prints every run's median and both pooled."""
+    import json
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(sk.__file__)))
+    trees = {"A": os.path.abspath(other), "B": here}
+    pooled: dict[str, list[float]] = {"A": [], "B": []}
+    bares: dict[str, list[float]] = {"A": [], "B": []}
+    medians: dict[str, list[float]] = {"A": [], "B": []}
+    for run in range(runs):
+        for label in "AB" if run % 2 == 0 else "BA":
+            env = dict(os.environ, PYTHONPATH=trees[label], OMP_NUM_THREADS="1")
+            cmd = [sys.executable, os.path.abspath(__file__), "--host-only", "--json", "--threads", "1"]
+            cmd += ["--host-rounds", str(rounds)]
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+            reading = json.loads(out.strip().splitlines()[-1])
+            pooled[label] += reading["samples"]
+            bares[label] += reading["bares"]
+            medians[label].append(reading["median"])
+            print(f"run {run} {label}: {reading['median']:.0f} us (IQR {reading['q1']:.0f}-{reading['q3']:.0f})")
+    print("\n4. the guard's host time per ordinary step, A/B (alternating processes)")
+    for label in "AB":
+        t = _host_time(pooled[label], bares[label])
+        runs_text = ", ".join(f"{m:.0f}" for m in medians[label])
+        print(f"{label} {trees[label]}: {t.line()}; run medians {runs_text}")
+    a, b = statistics.median(pooled["A"]), statistics.median(pooled["B"])
+    print(f"B vs A: {b - a:+.0f} us per ordinary step ({100 * (b / a - 1):+.1f}%)")
 
 
 def update_monitor_cost(args: argparse.Namespace, rounds: int = 200) -> float:
@@ -415,7 +493,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--update-ratio-only", action="store_true", help="only table 3 (the update ratio's cost)")
+    parser.add_argument(
+        "--ratios-only", action="store_true", help="only tables 1 and 2 and their ratios (grad pass, per-tensor, step)"
+    )
     parser.add_argument("--host-only", action="store_true", help="only table 4 (the guard's host time per step)")
+    parser.add_argument("--host-rounds", type=int, default=3000, help="table 4: paired steps measured")
+    parser.add_argument("--json", action="store_true", help="--host-only: print the reading as one JSON line")
+    parser.add_argument(
+        "--ab", metavar="PATH", help="table 4 for the package tree at PATH (A) and this one (B), alternating processes"
+    )
+    parser.add_argument("--ab-runs", type=int, default=6, help="--ab: processes per tree")
     parser.add_argument("--rerun-only", action="store_true", help="only table 5 (rerun and replica checks)")
     parser.add_argument(
         "--cpu-time", action="store_true", help="table 5 in this process's CPU time (a shared machine; use --threads 1)"
@@ -426,8 +513,17 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in tiny_gpt(n_layer=args.layers, n_embd=args.width, vocab_size=256).parameters())
     size = f"GPT {args.layers}x{args.width} ({n_params / 1e6:.1f}M params)"
     print(f"torch {torch.__version__}, {args.threads} threads, {size}")
+    if args.ab is not None:
+        host_ab(args.ab, args.ab_runs, args.host_rounds)
+        return
     if args.host_only:
-        print(f"4. the guard's host time per ordinary step: {guard_host_us():.0f} us")
+        host = guard_host_us(args.host_rounds)
+        if args.json:
+            import json
+
+            print(json.dumps(asdict(host)))
+        else:
+            print(f"4. the guard's host time per ordinary step: {host.line()}")
         return
     if args.rerun_only:
         _rerun_table(rerun_cost(args))
@@ -446,9 +542,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"stabilitykit per-tensor (AdaGC) vs clip_grad_norm_ alone (grad processing): {per_tensor:.3f}x")
     print(f"end-to-end step overhead vs a clip_grad_norm_ loop: {overhead:+.1f}%")
     print(f"wandb.watch(log='gradients', log_freq=1) step vs bare: {t['wandb.watch gradients'] / t['bare']:.2f}x")
+    if args.ratios_only:
+        return
     _update_table(update_ratio_cost(args))
     print(f"update ratio's own work on a measured step (copy + norms + ratios): {update_monitor_cost(args):.3f} ms")
-    print(f"\n4. the guard's host time per ordinary step: {guard_host_us():.0f} us")
+    print(f"\n4. the guard's host time per ordinary step: {guard_host_us(args.host_rounds).line()}")
     _rerun_table(rerun_cost(args))
 
 
