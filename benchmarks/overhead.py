@@ -20,7 +20,7 @@ hits every arm alike. Two tables:
    ``loss.backward()`` + ``optimizer.step()`` on a model so small that the step's own work is
    almost nothing, logging every 1000 steps (logging steps are not counted), in microseconds.
    ``--host-only`` runs just this one, in the stepping thread's CPU time (median and IQR of paired
-   differences); ``--ab PATH`` compares the package tree at PATH with this one in alternating processes.
+   differences); ``--ab PATH`` times the package tree at PATH beside the imported one, step by step.
 5. Rerun and replica checks: whole guarded steps with ``RerunConfig`` off, on (no step flagged:
    what every step pays) and on with every step re-run (a NaN in the logits on every pass: what a
    rerun step costs); and one replica check (fingerprints of every parameter and AdamW state
@@ -33,12 +33,16 @@ This is a script, not a test: timings depend on the machine; the ratios are what
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -270,18 +274,52 @@ def _host_time(diffs: list[float], bares: list[float]) -> HostTime:
     return HostTime(median, q1, q3, statistics.median(bares), ratio, diffs, bares)
 
 
-def guard_host_us(rounds: int = 3000, warmup: int = 20) -> HostTime:
-    """Table 4: the guard's own host time per ordinary step (microseconds).
+def _package_modules() -> dict[str, ModuleType]:
+    """The ``stabilitykit`` modules imported now."""
+    return {k: m for k, m in sys.modules.items() if k == "stabilitykit" or k.startswith("stabilitykit.")}
 
-    Each round runs one bare step and one guarded step (which goes first alternates) and keeps their
-    difference; timed in the thread's CPU time (``time.thread_time_ns``), so time spent preempted on a
-    shared machine is not counted (the tensors are so small that torch runs every op on this thread).
-    Logging steps (every 1000th) are left out: an ordinary step is what is measured.
+
+def _use(modules: dict[str, ModuleType]) -> None:
+    """Make ``modules`` the ``stabilitykit`` every import finds (a lazy import inside a step too)."""
+    for name in _package_modules():
+        del sys.modules[name]
+    sys.modules.update(modules)
+
+
+def load_tree(path: str) -> dict[str, ModuleType]:
+    """``stabilitykit`` imported from the tree at ``path`` beside the one imported already: its modules,
+    set aside (``_use`` switches to them); the imported one stays current."""
+    current = _package_modules()
+    _use({})
+    sys.path.insert(0, os.path.abspath(path))
+    try:
+        importlib.import_module("stabilitykit")
+        loaded = _package_modules()
+    finally:
+        sys.path.remove(os.path.abspath(path))
+        _use(current)
+    return loaded
+
+
+def guard_host_us(
+    rounds: int = 3000, trees: dict[str, dict[str, ModuleType]] | None = None, warmup: int = 20
+) -> dict[str, HostTime]:
+    """Table 4: the guard's own host time per ordinary step (microseconds), per package tree.
+
+    Each round runs one bare step and one guarded step per tree (``trees``: label -> its modules, from
+    ``load_tree``; default: the imported package as "guard"), in an order that rotates, and keeps each
+    guarded step's difference from the round's bare step; timed in the thread's CPU time
+    (``time.thread_time_ns``), so time spent preempted on a shared machine is not counted (the tensors
+    are so small that torch runs every op on this thread). Logging steps (every 1000th) are left out:
+    an ordinary step is what is measured.
     """
+    trees = trees or {"guard": _package_modules()}
+    current = _package_modules()
     torch.manual_seed(0)
     x, y = torch.randn(4, 8), torch.randn(4, 8)
 
     def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(1)  # every arm the same model
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
@@ -292,62 +330,65 @@ def guard_host_us(rounds: int = 3000, warmup: int = 20) -> HostTime:
         opt.step()
         opt.zero_grad()
 
-    guarded_model, guarded_opt = make()
     every = 1000
-    cfg = sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0), log_every_n_steps=every)
-    guard = sk.StabilityGuard(guarded_model, guarded_opt, cfg)
+    arms: dict[str, Callable[[], None]] = {"bare": bare}
+    guards = []
+    for label, modules in trees.items():
+        _use(modules)
+        pkg = modules["stabilitykit"]
+        guarded_model, guarded_opt = make()
+        cfg = pkg.StabilityConfig(clip=pkg.ClipConfig(mode="fixed", max_norm=1.0), log_every_n_steps=every)
+        guard = pkg.StabilityGuard(guarded_model, guarded_opt, cfg)
+        guards.append((modules, guard))
 
-    def guarded() -> None:
-        guard.backward(torch.nn.functional.mse_loss(guarded_model(x), y))
-        guard.step()
-        guard.zero_grad()
+        def guarded(guard: Any = guard, guarded_model: torch.nn.Module = guarded_model) -> None:
+            guard.backward(torch.nn.functional.mse_loss(guarded_model(x), y))
+            guard.step()
+            guard.zero_grad()
 
+        arms[label] = guarded
+    _use(current)
+    names = list(arms)
     clock = time.thread_time_ns
-    diffs: list[float] = []
-    bares: list[float] = []
+    spent: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds + warmup):
-        spent = {}
-        for name, fn in (("bare", bare), ("guard", guarded)) if r % 2 else (("guard", guarded), ("bare", bare)):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        took: dict[str, int] = {}
+        for name in order:
+            if name != "bare":
+                _use(trees[name])
             start = clock()
-            fn()
-            spent[name] = clock() - start
-        if r >= warmup and r % every != 0:  # r: the guarded step's number; every 1000th is a logging step
-            diffs.append((spent["guard"] - spent["bare"]) / 1e3)
-            bares.append(spent["bare"] / 1e3)
-    guard.close()
-    return _host_time(diffs, bares)
+            arms[name]()
+            took[name] = clock() - start
+        if r >= warmup and r % every != 0:  # r: the guarded steps' number; every 1000th is a logging step
+            for name in names:
+                spent[name].append(took[name] / 1e3)
+    for modules, guard in guards:
+        _use(modules)
+        guard.close()
+    _use(current)
+    bares = spent.pop("bare")
+    return {
+        name: _host_time([t - b for t, b in zip(times, bares, strict=True)], bares) for name, times in spent.items()
+    }
 
 
-def host_ab(other: str, runs: int, rounds: int) -> None:
-    """Table 4 for two package trees: ``other`` and this one, in alternating child processes (A, B, A, B...),
-    each child one ``--host-only`` reading; prints every run's median and both pooled."""
-    import json
-    import subprocess
-    import sys
-
+def host_ab(other: str, rounds: int) -> None:
+    """Table 4 for two package trees in one process: A (the tree at ``other``) and B (the one imported),
+    interleaved step by step with the same bare step; both readings, and B - A paired by round."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(sk.__file__)))
-    trees = {"A": os.path.abspath(other), "B": here}
-    pooled: dict[str, list[float]] = {"A": [], "B": []}
-    bares: dict[str, list[float]] = {"A": [], "B": []}
-    medians: dict[str, list[float]] = {"A": [], "B": []}
-    for run in range(runs):
-        for label in "AB" if run % 2 == 0 else "BA":
-            env = dict(os.environ, PYTHONPATH=trees[label], OMP_NUM_THREADS="1")
-            cmd = [sys.executable, os.path.abspath(__file__), "--host-only", "--json", "--threads", "1"]
-            cmd += ["--host-rounds", str(rounds)]
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-            reading = json.loads(out.strip().splitlines()[-1])
-            pooled[label] += reading["samples"]
-            bares[label] += reading["bares"]
-            medians[label].append(reading["median"])
-            print(f"run {run} {label}: {reading['median']:.0f} us (IQR {reading['q1']:.0f}-{reading['q3']:.0f})")
-    print("\n4. the guard's host time per ordinary step, A/B (alternating processes)")
-    for label in "AB":
-        t = _host_time(pooled[label], bares[label])
-        runs_text = ", ".join(f"{m:.0f}" for m in medians[label])
-        print(f"{label} {trees[label]}: {t.line()}; run medians {runs_text}")
-    a, b = statistics.median(pooled["A"]), statistics.median(pooled["B"])
-    print(f"B vs A: {b - a:+.0f} us per ordinary step ({100 * (b / a - 1):+.1f}%)")
+    trees = {"A": load_tree(other), "B": _package_modules()}
+    result = guard_host_us(rounds, trees)
+    print("\n4. the guard's host time per ordinary step, A/B interleaved in one process")
+    for label, path in (("A", os.path.abspath(other)), ("B", here)):
+        print(f"{label} {path}: {result[label].line()}")
+    a, b = result["A"], result["B"]
+    gap = [sb - sa for sa, sb in zip(a.samples, b.samples, strict=True)]
+    q1, median, q3 = statistics.quantiles(gap, n=4)
+    share = 100 * median / a.median
+    print(
+        f"B - A: {median:+.0f} us per ordinary step (IQR {q1:+.0f} to {q3:+.0f}, paired by round), {share:+.1f}% of A"
+    )
 
 
 def update_monitor_cost(args: argparse.Namespace, rounds: int = 200) -> float:
@@ -498,11 +539,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--host-only", action="store_true", help="only table 4 (the guard's host time per step)")
     parser.add_argument("--host-rounds", type=int, default=3000, help="table 4: paired steps measured")
-    parser.add_argument("--json", action="store_true", help="--host-only: print the reading as one JSON line")
     parser.add_argument(
-        "--ab", metavar="PATH", help="table 4 for the package tree at PATH (A) and this one (B), alternating processes"
+        "--ab",
+        metavar="PATH",
+        help="table 4 for the package tree at PATH (A) and the imported one (B), interleaved in one process",
     )
-    parser.add_argument("--ab-runs", type=int, default=6, help="--ab: processes per tree")
     parser.add_argument("--rerun-only", action="store_true", help="only table 5 (rerun and replica checks)")
     parser.add_argument(
         "--cpu-time", action="store_true", help="table 5 in this process's CPU time (a shared machine; use --threads 1)"
@@ -514,16 +555,10 @@ def main(argv: list[str] | None = None) -> None:
     size = f"GPT {args.layers}x{args.width} ({n_params / 1e6:.1f}M params)"
     print(f"torch {torch.__version__}, {args.threads} threads, {size}")
     if args.ab is not None:
-        host_ab(args.ab, args.ab_runs, args.host_rounds)
+        host_ab(args.ab, args.host_rounds)
         return
     if args.host_only:
-        host = guard_host_us(args.host_rounds)
-        if args.json:
-            import json
-
-            print(json.dumps(asdict(host)))
-        else:
-            print(f"4. the guard's host time per ordinary step: {host.line()}")
+        print(f"4. the guard's host time per ordinary step: {guard_host_us(args.host_rounds)['guard'].line()}")
         return
     if args.rerun_only:
         _rerun_table(rerun_cost(args))
@@ -546,7 +581,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     _update_table(update_ratio_cost(args))
     print(f"update ratio's own work on a measured step (copy + norms + ratios): {update_monitor_cost(args):.3f} ms")
-    print(f"\n4. the guard's host time per ordinary step: {guard_host_us(args.host_rounds).line()}")
+    print(f"\n4. the guard's host time per ordinary step: {guard_host_us(args.host_rounds)['guard'].line()}")
     _rerun_table(rerun_cost(args))
 
 

@@ -446,14 +446,17 @@ class GradNormPlan:
         return result
 
 
-def clip_coefficient(total: Tensor, max_norm: float | Tensor, finite: Tensor | None = None) -> Tensor:
+def clip_coefficient(
+    total: Tensor, max_norm: float | Tensor, finite: Tensor | None = None, one: Tensor | None = None
+) -> Tensor:
     """``min(1, max_norm / (total + 1e-6))``, and 1 where ``total`` is not finite (``finite`` if known).
 
     Computed as torch's ``clip_grad_norm_`` computes it (``max_norm / tensor`` is the reciprocal times
-    ``max_norm``), so the coefficient, and the clipped grads, are bitwise torch's.
+    ``max_norm``), so the coefficient, and the clipped grads, are bitwise torch's. ``one``: a 0-d 1.0
+    of ``total``'s dtype and device to select (saves making one from the Python number every call).
     """
     coef = torch.clamp((total + CLIP_EPS).reciprocal() * max_norm, max=1.0)
-    return torch.where(torch.isfinite(total) if finite is None else finite, coef, 1.0)
+    return torch.where(torch.isfinite(total) if finite is None else finite, coef, 1.0 if one is None else one)
 
 
 def apply_clip_coefficient(grouped_grads: Sequence[Sequence[Tensor]], coef: Tensor) -> None:

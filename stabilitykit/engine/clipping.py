@@ -81,6 +81,9 @@ class ClipConfig(Section):
 class ClipStrategy(Protocol):
     """Decides the clipping threshold of each step."""
 
+    #: ``threshold`` always says active (a fixed max norm): the engine skips selecting on the flag.
+    always_active: bool
+
     def threshold(self, total: Tensor, finite: Tensor) -> tuple[Tensor, Tensor]:
         """``(threshold, active)``: 0-d device tensors; grads are clipped to ``threshold`` when ``active``."""
         ...
@@ -96,6 +99,8 @@ class ClipStrategy(Protocol):
 
 class FixedClip:
     """Clip to ``max_norm`` on every step."""
+
+    always_active = True
 
     def __init__(self, max_norm: float, device: torch.device) -> None:
         self._threshold = torch.full((), max_norm, dtype=torch.float32, device=device)
@@ -118,6 +123,8 @@ class AdaptiveClip:
 
     The statistics take the clipped value, so a spike cannot poison them; NaN/Inf never enter.
     """
+
+    always_active = False
 
     def __init__(self, config: ClipConfig, device: torch.device) -> None:
         self.config = config

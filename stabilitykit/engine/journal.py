@@ -98,6 +98,7 @@ class Journal:
         self.buffer = torch.zeros(capacity, self.width, dtype=torch.float32, device=device)
         self.infos: list[RowInfo] = []
         self.carried: list[Row] = []  # rows of a saved journal of another shape, decoded on load
+        self._views: list[tuple[Tensor, Tensor] | None] = [None] * capacity  # see ``_row_views``
 
     def __len__(self) -> int:
         return len(self.infos) + len(self.carried)
@@ -116,6 +117,7 @@ class Journal:
         self.metric_names = list(metric_names)
         self.width = len(COLUMNS) + len(self.metric_names) + self.n_layers
         self.buffer = torch.zeros(self.capacity, self.width, dtype=torch.float32, device=self.device)
+        self._views = [None] * self.capacity
         self.infos, self.carried = [], carried
 
     def _held_rows(self) -> list[Row]:
@@ -124,13 +126,29 @@ class Journal:
         flat = self.buffer[: len(self.infos)].tolist()
         return [_decode(values, info, self.metric_names) for values, info in zip(flat, self.infos, strict=True)]
 
+    def _row_views(self, index: int) -> tuple[Tensor, Tensor]:
+        """Row ``index``'s scalar and metric columns, and its layer columns: views of the buffer, made once
+        per row (slicing costs a few dispatches, every step)."""
+        views = self._views[index]
+        if views is None:
+            row = self.buffer[index]
+            split = len(COLUMNS) + len(self.metric_names)
+            views = self._views[index] = (row[:split], row[split:])
+        return views
+
     def write(self, info: RowInfo, scalars: list[Tensor], metrics: list[Tensor], layer_norms: Tensor | None) -> None:
         """Append one row from 0-d device tensors: one per column of ``COLUMNS``, one per recorded
         metric (no sync)."""
-        row = self.buffer[len(self.infos)]
-        torch.stack([t.to(row) for t in (*scalars, *metrics)], out=row[: len(COLUMNS) + len(metrics)])
+        head, layers = self._row_views(len(self.infos))
+        values = (*scalars, *metrics)
+        if len(values) != head.numel():  # fewer metrics than the columns (not how the engine writes)
+            head = head[: len(values)]
+        try:  # one stack into the row, which casts each value to the journal's float32
+            torch.stack(values, out=head)
+        except RuntimeError:  # a value on another device than the journal
+            torch.stack([t.to(head) for t in values], out=head)
         if layer_norms is not None:
-            row[len(COLUMNS) + len(self.metric_names) :].copy_(layer_norms)
+            layers.copy_(layer_norms)
         self.infos.append(info)
 
     def drop_last(self, step: int) -> None:

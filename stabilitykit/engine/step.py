@@ -448,7 +448,10 @@ class StabilityEngine:
         if self.clip is None:
             return self._one, self.inputs.nan
         threshold, active = self.clip.threshold(total, grads_finite)
-        coef = torch.where(active, clip_coefficient(total, threshold, grads_finite), 1.0)
+        one = self._one if total.dtype == self._one.dtype and total.device == self._one.device else None
+        coef = clip_coefficient(total, threshold, grads_finite, one)
+        if not self.clip.always_active:
+            coef = torch.where(active, coef, 1.0 if one is None else one)
         apply_clip_coefficient(grouped, coef)
         return coef, threshold
 

@@ -59,6 +59,7 @@ class RuleSet:
         self._here_bits: Tensor | None = None
         self._agreed_bits: Tensor | None = None
         self._both_bits: Tensor | None = None
+        self._no_bits: Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.rules)
@@ -76,7 +77,11 @@ class RuleSet:
 
     def code(self, here: Tensor, agreed: Tensor) -> Tensor:
         """The decision code from this rank's flags and the agreed ones (1-d bool tensors, one per rule),
-        as a 0-d int32 device tensor (no host sync)."""
+        as a 0-d int32 device tensor (no host sync).
+
+        Each raised flag adds its bit (``2 << i``, all above bit 0), so the bits sum to more than 0
+        exactly when some rule fired, and bit 0 (``SKIP``) is that comparison: four small ops per step.
+        """
         n = len(self.rules)
         if n == 0:
             return torch.zeros((), dtype=torch.int32, device=here.device)
@@ -84,11 +89,12 @@ class RuleSet:
             self._here_bits = torch.tensor([2 << i for i in range(n)], dtype=torch.int32, device=here.device)
             self._agreed_bits = torch.tensor([2 << (n + i) for i in range(n)], dtype=torch.int32, device=here.device)
             self._both_bits = self._here_bits + self._agreed_bits
-        assert self._agreed_bits is not None and self._both_bits is not None
+            self._no_bits = torch.zeros_like(self._here_bits)
+        assert self._agreed_bits is not None and self._both_bits is not None and self._no_bits is not None
+        if agreed is here:  # one process: this rank's flags are the agreed ones
+            bits = torch.where(here, self._both_bits, self._no_bits).sum(dtype=torch.int32)
+            return bits + (bits > 0)  # SKIP where any rule fired (int32 + bool stays int32)
         skip = agreed.any()
-        if agreed is here:  # one process: this rank's flags are the agreed ones (half the ops)
-            bits = (here.int() * self._both_bits).sum() + SKIP
-            return torch.where(skip, bits, torch.zeros_like(bits)).to(torch.int32)
         bits = (here.int() * self._here_bits).sum() + (agreed.int() * self._agreed_bits).sum() + SKIP
         return torch.where(skip, bits, torch.zeros_like(bits)).to(torch.int32)
 
