@@ -17,7 +17,7 @@ from stabilitykit.buffers import BufferGuard, running_stat_buffers
 from stabilitykit.compat.grad_scaler import ScalerAdapter
 from stabilitykit.config import StabilityConfig
 from stabilitykit.drivers.optimizers import guarded_params, unwrap_optimizer
-from stabilitykit.engine.step import StabilityEngine, is_fused
+from stabilitykit.engine.step import StabilityEngine, is_fused, reads_coming_step
 from stabilitykit.hooks import HookManager
 from stabilitykit.recovery.controller import Recovery
 from stabilitykit.replicas import ReplicaCheck
@@ -86,7 +86,7 @@ def build_engine(
                 "stabilitykit: RerunConfig cannot be used with a GradScaler yet (a recomputed step would unscale "
                 "the grads a second time); use bf16 autocast, or leave rerun off"
             )
-        engine.rerun = Rerun(config.rerun, model, engine.device, hooks)
+        engine.rerun = Rerun(config.rerun, model, engine.device, hooks, reads=lambda: reads_coming_step(engine))
         closers.append(engine.rerun.close)
     if config.replicas is not None:
         names = engine.param_names

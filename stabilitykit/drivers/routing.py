@@ -74,10 +74,12 @@ class StepRoutes:
             if not self.released:
                 _unguarded_step(engine)
             return step_fn()
-        if engine.recovery is None and not engine.in_flight.logging:  # no LR to scale or to note for its metrics
-            return _gated(engine, step_fn)
-        with _step_lr(engine):
-            return _gated(engine, step_fn)
+        with _step_lr(engine):  # the gate: a skip the host knows is not run, a fused optimizer's goes to found_inf
+            gate = StepGate(engine.in_flight, engine.optimizer if engine.fused else None, engine.sources.qk_clip)
+            try:
+                return None if gate.skip_now else step_fn()
+            finally:
+                gate.close()
 
     def run_closure(self, engine: StabilityEngine, step_fn: Callable[[Callable[[], Any]], Any], closure: Any) -> Any:
         """Run ``step_fn(guarded_closure)``: the optimizer calls the closure itself, as it would without us.
@@ -112,17 +114,6 @@ class StepRoutes:
             self.in_closure.discard(id(engine))
             if gate is not None:
                 gate.close()
-
-
-def _gated(engine: StabilityEngine, step_fn: Callable[[], Any]) -> Any:
-    """The step in flight's gate around ``step_fn``: a skip the host knows is not run, a fused optimizer's
-    goes to ``found_inf``."""
-    assert engine.in_flight is not None
-    gate = StepGate(engine.in_flight, engine.optimizer if engine.fused else None, engine.sources.qk_clip)
-    try:
-        return None if gate.skip_now else step_fn()
-    finally:
-        gate.close()
 
 
 def _unguarded_step(engine: StabilityEngine) -> None:

@@ -592,6 +592,21 @@ class StabilityEngine:
         self.sources.begin_step(self.step, self.is_logging_step())
 
 
+def reads_coming_step(engine: StabilityEngine) -> bool:
+    """The host will read the decision of ``engine``'s step about to start in ``evaluate`` (the only place a
+    flagged step can be re-run): a logging step, a journal full after its row, or every step (a non-fused
+    optimizer that can skip; ``RerunConfig.read_every_step``). A step still in flight (Lightning starts the
+    next batch before it ends this step) counts as the one before it."""
+    coming = engine.step + (engine.in_flight is not None)
+    every = engine.rerun is not None and engine.rerun.config.read_every_step
+    journal = engine.journal
+    return (
+        engine.is_logging_step(coming)
+        or len(journal.infos) + 1 >= journal.capacity
+        or (engine.can_skip and (not engine.fused or every))
+    )
+
+
 def _redecide(journal: Journal, decode: Any, first: StepDecision, again: StepDecision) -> StepDecision:
     """The decision of a step measured again (``again``, its row just written) in place of ``first``, whose
     reads it keeps (earlier rows, a logging step's metrics): its own row read now (the rerun's one read)."""

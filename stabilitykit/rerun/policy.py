@@ -49,7 +49,17 @@ GPU_RTOL = 1e-4
 class Rerun:
     """One optimizer's rerun policy (see the module docstring)."""
 
-    def __init__(self, config: RerunConfig, model: nn.Module | None, device: torch.device, hooks: HookManager) -> None:
+    def __init__(
+        self,
+        config: RerunConfig,
+        model: nn.Module | None,
+        device: torch.device,
+        hooks: HookManager,
+        reads: Callable[[], bool] | None = None,
+    ) -> None:
+        """``reads``: whether the host reads the decision of the step about to start (the engine's
+        ``reads_coming_step``); only such a step can be re-run, so only its random state is taken (a capture
+        copies every generator's state: tens of microseconds). None: every step's."""
         self.config = config
         self.hooks = hooks
         self.rtol = config.rtol if config.rtol is not None else (0.0 if device.type == "cpu" else GPU_RTOL)
@@ -63,6 +73,8 @@ class Rerun:
         self._reasons: list[str] = []
         self._rng: dict[str, Any] = capture_rng(config.host_rng)
         self._captured = False
+        self.reads = reads
+        self._rng_taken = True  # the random state of this step was taken (a step the host does not read: not)
         self._hook = model.register_forward_pre_hook(self._on_forward) if model is not None else None
         #: This rank's own grads before DDP's all-reduce (``local.py``): names the rank of a local-gradient fault.
         self.local = LocalGrads(model)
@@ -73,8 +85,7 @@ class Rerun:
     def _on_forward(self, _module: nn.Module, _args: Any) -> None:
         """The step's first forward starts: the random state it starts with (a replay's forward is not first)."""
         if not self._captured:
-            self._rng = capture_rng(self.config.host_rng)
-            self._captured = True
+            self._take_rng()
 
     def watch_local_grads(self, model: nn.Module | None) -> None:
         """A driver whose framework wraps the model for DDP itself (Lightning's strategy, the HF Trainer's
@@ -86,8 +97,14 @@ class Rerun:
         """A driver that knows where the step starts (Lightning's ``on_train_batch_start``): the random
         state is taken now, before anything of the step draws from it (not at the model's first forward,
         which a framework's training step may never call)."""
-        self._rng = capture_rng(self.config.host_rng)
+        self._take_rng()
+
+    def _take_rng(self) -> None:
+        """The step starts: its random state, where the step can be re-run (``reads``)."""
         self._captured = True
+        self._rng_taken = self.reads is None or self.reads()
+        if self._rng_taken:
+            self._rng = capture_rng(self.config.host_rng)
 
     def arm(self, recompute: Callable[[], None] | None) -> None:
         """This step can be computed again by ``recompute`` (None: it cannot; it is never re-run)."""
@@ -133,8 +150,8 @@ class Rerun:
         accumulation) the driver's replay recomputes one batch, not the step: such a step is not re-run
         (one warning); the count comes from the configuration, so it is the same on every rank.
         """
-        if self._recompute is None or not code & SKIP:
-            return False
+        if self._recompute is None or not code & SKIP or not self._rng_taken:
+            return False  # (a step whose random state was not taken is one the host was not to read)
         raised = rules.raised_anywhere(code)
         self._reasons = raised
         if not any(r in self.config.on for r in raised) or any(r in NOT_RERUN for r in raised):
