@@ -20,7 +20,7 @@ hits every arm alike. Two tables:
    ``loss.backward()`` + ``optimizer.step()`` on a model so small that the step's own work is
    almost nothing, logging every 1000 steps (logging steps are not counted), in microseconds.
    ``--host-only`` runs just this one, in the stepping thread's CPU time (median and IQR of paired
-   differences); ``--ab PATH`` times the package tree at PATH beside the imported one, step by step.
+   differences); ``--ab PATH...`` times the package trees at PATH... beside the imported one, step by step.
 5. Rerun and replica checks: whole guarded steps with ``RerunConfig`` off, on (no step flagged:
    what every step pays) and on with every step re-run (a NaN in the logits on every pass: what a
    rerun step costs); and one replica check (fingerprints of every parameter and AdamW state
@@ -373,22 +373,29 @@ def guard_host_us(
     }
 
 
-def host_ab(other: str, rounds: int) -> None:
-    """Table 4 for two package trees in one process: A (the tree at ``other``) and B (the one imported),
-    interleaved step by step with the same bare step; both readings, and B - A paired by round."""
+def host_ab(others: list[str], rounds: int) -> None:
+    """Table 4 for several package trees in one process: each tree at ``others`` and the one imported (B),
+    interleaved step by step with the same bare step; every reading, and B minus each, paired by round."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(sk.__file__)))
-    trees = {"A": load_tree(other), "B": _package_modules()}
+    paths = {f"A{i + 1}" if len(others) > 1 else "A": os.path.abspath(p) for i, p in enumerate(others)}
+    trees = {label: load_tree(path) for label, path in paths.items()}
+    trees["B"] = _package_modules()
+    paths["B"] = here
     result = guard_host_us(rounds, trees)
-    print("\n4. the guard's host time per ordinary step, A/B interleaved in one process")
-    for label, path in (("A", os.path.abspath(other)), ("B", here)):
+    print("\n4. the guard's host time per ordinary step, trees interleaved in one process")
+    for label, path in paths.items():
         print(f"{label} {path}: {result[label].line()}")
-    a, b = result["A"], result["B"]
-    gap = [sb - sa for sa, sb in zip(a.samples, b.samples, strict=True)]
-    q1, median, q3 = statistics.quantiles(gap, n=4)
-    share = 100 * median / a.median
-    print(
-        f"B - A: {median:+.0f} us per ordinary step (IQR {q1:+.0f} to {q3:+.0f}, paired by round), {share:+.1f}% of A"
-    )
+    b = result["B"]
+    for label in paths:
+        if label == "B":
+            continue
+        a = result[label]
+        gap = [sb - sa for sa, sb in zip(a.samples, b.samples, strict=True)]
+        q1, median, q3 = statistics.quantiles(gap, n=4)
+        print(
+            f"B - {label}: {median:+.0f} us per ordinary step (IQR {q1:+.0f} to {q3:+.0f}, paired by round), "
+            f"{100 * median / a.median:+.1f}% of {label}'s"
+        )
 
 
 def update_monitor_cost(args: argparse.Namespace, rounds: int = 200) -> float:
@@ -542,7 +549,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--ab",
         metavar="PATH",
-        help="table 4 for the package tree at PATH (A) and the imported one (B), interleaved in one process",
+        nargs="+",
+        help="table 4 for the package trees at PATH... (A) and the imported one (B), interleaved in one process",
     )
     parser.add_argument("--rerun-only", action="store_true", help="only table 5 (rerun and replica checks)")
     parser.add_argument(

@@ -94,8 +94,8 @@ def is_fused(optimizer: Any | None) -> bool:
     return str(getattr(step, "__module__", "")).startswith("torch.optim")
 
 
-#: One measurement of a step: norms, grouped grads, loss, metrics, the agreed values, the decision code.
-_Measured = tuple[NormResult, list[list[Tensor]], Tensor | None, dict[str, Tensor], dict[str, Tensor], Tensor]
+#: One measurement of a step: norms, grouped grads, loss, metrics, the agreed values, the decision code, the skip.
+_Measured = tuple[NormResult, list[list[Tensor]], Tensor | None, dict[str, Tensor], dict[str, Tensor], Tensor, Tensor]
 
 
 @dataclass
@@ -355,8 +355,8 @@ class StabilityEngine:
                 observed,
             )
             agreed = record.agree(self.config.skip.sync_ranks)
-            code = self.rules.code(*self.inputs.rule_flags(record, agreed, self.rules))
-            return norms, grouped, loss, metrics, agreed, code
+            code, skip = self.rules.code(*self.inputs.rule_flags(record, agreed, self.rules))
+            return norms, grouped, loss, metrics, agreed, code, skip
 
         rerun = self.rerun if self.rerun is not None and self.rerun.armed and self.can_skip else None
         saved = _saved_statistics(self.rules, self.clip) if rerun is not None else None
@@ -397,8 +397,7 @@ class StabilityEngine:
         ``rewrite``: the step was measured again (a rerun): its row replaces the one written before, if the
         journal still holds it.
         """
-        norms, grouped, loss, metrics, agreed, code = measured
-        skip = code > 0
+        norms, grouped, loss, metrics, agreed, code, skip = measured
         total = agreed["grad_norm"]
         coef, threshold = self._clip(norms, grouped, total, agreed["grads_finite"], agreed["loss_finite"], skip)
         layer_norms = norms.layer_norms

@@ -75,16 +75,17 @@ class RuleSet:
         """The rule named ``name``, or None."""
         return next((r for r in self.rules if r.name == name), None)
 
-    def code(self, here: Tensor, agreed: Tensor) -> Tensor:
-        """The decision code from this rank's flags and the agreed ones (1-d bool tensors, one per rule),
-        as a 0-d int32 device tensor (no host sync).
+    def code(self, here: Tensor, agreed: Tensor) -> tuple[Tensor, Tensor]:
+        """The decision code from this rank's flags and the agreed ones (1-d bool tensors, one per rule), as a
+        0-d int32 device tensor, and whether the step is skipped (0-d bool): no host sync.
 
         Each raised flag adds its bit (``2 << i``, all above bit 0), so the bits sum to more than 0
         exactly when some rule fired, and bit 0 (``SKIP``) is that comparison: four small ops per step.
         """
         n = len(self.rules)
         if n == 0:
-            return torch.zeros((), dtype=torch.int32, device=here.device)
+            code = torch.zeros((), dtype=torch.int32, device=here.device)
+            return code, code > 0
         if self._here_bits is None or self._here_bits.device != here.device:
             self._here_bits = torch.tensor([2 << i for i in range(n)], dtype=torch.int32, device=here.device)
             self._agreed_bits = torch.tensor([2 << (n + i) for i in range(n)], dtype=torch.int32, device=here.device)
@@ -93,10 +94,11 @@ class RuleSet:
         assert self._agreed_bits is not None and self._both_bits is not None and self._no_bits is not None
         if agreed is here:  # one process: this rank's flags are the agreed ones
             bits = torch.where(here, self._both_bits, self._no_bits).sum(dtype=torch.int32)
-            return bits + (bits > 0)  # SKIP where any rule fired (int32 + bool stays int32)
+            skip = bits > 0
+            return bits + skip, skip  # SKIP where any rule fired (int32 + bool stays int32)
         skip = agreed.any()
         bits = (here.int() * self._here_bits).sum() + (agreed.int() * self._agreed_bits).sum() + SKIP
-        return torch.where(skip, bits, torch.zeros_like(bits)).to(torch.int32)
+        return torch.where(skip, bits, torch.zeros_like(bits)).to(torch.int32), skip
 
     def constant(self, name: str, here: bool = True) -> int:
         """The code of a step skipped by rule ``name`` alone, known on the host (no device value)."""
