@@ -193,7 +193,7 @@ def test_an_alert_before_any_restore_point_leaves_one_for_the_next_trouble() -> 
     the cause is undetermined (nothing was measured after the LR was lowered in place: no evidence against
     the data), so the next 50 batches are skipped as on any first trouble. Without that snapshot the
     divergence would raise (nothing inside the bound); blamed on the LR, nothing would be skipped."""
-    model, batches = regression(70)
+    model, batches = regression(58)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     cfg = sk.StabilityConfig(
         log_every_n_steps=5,
@@ -224,7 +224,7 @@ def test_trouble_still_there_when_the_lowered_lr_ends_lowers_it_further() -> Non
     ends the loss is still 5x its level from before, and the loss-level alert does not page twice for one
     excursion: the LR goes to the first backoff level (0.5x for 500 steps, cause "lr") instead of back to
     the schedule's, said in a recovery event."""
-    model, batches = regression(100)
+    model, batches = regression(86)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sink = Metrics()
     cfg = sk.StabilityConfig(log_every_n_steps=5, spikes=sk.SpikeConfig(warmup_steps=10), recovery=sk.RecoveryConfig())
