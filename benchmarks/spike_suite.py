@@ -216,6 +216,24 @@ class Truth:
     healthy: np.ndarray  # bool per step
 
 
+def long_runs(above: np.ndarray, min_length: int) -> list[tuple[int, int]]:
+    """(start, end) of each run of consecutive True values of ``above`` at least ``min_length`` long, end
+    exclusive: the divergences of both ground truths (``ground_truth`` here, ``warning/truth.py``)."""
+    runs: list[tuple[int, int]] = []
+    n, t = len(above), 0
+    while t < n:
+        if above[t]:
+            end = t
+            while end < n and above[end]:
+                end += 1
+            if end - t >= min_length:
+                runs.append((t, end))
+            t = end
+        else:
+            t += 1
+    return runs
+
+
 def ground_truth(loss: Sequence[float]) -> Truth:
     """Loss spikes, divergence onsets and healthy steps by the rule in the module docstring."""
     loss = np.asarray(loss, dtype=np.float64)
@@ -241,18 +259,9 @@ def ground_truth(loss: Sequence[float]) -> Truth:
     above = ~finite | (loss > 2 * running_min)
     divergences: list[int] = []
     in_div = np.zeros(n, dtype=bool)
-    t = 0
-    while t < n:
-        if above[t]:
-            end = t
-            while end < n and above[end]:
-                end += 1
-            if end - t >= 100:
-                divergences.append(t)
-                in_div[t:end] = True
-            t = end
-        else:
-            t += 1
+    for t, end in long_runs(above, 100):
+        divergences.append(t)
+        in_div[t:end] = True
     healthy = np.ones(n, dtype=bool)
     healthy[:50] = False
     healthy[in_div] = False

@@ -26,9 +26,15 @@ of every spike and outside every divergence.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from spike_suite import long_runs
 
 SPIKE, MOVED = 1.3, 1.1
 NOISE_SIGMAS, HOLD_SIGMAS = 5.0, 2.5
@@ -92,21 +98,12 @@ def onsets_of(loss: np.ndarray) -> Onsets:
     above = ~np.isfinite(smooth) | (smooth > 2 * running_min)
     in_div = np.zeros(n, dtype=bool)
     divergences: list[int] = []
-    t = 0
-    while t < n:
-        if above[t]:
-            end = t
-            while end < n and above[end]:
-                end += 1
-            if end - t >= 100:
-                start = t  # back to the first raw loss above the line (the median lags by up to 4 steps)
-                while start > max(0, t - 4) and not (finite[start - 1] and loss[start - 1] <= 2 * running_min[t]):
-                    start -= 1
-                divergences.append(start)
-                in_div[start:end] = True
-            t = end
-        else:
-            t += 1
+    for t, end in long_runs(above, 100):
+        start = t  # back to the first raw loss above the line (the median lags by up to 4 steps)
+        while start > max(0, t - 4) and not (finite[start - 1] and loss[start - 1] <= 2 * running_min[t]):
+            start -= 1
+        divergences.append(start)
+        in_div[start:end] = True
     healthy = np.ones(n, dtype=bool)
     healthy[:WARM] = False
     healthy[in_div] = False
