@@ -49,12 +49,26 @@ class SpikeConfig(Section):
             "bump would score as a many-sigma jump. Chosen on the tuning families of the early-warning corpus."
         ),
     )
+    warning_scale_floor: float = Field(
+        0.15,
+        ge=0,
+        description=(
+            "Smallest residual scale of the total grad norm when it is scored for a look (spike_warning), in "
+            "log units: a grad-norm look (z_warning 6) needs a jump of at least exp(6 x 0.15) = 2.5x its "
+            "prediction. One hard batch doubles a mini-batch's grad norm while the loss does not follow; on "
+            "the tuning families of the early-warning corpus the loss's floor (0.02) looked 9 times on healthy "
+            "steps for such jumps (1.9-3x), 0.15 four times, and no grad-norm look came before an onset at "
+            "either. Alerts score the grad norm on scale_floor."
+        ),
+    )
     z_warning: float = Field(
         6.0,
         gt=0,
         description=(
-            "Grad-norm (or layer) z-score that raises a spike_warning (a look, not a page). 6: at 4 the warning "
-            "fired 4.5 times per 1,000 healthy steps on the tuning families of the early-warning corpus."
+            "Grad-norm (or layer) z-score that raises a spike_warning (a look, not a page). 6: at 4 the grad "
+            "norm looked 51 times in 7,848 healthy steps of the early-warning corpus's tuning families (6.5 "
+            "per 1,000) and warned before 2 of 13 onsets; at 6 it looks 4 times (with warning_scale_floor) and "
+            "warned before none: the grad norm moves with the loss, not ahead of it."
         ),
     )
     z_spike: float = Field(6.0, gt=0, description="Robust z-score of the loss that is a loss spike.")
@@ -65,6 +79,16 @@ class SpikeConfig(Section):
     )
     z_joint: float = Field(
         3.0, gt=0, description="With a loss: grad norm and loss both at this z-score raise a spike_alert."
+    )
+    joint_confirm: bool = Field(
+        True,
+        description=(
+            "A joint jump (grad norm and loss both at z_joint) pages one step later, and only if the loss is "
+            "still at z_joint then: a hard batch raises both for one step and the loss falls back at the next "
+            "(all five joint pages on healthy steps of the early-warning corpus's tuning families did, each "
+            "to 0.73-0.83 of its value), while a spike that matters holds. A loss jump of z_loss_alert pages "
+            "at once either way."
+        ),
     )
     z_loss_alert: float = Field(6.0, gt=0, description="Loss z-score that raises a spike_alert.")
     alert_cooldown: int = Field(
@@ -100,8 +124,10 @@ class SpikeConfig(Section):
         gt=0,
         description=(
             "Precursor signals (max attention logit, log Z, update size): warn when the recent level "
-            "exceeds the long-run level by this much in log units (1.4: about 4x; 0.7, about 2x, warned 5 times "
-            "per 1,000 healthy steps on the corpus's tuning families)."
+            "exceeds the long-run level by this much in log units (1.4: about 4x). On the early-warning "
+            "corpus's tuning families, 0.7 (about 2x, ungated) looked 38 times in 7,848 healthy steps and "
+            "warned before 3 of 13 onsets; 1.4 with trend_while_stalled looks 8 times (with warning_cooldown) "
+            "and warned before 1. A signal warns again only after its growth fell under half of this."
         ),
     )
     trend_warmup: int = Field(
@@ -119,6 +145,26 @@ class SpikeConfig(Section):
             "steps) no more than this far (log units) below its level over about 30 steps. Early training "
             "grows every signal while the loss falls fast; before an instability they grow while it stalls "
             "(0.01 lets a loss that falls slowly, as late in training, through). None: no gate."
+        ),
+    )
+    trend_rearm: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description=(
+            "A precursor that warned warns again only after its growth fell under this share of trend_warning "
+            "(hysteresis; 1: as soon as it is under trend_warning). A signal hovering at the threshold crossed "
+            "it again and again: BERT's attention logits on the early-warning corpus looked twice two steps apart."
+        ),
+    )
+    warning_cooldown: int = Field(
+        100,
+        ge=1,
+        description=(
+            "Steps after a spike_warning during which no other is raised: a look asks a person to open the "
+            "run's charts, and a second signal crossing a few steps later (another layer's attention logits) "
+            "tells them nothing new. On the tuning families of the early-warning corpus, 1.9 looks per 1,000 "
+            "healthy steps without it, 1.15 with 100; no onset warned before or alerted was lost."
         ),
     )
     per_layer: bool = Field(
@@ -454,6 +500,8 @@ class StepScores:
     leading: str | None  # the layer whose z-score reached z_warning (per_layer), else None
     trend_name: str | None  # the precursor that crossed trend_warning at this step (the largest), else None
     trend_growth: float  # its growth in log units (0 without one)
+    #: The grad norm's z-score on a scale of at least ``warning_scale_floor``, the look's (None: ``z_grad``).
+    z_look: float | None = None
 
 
 def warning_rule(s: StepScores, cfg: SpikeConfig) -> Event | None:
@@ -463,13 +511,14 @@ def warning_rule(s: StepScores, cfg: SpikeConfig) -> Event | None:
     when one measured it, the usual lead over the loss (``lead``, steps; None when not measured) and what to do
     (``advice``); the message says the same in words."""
     details: dict[str, Any] = {"z": s.z_grad, "grad_norm": s.grad_norm, "layer": s.leading}
-    if s.z_grad >= cfg.z_warning or s.leading is not None:
-        on_total = s.z_grad >= cfg.z_warning
+    z_look = s.z_grad if s.z_look is None else s.z_look
+    if z_look >= cfg.z_warning or s.leading is not None:
+        on_total = z_look >= cfg.z_warning
         kind = GRAD_NORM if on_total else LAYER
         signal = "grad_norm" if on_total else f"layer {s.leading}"
         where = f"; largest layer z-score: {s.leading}" if s.leading else ""
         message = (
-            f"grad-norm z-score {s.z_grad:.1f} at step {s.step} (warning at {cfg.z_warning}){where}: "
+            f"grad-norm z-score {z_look:.1f} at step {s.step} (warning at {cfg.z_warning}){where}: "
             f"{kind.advice} ({lead_text(kind)})"
         )
         return Event("spike_warning", s.step, message, {**details, **_signal_details(signal, kind)})
@@ -518,15 +567,19 @@ LEVEL_ALERT = AlertReason(LEVEL_RULE, "loss", above_best=True)
 DRIFT_ALERT = AlertReason(DRIFT_RULE, "loss", climbing=True)
 
 
-def alert_reason(s: StepScores, cfg: SpikeConfig, loss_drift: float, level_excess: float = 0.0) -> AlertReason | None:
+def alert_reason(
+    s: StepScores, cfg: SpikeConfig, loss_drift: float, level_excess: float = 0.0, joint_before: bool = False
+) -> AlertReason | None:
     """The alert rule: without a loss, the grad norm alone; with one, the loss alone, then both
-    together, then the loss's level far above its best (``loss_level_alert``), then the loss's
+    together (under ``joint_confirm``: both at the step before, ``joint_before``, and the loss still
+    up now), then the loss's level far above its best (``loss_level_alert``), then the loss's
     CUSUM (``loss_drift_alert``). None: no alert at this step."""
     if s.loss is None:
         return GRAD_NORM_ALERT if s.z_grad >= cfg.z_alert else None
     if s.z_loss >= cfg.z_loss_alert:
         return LOSS_ALERT
-    if min(s.z_grad, s.z_loss) >= cfg.z_joint:
+    joint = joint_before and s.z_loss >= cfg.z_joint if cfg.joint_confirm else min(s.z_grad, s.z_loss) >= cfg.z_joint
+    if joint:
         return JOINT_ALERT
     if cfg.loss_level_alert is not None and level_excess >= math.log(cfg.loss_level_alert):
         return LEVEL_ALERT
@@ -597,7 +650,7 @@ class SpikeMonitor:
         #: Steps that brought precursor signals (each made or fed a trend): a saved state that counts some
         #: and holds no trend is damaged, not a run without precursors.
         self.trend_steps = 0
-        self.trend_high: set[str] = set()  # signals above trend_warning (a warning fires on the crossing)
+        self.trend_high: set[str] = set()  # signals that warned, until their growth falls under half of trend_warning
         #: The loss's recent level over its long-run level (log units; < 0 while it falls): the gate of
         #: ``trend_while_stalled``.
         self.loss_trend = TrendDetector(fast=_LOSS_TREND_FAST, slow=_LOSS_TREND_SLOW, warmup_steps=1)
@@ -608,6 +661,7 @@ class SpikeMonitor:
         self.max_z_loss_recent = 0.0
         self.max_trend_recent = 0.0
         self.last_alert_step: int | None = None
+        self.last_warning_step: int | None = None  # the last spike_warning raised (warning_cooldown)
         self.last_alert_drift = False  # the last alert was the loss-drift rule's (a jump may still page)
         self.alerts = 0
         self.loss_drift = 0.0  # CUSUM of the loss z-score (loss_drift_alert)
@@ -637,8 +691,11 @@ class SpikeMonitor:
         non-finite one is simply not scored.
         """
         cfg = self.config
+        joint_before = self.last_step == step - 1 and min(self.last_z) >= cfg.z_joint  # last step's joint jump
         self.last_step = step
+        grad_scale = self.detector.scale(0)  # the scale this step's grad norm is scored on
         z_grad, z_loss = self.detector.update([grad_norm, math.nan if loss is None else loss])
+        z_look = z_grad * grad_scale / max(grad_scale, cfg.warning_scale_floor)
         self.last_z = (z_grad, z_loss)
         self.max_z_grad_recent = max(self.max_z_grad_recent, z_grad)
         self.max_z_loss_recent = max(self.max_z_loss_recent, z_loss)
@@ -650,8 +707,15 @@ class SpikeMonitor:
             signals = {**(signals or {}), **self._layer_shares(grad_norm, layer_norms)}
         trend_name, trend_growth = self._trend_crossing(step, signals)
         self.max_trend_recent = max(self.max_trend_recent, trend_growth)
-        scores = StepScores(step, grad_norm, loss, z_grad, z_loss, leading, trend_name, trend_growth)
-        events = [e for e in (warning_rule(scores, cfg), loss_spike_rule(scores, cfg)) if e is not None]
+        scores = StepScores(step, grad_norm, loss, z_grad, z_loss, leading, trend_name, trend_growth, z_look)
+        warning = warning_rule(scores, cfg)
+        if warning is not None:
+            last = self.last_warning_step
+            if last is not None and step - last < cfg.warning_cooldown:
+                warning = None  # a look within the cooldown of the last one tells nothing new
+            else:
+                self.last_warning_step = step
+        events = [e for e in (warning, loss_spike_rule(scores, cfg)) if e is not None]
         if loss is not None:
             self.loss_drift = max(0.0, self.loss_drift + min(z_loss, _DRIFT_CLAMP) - _DRIFT_REFERENCE)
             self.level_excess = self.level.update(loss)
@@ -660,7 +724,7 @@ class SpikeMonitor:
         elif self.level_excess >= self._level_alert_at and not self.level_alerted and self._jump_paged(step):
             self.level_alerted = True  # the jump that began this excursion has paged already
         excess = 0.0 if self.level_alerted else self.level_excess
-        reason = alert_reason(scores, cfg, self.loss_drift, excess)
+        reason = alert_reason(scores, cfg, self.loss_drift, excess, joint_before)
         if reason is not None:
             if self._may_alert(step, reason):
                 events.append(alert_event(scores, reason, self.loss_drift, self.level_excess))
@@ -743,9 +807,9 @@ class SpikeMonitor:
             if detector is None:
                 detector = self.trends[name] = TrendDetector(warmup_steps=max(cfg.warmup_steps, cfg.trend_warmup))
             growth = detector.update(abs(value), step)
-            if growth < cfg.trend_warning:
-                self.trend_high.discard(name)
-            elif name not in self.trend_high and stalled:
+            if growth < cfg.trend_warning * cfg.trend_rearm:
+                self.trend_high.discard(name)  # fell back: the next crossing warns again
+            elif growth >= cfg.trend_warning and name not in self.trend_high and stalled:
                 self.trend_high.add(name)
                 if growth > growth_top:
                     name_top, growth_top = name, growth
@@ -784,6 +848,7 @@ class SpikeMonitor:
             "last_z": list(self.last_z),
             "recent": [self.max_z_grad_recent, self.max_z_loss_recent, self.max_trend_recent],
             "last_alert_step": self.last_alert_step,
+            "last_warning_step": self.last_warning_step,
             "last_alert_drift": self.last_alert_drift,
             "alerts": self.alerts,
             "loss_drift": self.loss_drift,
@@ -806,6 +871,7 @@ class SpikeMonitor:
             self.trends[name] = TrendDetector(warmup_steps=max(self.config.warmup_steps, self.config.trend_warmup))
             self.trends[name].load_state_dict(sub)
         self.last_alert_step = state["last_alert_step"]
+        self.last_warning_step = state["last_warning_step"]
         self.last_alert_drift = bool(state["last_alert_drift"])
         self.alerts = int(state["alerts"])
         self.loss_drift = float(state["loss_drift"])

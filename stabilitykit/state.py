@@ -26,7 +26,7 @@ from stabilitykit.recovery.escalation import LrChange
 from stabilitykit.recovery.record import RollbackRecord
 
 #: Version of the state a driver saves, and the only one this release reads.
-STATE_VERSION = 8  # 8: the version stored once, beside the optimizers' states (not in each)
+STATE_VERSION = 9  # 9: the spike monitor's last warning step (warning_cooldown)
 
 
 class _State(BaseModel):
@@ -126,6 +126,7 @@ class _Spikes(_State):
     last_z: list[float] = Field(min_length=2, max_length=2)
     recent: list[float] = Field(min_length=3, max_length=3)
     last_alert_step: int | None
+    last_warning_step: int | None
     last_alert_drift: bool
     alerts: int = Field(ge=0)
     loss_drift: float

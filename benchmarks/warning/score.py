@@ -173,11 +173,27 @@ def peer(factory: Callable[[], Callable[[float], bool]], series: Sequence[str]) 
     return replay
 
 
+#: The defaults before the joint-page confirmation, the grad norm's own scale floor, the look cooldown and the
+#: trend hysteresis; and the defaults before the corpus existed.
+PREVIOUS: dict[str, Any] = {
+    "joint_confirm": False,
+    "warning_scale_floor": 0.02,
+    "warning_cooldown": 1,
+    "trend_rearm": 1.0,
+}
+BEFORE: dict[str, Any] = {
+    **PREVIOUS,
+    "scale_floor": 0.0,
+    "warning_scale_floor": 0.0,
+    "z_warning": 4.0,
+    "trend_warning": 0.7,
+    "trend_warmup": 50,
+    "trend_while_stalled": None,
+}
 DETECTORS: dict[str, Replay] = {
     "stabilitykit (defaults)": ours(),
-    "stabilitykit before (no scale floor, z_warning 4, trends 2x ungated)": ours(
-        scale_floor=0.0, z_warning=4.0, trend_warning=0.7, trend_warmup=50, trend_while_stalled=None
-    ),
+    "stabilitykit previous defaults (joint pages unconfirmed, grad floor 0.02, no look cooldown)": ours(**PREVIOUS),
+    "stabilitykit before (no scale floor, z_warning 4, trends 2x ungated)": ours(**BEFORE),
     "OLMo 6 std / 128 (grad norm, loss)": peer(olmo_rule, ("grad_norm", "loss")),
     "Lightning SpikeDetection (loss)": peer(lightning_rule, ("loss",)),
     "ZClip would clip (grad norm)": peer(zclip_rule, ("grad_norm",)),
