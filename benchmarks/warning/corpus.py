@@ -56,9 +56,9 @@ each run's family, arm, optimizer, schedule, mechanism and column names. About 2
 At 500 steps a run (25,000 steps in all) it is about 11 minutes of one core's work on a quiet machine
 (27 ms a step for the language models, 11 ms for the ResNet); on a machine shared by a dozen busy
 processes, one process per family (``--families gpt2 --out ...``, then ``--merge``) took about 40 minutes
-for GPT-2 and BERT. The committed ``corpus.npz`` holds GPT-2, BERT and ResNet at 500 steps under these
-arms, and Llama and Mixtral from the previous version at 300 steps (a 300x group ramp, one 25-step burst
-at mid-run, no LR column): each run's ``meta["steps"]`` says which.
+for GPT-2 and BERT, and about 55 minutes for Llama and Mixtral (one process each, beside other work). The
+committed ``corpus.npz`` holds all five families at 500 steps under these arms (each run's
+``meta["steps"]`` says its length).
 """
 
 from __future__ import annotations
