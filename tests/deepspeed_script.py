@@ -37,8 +37,9 @@ from torch import nn
 
 CLEAN = [0, 1, 3, 5]  # the batches the reference run sees
 PLAN = [(0, None), (1, None), (2, "nan"), (3, None), (4, "inf"), (5, None)]  # (batch, fault) of the guarded run
-#: The (stage, bf16) cells that rerun: every stage, both precisions (all eight passed once; these four stay).
-RERUN_CELLS = [(0, False), (1, True), (2, False), (3, True)]
+#: The (stage, bf16) cells that rerun (all eight passed once; stages 1 and 2 drop grads alike, so stage 1 is left
+#: out: 1.8 CPU s per rank under bf16).
+RERUN_CELLS = [(0, False), (2, False), (3, True)]
 
 
 def _model() -> nn.Module:

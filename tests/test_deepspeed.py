@@ -356,7 +356,7 @@ def test_lightning_deepspeed_callback_names_the_strategy_it_needs(tmp_path: Path
         trainer.fit(_tiny_module())
 
 
-@pytest.mark.parametrize("case", ["stage0-fp32", "stage1-bf16", "stage2-fp32", "stage3-bf16"])
+@pytest.mark.parametrize("case", ["stage0-fp32", "stage2-fp32", "stage3-bf16"])
 def test_rerun_judges_a_one_time_fault_transient_and_a_repeated_one_reproducible(
     ranks: list[dict[str, Any]], case: str
 ) -> None:
