@@ -224,7 +224,7 @@ def test_trouble_still_there_when_the_lowered_lr_ends_lowers_it_further() -> Non
     ends the loss is still 5x its level from before, and the loss-level alert does not page twice for one
     excursion: the LR goes to the first backoff level (0.5x for 500 steps, cause "lr") instead of back to
     the schedule's, said in a recovery event."""
-    model, batches = regression(86)
+    model, batches = regression(110)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sink = Metrics()
     cfg = sk.StabilityConfig(log_every_n_steps=5, spikes=sk.SpikeConfig(warmup_steps=10), recovery=sk.RecoveryConfig())
