@@ -185,3 +185,23 @@ class RunSummary:
         """Write ``line()`` to the ``stabilitykit`` logger (INFO, rank zero only)."""
         if _rank_zero():
             LOGGER.info("run summary: %s", self.line())
+
+
+def engine_summary(engine: Any) -> RunSummary:
+    """One optimizer's totals from its engine (reads the steps since the last logging step first: one sync)."""
+    engine.flush()
+    c = engine.counters
+    found = engine.tracing.last_nonfinite if engine.tracing is not None else None
+    monitor = engine.monitor
+    unmeasured = tuple(f"{n}: {r}" for n, r in monitor.unmeasured.items()) if monitor is not None else ()
+    summary = RunSummary(
+        engine.step,
+        c.skipped_total,
+        c.clipped_total,
+        c.max_norm,
+        c.nonfinite_total,
+        nonfinite_source=str(found) if found is not None else None,
+        unmeasured=unmeasured,
+        skipped_ahead=c.skipped_ahead_total,
+    )
+    return summary.with_rollbacks(engine.recovery.log.records if engine.recovery is not None else [])

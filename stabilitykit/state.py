@@ -14,16 +14,21 @@ the journal's row width).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Annotated, Any, get_type_hints
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, get_type_hints
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from torch import Tensor
 
 from stabilitykit.engine.journal import LEGACY_COLUMNS, Row, RowInfo
 from stabilitykit.engine.ledger import Counters
 from stabilitykit.recovery.escalation import LrChange
 from stabilitykit.recovery.record import RollbackRecord
+
+if TYPE_CHECKING:
+    from stabilitykit.engine.step import StabilityEngine
 
 #: Version of the state a driver saves, and the only one this release reads.
 STATE_VERSION = 9  # 9: the spike monitor's last warning step (warning_cooldown)
@@ -385,3 +390,105 @@ def _match_tensors(section: str, saved: Mapping[str, Any] | None, ours: Mapping[
                 f"a tensor of shape {tuple(expected.shape)} expected, got {tuple(tensor.shape)} "
                 "(saved for another model or number of parameter tensors?)",
             )
+
+
+def driver_state(engines: Sequence[StabilityEngine]) -> dict[str, Any]:
+    """The one state format every driver saves: the version once, and one state per optimizer."""
+    return {"version": STATE_VERSION, "optimizers": [_optimizer_state(engine) for engine in engines]}
+
+
+def load_driver_state(engines: Sequence[StabilityEngine], state: Mapping[str, Any]) -> None:
+    """Restore what ``driver_state`` returned: the version and every optimizer's state are validated before
+    any is loaded; an error names the path within the state and says that nothing was loaded."""
+    check_version(state, required=True)  # stored once, at this level: a driver's state has it
+    states = state.get("optimizers")
+    if not isinstance(states, list):
+        got = "missing" if states is None else f"got {type(states).__name__}"
+        raise ValueError(
+            f"invalid stabilitykit state at 'optimizers': a list with one state per optimizer expected ({got}; "
+            "not saved by a stabilitykit driver's state_dict()?). Nothing was loaded."
+        )
+    if len(states) != len(engines):
+        raise ValueError(
+            f"invalid stabilitykit state at 'optimizers': it holds {len(states)} optimizer state(s), this run "
+            f"has {len(engines)} optimizer(s). Nothing was loaded."
+        )
+    for i, (engine, saved) in enumerate(zip(engines, states, strict=True)):
+        try:
+            validate_state(saved, reference=_optimizer_state(engine))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(_within(f"optimizers.{i}", str(exc))) from None
+    for engine, saved in zip(engines, states, strict=True):
+        _load_optimizer_state(engine, saved)
+
+
+def _optimizer_state(engine: StabilityEngine) -> dict[str, Any]:
+    """One optimizer's state: everything that must survive a resume (plain values, small device tensors)."""
+    assert engine.tracing is not None
+    state = {
+        "engine": engine.state_dict(),
+        "trace_left": engine.tracing.left,
+        "held_steps": engine.held_steps,
+    }
+    if engine.recovery is not None:
+        state["recovery"] = engine.recovery.state_dict()
+    return state
+
+
+def _load_optimizer_state(engine: StabilityEngine, state: Mapping[str, Any]) -> None:
+    """Restore what ``_optimizer_state`` returned (validated already)."""
+    assert engine.tracing is not None
+    engine.load_state_dict(dict(state["engine"]))
+    engine.tracing.left = int(state["trace_left"])
+    engine.held_steps = int(state["held_steps"])
+    if engine.recovery is not None:  # a resume: snapshots from before it are dropped in any case
+        engine.recovery.load_state_dict(dict(state.get("recovery") or {}))
+    engine.tracing.attach_for(engine.step)
+
+
+def _within(prefix: str, message: str) -> str:
+    """An optimizer state's error message with the path from the driver's state (``optimizers.<i>.``)."""
+    head = "invalid stabilitykit state at '"
+    if message.startswith(head):
+        return head + prefix + "." + message[len(head) :]
+    return f"invalid stabilitykit state at '{prefix}': {message}"
+
+
+def _json_float(x: float) -> float | str:
+    """A float strict JSON can hold: non-finite values as "nan", "inf", "-inf" (``json`` would write NaN)."""
+    return x if math.isfinite(x) else str(x)
+
+
+def to_json(value: Any) -> Any:
+    """A driver's state as strict JSON values (tensors become tagged lists; every float32 survives
+    exactly; NaN and infinities become the strings "nan", "inf", "-inf", never JSON's invalid NaN)."""
+    if isinstance(value, Tensor):
+        t = value.detach().cpu()
+        data = t.float().reshape(-1).tolist() if t.is_floating_point() else t.reshape(-1).tolist()
+        return {
+            "__tensor__": [_json_float(x) for x in data] if t.is_floating_point() else data,
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+        }
+    if isinstance(value, Mapping):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"__float__": str(value)}
+    return value
+
+
+def from_json(value: Any, device: torch.device | None = None) -> Any:
+    """Undo ``to_json`` (tensors on ``device``)."""
+    if isinstance(value, Mapping):
+        if "__tensor__" in value:
+            dtype = getattr(torch, value["dtype"])
+            data = [float(x) if isinstance(x, str) else x for x in value["__tensor__"]]
+            return torch.tensor(data, dtype=dtype, device=device).reshape(value["shape"])
+        if "__float__" in value:
+            return float(value["__float__"])
+        return {k: from_json(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json(v, device) for v in value]
+    return value

@@ -33,8 +33,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 
 import stabilitykit as sk
-from stabilitykit.drivers.hf import to_json
 from stabilitykit.integrations import stabilize
+from stabilitykit.state import to_json
 from tests.deepspeed_script import _diff, _same, _state
 from tests.hf_models import tiny_llama, token_batches
 

@@ -322,7 +322,7 @@ def test_alerts_page_the_active_wandb_run_as_the_wandb_sink_does(tmp_path: Path)
 
 
 def test_a_spike_warning_raised_by_a_layer_logs_1_not_a_negative_z_score() -> None:
-    from stabilitykit.drivers.hf import _event_value
+    from stabilitykit.sinks.trainers import event_value as _event_value
     from stabilitykit.spikes import StepScores, warning_rule
 
     cfg = sk.SpikeConfig()

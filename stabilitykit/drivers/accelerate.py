@@ -1,18 +1,9 @@
 """AccelerateGuard: ``StabilityGuard`` for hand-written Accelerate loops.
 
-    guard = AccelerateGuard(accelerator, model, optimizer, scheduler=scheduler, config=cfg)
-    for batch in loader:
-        with accelerator.accumulate(model):
-            guard.backward(model(**batch).loss)  # accelerator.backward: divided by the accumulation steps
-            guard.step()                          # only when grads are synced: measure, clip, skip or step
-            guard.zero_grad()
-
-What it adds to the plain-loop guard: ``step()`` acts only when ``accelerator.sync_gradients`` (so it
-counts optimizer steps, never reads partial micro-batch grads), ``backward`` goes through
-``accelerator.backward`` and records the loss divided by the accumulation steps (the batch mean),
-the optimizer is seen through ``AcceleratedOptimizer`` (fused detection) and Accelerate's GradScaler
-is the one unscaled, exactly once. Metrics also go to the Accelerator's trackers
-(``accelerator.log``). Save the guard with ``accelerator.register_for_checkpointing(guard)``.
+``step()`` acts only when ``accelerator.sync_gradients`` (optimizer steps counted, partial grads never
+read), ``backward`` goes through ``accelerator.backward`` (the loss recorded divided by the accumulation
+steps), the optimizer is seen through ``AcceleratedOptimizer`` and Accelerate's GradScaler is unscaled
+once. Metrics also go to ``accelerator.log``; save with ``accelerator.register_for_checkpointing(guard)``.
 """
 
 from __future__ import annotations
@@ -27,11 +18,11 @@ from stabilitykit.drivers._extras import missing
 from stabilitykit.drivers.loop import StabilityGuard
 from stabilitykit.drivers.routing import StepRoutes
 from stabilitykit.engine.step import StabilityEngine
-from stabilitykit.events import Event
 from stabilitykit.hooks import HookManager
 from stabilitykit.report import StepReport
 from stabilitykit.rules import SkipRule
 from stabilitykit.sinks.base import Sink
+from stabilitykit.sinks.trainers import AcceleratorTrackers
 
 try:
     from accelerate import Accelerator
@@ -61,24 +52,6 @@ def route_accelerated_step(routes: StepRoutes, engine: StabilityEngine, optimize
             optimizer.__setstate__(optimizer.__getstate__())
 
     return undo
-
-
-class AcceleratorTrackers:
-    """A sink: metrics and event markers to every tracker of an ``Accelerator`` (``accelerator.log``)."""
-
-    def __init__(self, accelerator: Accelerator, prefix: str = "stability") -> None:
-        self.accelerator = accelerator
-        self.prefix = prefix
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """One logging step's metrics, at the optimizer step ``step``."""
-        if self.accelerator.trackers:
-            self.accelerator.log(dict(metrics), step=step)
-
-    def log_event(self, event: Event) -> None:
-        """A marker ``<prefix>/events/<kind>`` at the event's step."""
-        if self.accelerator.trackers:
-            self.accelerator.log({f"{self.prefix}/events/{event.kind}": 1.0}, step=event.step)
 
 
 class AccelerateGuard(StabilityGuard):

@@ -1,38 +1,24 @@
-"""The driver base: the lifecycle every driver shares, so each driver only maps its framework's hooks.
+"""The driver base: the lifecycle every driver shares, so a driver only maps its framework's hooks.
 
-A driver (the plain-loop guard and its Accelerate, Fabric and DeepSpeed forms, Lightning, the
-Hugging Face Trainer) is or owns one ``Driver``. The base alone:
-
-* builds one ``StabilityEngine`` per optimizer (``drivers/build.py``) and carries the user's skip
-  rules and recorded metrics into every engine;
-* routes micro-batch losses to the optimizer that steps next, and each optimizer's ``step``
-  through its engine (``drivers/routing.py``);
-* tracks every LR scheduler for recovery, and holds it on skipped steps: stepped by the driver
-  (``step_schedulers``) or held by a class swap where the framework steps it;
-* keeps the one undo list of every patch it or a driver made (each through ``compat/``) and the
-  one flag that says the run is over;
-* runs a step top to bottom (``train_step``: ``decide``, the optimizer step, the schedulers,
-  ``end_step``), and is the one place that consults recovery before a step and after it;
-* saves and loads one state format, deferring a state loaded before the cores exist;
-* writes ``summary()``, is a context manager, and ends a run the same way everywhere (the
-  in-flight step finished, the steps since the last logging step folded and logged, the summary
-  line, every patch undone, the user's sinks closed), whether the run finished or raised.
-
-State format, every driver: ``{"version": STATE_VERSION, "optimizers": [optimizer state, ...]}``.
+The base alone builds one ``StabilityEngine`` per optimizer (``build.py``), routes losses and each
+optimizer's ``step`` (``routing.py``), tracks and holds the LR schedulers, keeps the one undo list and
+the one closed flag, runs a step top to bottom (``train_step``: ``decide``, the optimizer step, the
+schedulers, ``end_step``; recovery asked once before the step and once after), saves and loads the one
+state format (``state.driver_state``), writes ``summary()`` and ends every run the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Self
 
 from torch import Tensor, nn
 
-from stabilitykit.compat.attributes import replace_attribute, route_attribute
+from stabilitykit.compat.attributes import replace_attribute
 from stabilitykit.compat.schedulers import hold_scheduler, release_scheduler
 from stabilitykit.config import StabilityConfig, coerce_config, warn_contradictions
 from stabilitykit.drivers.build import build_engine
@@ -46,11 +32,12 @@ from stabilitykit.nan import batch_is_bad, check_batch
 from stabilitykit.precision import PrecisionChoice, apply_precision_config
 from stabilitykit.recovery import refuse_several_optimizers
 from stabilitykit.report import StepReport
+from stabilitykit.rerun.recompute import recompute_step, warn_no_rerun
 from stabilitykit.rules import RuleSet, SkipRule
-from stabilitykit.run_log import RunSummary
+from stabilitykit.run_log import RunSummary, engine_summary
 from stabilitykit.schedulers import StepWatch
 from stabilitykit.sinks.base import Sink
-from stabilitykit.state import STATE_VERSION, check_version, validate_state
+from stabilitykit.state import driver_state, load_driver_state
 
 _ACTIVE: list[weakref.ReferenceType[Driver]] = []
 
@@ -208,10 +195,16 @@ class Driver:
         return engine
 
     # ------------------------------------------------------------------ patches, routes, schedulers
-    def patch(self, owner: Any, name: str, route: Callable[[Any], Any], lasting: bool = False) -> None:
-        """Route ``owner.<name>`` through ``route(current)`` for this run (``compat.attributes``); undone at
-        the end of the run, or only by ``release(lasting=True)`` when ``lasting``."""
-        self._undo.append((route_attribute(owner, name, route), lasting))
+    def patch(self, owner: Any, name: str, around: Callable[..., Any], lasting: bool = False) -> None:
+        """Route ``owner.<name>(...)`` through ``around(original, ...)`` for this run (``compat.attributes``);
+        undone at the end of the run, or only by ``release(lasting=True)`` when ``lasting``."""
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def routed(*args: Any, **kwargs: Any) -> Any:
+            return around(original, *args, **kwargs)
+
+        self._undo.append((replace_attribute(owner, name, routed), lasting))
 
     def replace(self, owner: Any, name: str, value: Any) -> None:
         """Set ``owner.<name> = value`` for this run (``compat.attributes``); undone at the end of the run."""
@@ -350,10 +343,10 @@ class Driver:
         grad_scale = engine.scaler.grads_scale(engine.optimizer, engine.fused)  # unscaled once, here
         force_skip = engine.inputs.bad_batch  # the data guard's flag over the step's micro-batches
         if engine.rerun is not None:
-            recompute = _recompute(engine, rerun_replay or replay, backward)
+            recompute = recompute_step(engine, rerun_replay or replay, backward)
             if recompute is None and not self._warned_no_rerun:
                 self._warned_no_rerun = True
-                _warn_no_rerun(backward is not None)
+                warn_no_rerun(backward is not None)
             engine.rerun.arm(recompute)
             if engine.rerun.known_bad(engine.step):  # judged reproducible before: not trained on again
                 force_skip = engine.inputs.true if force_skip is None else force_skip | True
@@ -425,7 +418,7 @@ class Driver:
         """
         if not self.engines:
             return RunSummary(0, 0, 0, 0.0, 0)
-        rows = [_summary(engine) for engine in self.engines]
+        rows = [engine_summary(engine) for engine in self.engines]
         first = rows[0]
         if len(rows) > 1:
             first = dataclasses.replace(first, optimizers=tuple(rows))
@@ -484,7 +477,7 @@ class Driver:
         and not applied yet, else empty)."""
         if not self.engines:
             return dict(self._pending_state or {})
-        return {"version": STATE_VERSION, "optimizers": [_state(engine) for engine in self.engines]}
+        return driver_state(self.engines)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore ``state_dict``'s state: every optimizer's state is validated before any is loaded.
@@ -495,26 +488,7 @@ class Driver:
         if not self.engines:
             self._pending_state = dict(state) if state else None
             return
-        check_version(state, required=True)  # stored once, at this level: a driver's state has it
-        states = state.get("optimizers")
-        if not isinstance(states, list):
-            got = "missing" if states is None else f"got {type(states).__name__}"
-            raise ValueError(
-                f"invalid stabilitykit state at 'optimizers': a list with one state per optimizer expected ({got}; "
-                "not saved by a stabilitykit driver's state_dict()?). Nothing was loaded."
-            )
-        if len(states) != len(self.engines):
-            raise ValueError(
-                f"invalid stabilitykit state at 'optimizers': it holds {len(states)} optimizer state(s), this run "
-                f"has {len(self.engines)} optimizer(s). Nothing was loaded."
-            )
-        for i, (engine, saved) in enumerate(zip(self.engines, states, strict=True)):
-            try:
-                validate_state(saved, reference=_state(engine))
-            except (TypeError, ValueError) as exc:
-                raise ValueError(_within(f"optimizers.{i}", str(exc))) from None
-        for engine, saved in zip(self.engines, states, strict=True):
-            _load_state(engine, saved)
+        load_driver_state(self.engines, state)
 
 
 def _follow_param_groups(engine: StabilityEngine, model: nn.Module | None, counts: dict[int, int]) -> None:
@@ -558,89 +532,3 @@ def guard_batch(engine: StabilityEngine, batch: Any) -> None:
             engine.inputs.add_bad_batch(bad)
     elif dcfg.mode == "raise":
         check_batch(batch, dcfg.num_classes, step=engine.step, label_keys=dcfg.label_keys)
-
-
-def _recompute(
-    engine: StabilityEngine, replay: Callable[[], Tensor] | None, backward: Callable[[Tensor], None] | None
-) -> Callable[[], None] | None:
-    """How a rerun computes this step again: running statistics put back, grads dropped, the batch's
-    forward (``replay``) and the driver's backward (``backward``, which records the loss) again.
-    None when the driver gave either not: its flagged steps are not re-run."""
-    if replay is None or backward is None:
-        return None
-    optimizer = engine.optimizer
-
-    def recompute() -> None:
-        engine.buffers.restore(True)
-        optimizer.zero_grad(set_to_none=True)
-        backward(replay())
-
-    return recompute
-
-
-def _warn_no_rerun(has_backward: bool) -> None:
-    """Rerun is on, but this driver's step cannot be computed again: said once."""
-    how = (
-        "pass guard.step(replay=...)"
-        if has_backward
-        else "this driver cannot re-run a step yet (the plain loop, Accelerate, Fabric, DeepSpeedGuard with "
-        "guard.step(replay=...), Lightning's automatic optimization, the HF Trainer without DeepSpeed can)"
-    )
-    warnings.warn(
-        f"stabilitykit: RerunConfig is on but a step's batch cannot be computed again ({how}): "
-        "flagged steps are skipped without a rerun",
-        RuntimeWarning,
-        stacklevel=5,
-    )
-
-
-def _summary(engine: StabilityEngine) -> RunSummary:
-    """One optimizer's totals (reads the steps since the last logging step first: one sync)."""
-    engine.flush()
-    c = engine.counters
-    found = engine.tracing.last_nonfinite if engine.tracing is not None else None
-    monitor = engine.monitor
-    unmeasured = tuple(f"{n}: {r}" for n, r in monitor.unmeasured.items()) if monitor is not None else ()
-    summary = RunSummary(
-        engine.step,
-        c.skipped_total,
-        c.clipped_total,
-        c.max_norm,
-        c.nonfinite_total,
-        nonfinite_source=str(found) if found is not None else None,
-        unmeasured=unmeasured,
-        skipped_ahead=c.skipped_ahead_total,
-    )
-    return summary.with_rollbacks(engine.recovery.log.records if engine.recovery is not None else [])
-
-
-def _state(engine: StabilityEngine) -> dict[str, Any]:
-    """One optimizer's state: everything that must survive a resume (plain values, small device tensors)."""
-    assert engine.tracing is not None
-    state = {
-        "engine": engine.state_dict(),
-        "trace_left": engine.tracing.left,
-        "held_steps": engine.held_steps,
-    }
-    if engine.recovery is not None:
-        state["recovery"] = engine.recovery.state_dict()
-    return state
-
-
-def _load_state(engine: StabilityEngine, state: Mapping[str, Any]) -> None:
-    """Restore what ``_state`` returned (validated already)."""
-    assert engine.tracing is not None
-    engine.load_state_dict(dict(state["engine"]))
-    engine.tracing.left = int(state["trace_left"])
-    engine.held_steps = int(state["held_steps"])
-    if engine.recovery is not None:  # a resume: snapshots from before it are dropped in any case
-        engine.recovery.load_state_dict(dict(state.get("recovery") or {}))
-    engine.tracing.attach_for(engine.step)
-
-
-def _within(prefix: str, message: str) -> str:
-    """An optimizer state's error message with the path from the driver's state (``optimizers.<i>.``)."""
-    head = "invalid stabilitykit state at '"
-    if message.startswith(head):
-        return head + prefix + "." + message[len(head) :]
-    return f"invalid stabilitykit state at '{prefix}': {message}"

@@ -1,10 +1,5 @@
-"""One engine per guarded optimizer, with what the driver base needs attached to it.
-
-``build_engine`` checks the optimizer (``drivers/optimizers.py``), builds the ``StabilityEngine``
-over its parameters and attaches the optimizer, the GradScaler adapter, the running-statistics
-guard, NaN tracing, recovery, rerun and replica checks, each built here once from its config
-section; ``closers`` are what the run's end undoes (the monitors' hooks, recovery, rerun).
-"""
+"""One engine per guarded optimizer, with the optimizer, the GradScaler adapter, the running-statistics
+guard, NaN tracing, recovery, rerun and replica checks attached, each built once from its config section."""
 
 from __future__ import annotations
 

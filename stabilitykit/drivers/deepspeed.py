@@ -150,11 +150,11 @@ class DeepSpeedGuard(StabilityGuard):
     def _route_step(self, _: StabilityEngine) -> None:
         """The engine's ``backward``, ``step`` and checkpoints, and its optimizer's ``step``, through the guard."""
         engine = self.deepspeed_engine
-        self.replace(engine.optimizer, "step", self._guarded_step(engine.optimizer.step))
-        self.replace(engine, "backward", self._routed_backward(engine.backward))
-        self.replace(engine, "step", self._routed_step(engine.step))
-        self.replace(engine, "save_checkpoint", self._routed_save(engine.save_checkpoint))
-        self.replace(engine, "load_checkpoint", self._routed_load(engine.load_checkpoint))
+        self.patch(engine.optimizer, "step", self._zero_step)
+        self.patch(engine, "backward", self._engine_backward)
+        self.patch(engine, "step", self._engine_step)
+        self.patch(engine, "save_checkpoint", self._save_checkpoint)
+        self.patch(engine, "load_checkpoint", self._load_checkpoint)
 
     # ------------------------------------------------------------------ the loop API
     def backward(self, loss: Tensor, *, optimizer: Any | None = None, **kwargs: Any) -> Any:
@@ -189,51 +189,38 @@ class DeepSpeedGuard(StabilityGuard):
         if decision is not None and decision.skipped_now and not self._deepspeed_skips(decision):
             put_engine_counters(self.deepspeed_engine, counters)
 
-    def _routed_backward(self, original: Any) -> Any:
-        """The engine's ``backward``: the loss recorded (divided by the accumulation steps, as DeepSpeed
-        scales it), then DeepSpeed's own."""
+    def _engine_backward(self, original: Callable[..., Any], loss: Tensor, *args: Any, **kwargs: Any) -> Any:
+        """``engine.backward``: the loss recorded (divided by the accumulation steps, as DeepSpeed scales it)."""
+        if not self.closed:
+            steps = self.deepspeed_engine.gradient_accumulation_steps()
+            self.record_loss(loss.detach() / steps if steps > 1 else loss.detach())
+        return original(loss, *args, **kwargs)
 
-        def backward(loss: Tensor, *args: Any, **kwargs: Any) -> Any:
-            if not self.closed:
-                steps = self.deepspeed_engine.gradient_accumulation_steps()
-                self.record_loss(loss.detach() / steps if steps > 1 else loss.detach())
-            return original(loss, *args, **kwargs)
+    def _engine_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """``engine.step``: on the accumulation boundary the loop's step (``StabilityGuard.step``) with DeepSpeed's
+        own step as its optimizer step; elsewhere DeepSpeed's own."""
+        if self.closed or not self.deepspeed_engine.is_gradient_accumulation_boundary():
+            return original(*args, **kwargs)  # type: ignore[no-any-return]
+        self._deepspeed_step = functools.partial(original, *args, **kwargs)
+        try:
+            self._last_report = StabilityGuard.step(self)
+        finally:
+            self._deepspeed_step = self._replay = None
 
-        return backward
-
-    def _routed_step(self, original: Any) -> Any:
-        """The engine's ``step``: on the accumulation boundary the loop's step (``StabilityGuard.step``) with
-        DeepSpeed's own step as its optimizer step; elsewhere DeepSpeed's own."""
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            if self.closed or not self.deepspeed_engine.is_gradient_accumulation_boundary():
+    def _zero_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """DeepSpeed's optimizer ``step``: applied, or skipped with DeepSpeed's own clean-up."""
+        clear_overflow_mark(self.deepspeed_engine.optimizer)  # stage 0 in fp32: the last skip's mark
+        if self.engine.in_flight is None:  # engine.optimizer.step() called directly: still decided
+            self.decide(self.engine)
+        decision = self.engine.in_flight
+        assert decision is not None
+        if self._deepspeed_skips(decision):  # DeepSpeed's own overflow skip: it also lowers its loss scale
+            with noting_lr(self.engine.lr_optimizer, lambda: decision):  # the LR it held, logged all the same
                 return original(*args, **kwargs)
-            self._deepspeed_step = functools.partial(original, *args, **kwargs)
-            try:
-                self._last_report = StabilityGuard.step(self)
-            finally:
-                self._deepspeed_step = self._replay = None
-
-        return step
-
-    def _guarded_step(self, original: Any) -> Any:
-        """DeepSpeed's optimizer ``step`` through the guard: applied, or skipped with DeepSpeed's own clean-up."""
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            clear_overflow_mark(self.deepspeed_engine.optimizer)  # stage 0 in fp32: the last skip's mark
-            if self.engine.in_flight is None:  # engine.optimizer.step() called directly: still decided
-                self.decide(self.engine)
-            decision = self.engine.in_flight
-            assert decision is not None
-            if self._deepspeed_skips(decision):  # DeepSpeed's own overflow skip: it also lowers its loss scale
-                with noting_lr(self.engine.lr_optimizer, lambda: decision):  # the LR it held, logged all the same
-                    return original(*args, **kwargs)
-            result = self.routes.run(self.engine, lambda: original(*args, **kwargs))
-            if decision.skipped_now:
-                drop_step(self.deepspeed_engine.optimizer, self.partitions.stage)
-            return result
-
-        return step
+        result = self.routes.run(self.engine, lambda: original(*args, **kwargs))
+        if decision.skipped_now:
+            drop_step(self.deepspeed_engine.optimizer, self.partitions.stage)
+        return result
 
     def _deepspeed_skips(self, decision: Any) -> bool:
         """A step skipped for an fp16 overflow alone, which DeepSpeed's own step skips (counting it and lowering
@@ -258,32 +245,52 @@ class DeepSpeedGuard(StabilityGuard):
         """Load this rank's entry of every rank's saved state (``checkpoint_states``)."""
         self.load_state_dict(own_entry(states))
 
-    def _routed_save(self, original: Any) -> Any:
-        """The engine's ``save_checkpoint``, whoever calls it: every rank's guard state in the client state (key
+    def _save_checkpoint(
+        self, original: Callable[..., Any], save_dir: str, tag: Any = None, client_state: Any = None, **kwargs: Any
+    ) -> Any:
+        """``engine.save_checkpoint``, whoever calls it: every rank's guard state in the client state (key
         ``"stabilitykit"``; DeepSpeed writes one rank's client state, so every rank's goes in)."""
+        state = dict(client_state or {})
+        if not self.closed:
+            self.checkpoint_states = all_objects(self.state_dict())  # each rank's differs: keep them all
+            state[CLIENT_STATE_KEY] = {"ranks": self.checkpoint_states}
+        return original(save_dir, tag=tag, client_state=state, **kwargs)
 
-        @functools.wraps(original)
-        def save_checkpoint(save_dir: str, tag: Any = None, client_state: Any = None, **kwargs: Any) -> Any:
-            state = dict(client_state or {})
-            if not self.closed:
-                self.checkpoint_states = all_objects(self.state_dict())  # each rank's differs: keep them all
-                state[CLIENT_STATE_KEY] = {"ranks": self.checkpoint_states}
-            return original(save_dir, tag=tag, client_state=state, **kwargs)
-
-        return save_checkpoint
-
-    def _routed_load(self, original: Any) -> Any:
-        """The engine's ``load_checkpoint``: this rank's guard state restored from the client state (and taken
-        out of what it returns)."""
-
-        @functools.wraps(original)
-        def load_checkpoint(load_dir: str, *args: Any, **kwargs: Any) -> Any:
-            path, client_state = original(load_dir, *args, **kwargs)
-            if self.closed or not isinstance(client_state, dict):
-                return path, client_state
-            saved = client_state.pop(CLIENT_STATE_KEY, None)
-            if saved is not None:
-                self.load_rank_state(saved["ranks"])
+    def _load_checkpoint(self, original: Callable[..., Any], load_dir: str, *args: Any, **kwargs: Any) -> Any:
+        """``engine.load_checkpoint``: this rank's guard state restored from the client state (and taken out)."""
+        path, client_state = original(load_dir, *args, **kwargs)
+        if self.closed or not isinstance(client_state, dict):
             return path, client_state
+        saved = client_state.pop(CLIENT_STATE_KEY, None)
+        if saved is not None:
+            self.load_rank_state(saved["ranks"])
+        return path, client_state
 
-        return load_checkpoint
+
+class DeepSpeedLater:
+    """A ``DeepSpeedGuard``'s arguments, kept until a framework has made its engine (the Lightning strategy's
+    and the Hugging Face Trainer's callbacks); ``guard`` is the guard of the run in progress."""
+
+    def __init__(
+        self,
+        config: StabilityConfig | Mapping[str, Any] | str | None = None,
+        sinks: Iterable[Sink] | None = None,
+        hooks: HookManager | None = None,
+        rules: Sequence[SkipRule] = (),
+    ) -> None:
+        self.config = coerce_config(config)  # read before the run (clipping refused twice), coerced once
+        self.sinks = list(sinks or [])
+        self.hooks = hooks or HookManager()
+        self.rules = list(rules)
+        self.guard: DeepSpeedGuard | None = None
+
+    def start_guard(self, engine: Any, config: StabilityConfig | None = None, sinks: Sequence[Sink] = ()) -> None:
+        """Guard ``engine`` (a guard of an earlier run closed first); ``sinks`` beside the user's."""
+        self.close_guard()
+        cfg = config or self.config
+        self.guard = DeepSpeedGuard(engine, cfg, sinks=[*self.sinks, *sinks], hooks=self.hooks, rules=self.rules)
+
+    def close_guard(self) -> None:
+        """The run is over: the guard's last row and summary, its routes undone, the sinks closed."""
+        if self.guard is not None:
+            self.guard.close()

@@ -1,16 +1,6 @@
-"""FabricGuard: ``StabilityGuard`` for Lightning Fabric loops.
-
-    model, optimizer = fabric.setup(model, optimizer)
-    guard = FabricGuard(fabric, model, optimizer, scheduler=scheduler, config=cfg)
-    guard.backward(loss)   # fabric.backward: the precision plugin scales the loss
-    guard.step()           # norms after Fabric's unscale, clip, skip or Fabric's optimizer step
-    guard.zero_grad()
-
-The optimizer steps through Fabric (strategy, precision plugin, GradScaler step and update), with
-the step routed through the guard's engine, so a skipped step never reaches the optimizer. Fabric's
-GradScaler (``precision="16-mixed"``) is found on its precision plugin. Under DDP and FSDP every
-rank takes the same, all-reduced skip decision. Metrics also go to ``fabric.loggers``. Save the
-guard with the rest: ``fabric.save(path, {"model": model, "optimizer": optimizer, "guard": guard})``.
+"""FabricGuard: ``StabilityGuard`` over ``fabric.backward`` and Fabric's optimizer step (strategy, precision
+plugin, GradScaler), routed through the guard so a skipped step never reaches the optimizer. Metrics also
+go to ``fabric.loggers``; save the guard with the rest in ``fabric.save``.
 """
 
 from __future__ import annotations

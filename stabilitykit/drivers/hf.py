@@ -1,29 +1,18 @@
 """StabilityTrainerCallback: the Hugging Face ``Trainer``'s hooks mapped onto the driver base.
 
-One line: ``stabilize(trainer, config)`` (or ``StabilityTrainerCallback(config).attach(trainer)``).
-
-* ``accelerator.backward`` records each micro-batch's loss as backpropagated (the Trainer has
-  already divided it by the accumulation steps): no change to ``compute_loss``.
-* ``accelerator.clip_grad_norm_``, which the Trainer calls once per optimizer step on the final,
-  accumulated grads before anything clips them, is where the engine measures, clips and decides.
-  The Trainer's own ``grad_norm`` log is then the true pre-clip norm, and ``max_grad_norm`` (when
-  stabilitykit does not clip) is applied from that same norm, with no second pass.
-* the optimizer's step is routed through the engine (``AcceleratedOptimizer`` and its GradScaler
-  included); the LR scheduler is held on skipped steps by a class swap that leaves its saved
-  state alone, so ``save_steps`` checkpoints keep working.
-* ``on_step_end``: events and sinks; the metrics of a logging step are merged into the Trainer's
-  own log entry at its ``logging_steps`` (so ``log_history`` and every ``report_to``
-  integration get them), and each event is a log entry ``<prefix>/events/<kind>``.
-* the engine's state rides in ``trainer_state.json`` through the Trainer's stateful-callback
-  mechanism and is restored by ``resume_from_checkpoint``.
-
-Requires the ``transformers`` extra: ``pip install 'stabilitykit[transformers]'``.
+``stabilize(trainer, config)``. ``accelerator.backward`` records each micro-batch's loss;
+``accelerator.clip_grad_norm_`` (called once per optimizer step on the final grads, before anything
+clips them) is where the step is measured, clipped and decided, so the Trainer's ``grad_norm`` is the
+pre-clip norm and ``max_grad_norm`` is applied from it; the optimizer's step is routed, the LR scheduler
+held on skips; metrics and events join the Trainer's own log entries (``sinks/trainers.py``); the state
+rides in ``trainer_state.json`` (``hf_attach.py``). Needs ``pip install 'stabilitykit[transformers]'``.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -37,62 +26,33 @@ from stabilitykit.drivers._extras import missing
 from stabilitykit.drivers.base import Driver
 from stabilitykit.engine.cadence import TrainerAlignedEngine
 from stabilitykit.engine.step import StabilityEngine
-from stabilitykit.events import Event
 from stabilitykit.grads import CLIP_EPS, apply_clip_coefficient, clip_coefficient, device_groups
 from stabilitykit.report import StepReport
 from stabilitykit.rules import SkipRule
 from stabilitykit.run_log import RunSummary
 from stabilitykit.sinks.base import Sink
-from stabilitykit.sinks.wandb import ALERT_KINDS, send_alert
+from stabilitykit.sinks.trainers import TrainerLogs
+from stabilitykit.sinks.wandb import ALERT_KINDS
 
 try:
     from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
     from stabilitykit.drivers.accelerate import route_accelerated_step
-    from stabilitykit.drivers.hf_attach import AttachedCallback, from_json, to_json
+    from stabilitykit.drivers.hf_attach import AttachedCallback
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise missing("stabilitykit.drivers.hf", "transformers", "transformers accelerate") from exc
 
 __all__ = ["StabilityTrainerCallback", "stabilize"]
 
-#: Event kinds kept out of the Trainer's logs (the device's precision advice is not a training event).
-_NOT_LOGGED = ("precision",)
-
-
 #: The key, in the saved state, of the steps the Trainer's max_grad_norm clipped.
 _TRAINER_CLIPPED = "trainer_clipped"
-#: What the Trainer's console shows of our keys with ``console="short"`` (besides the events).
-CONSOLE_KEYS = ("grad_norm/total", "skipped/total", "nonfinite/total")
 #: ``console=``: "short" prints the keys a person reads, "all" every key.
 ConsoleMode = Literal["short", "all"]
-
-
-def _event_value(event: Event) -> float:
-    """An event's value in the Trainer's logs: 1, or the grad norm's z-score when that z-score itself
-    raised a spike warning (then at least ``z_warning``). A warning raised by a layer or a
-    precursor logs 1: the total's z-score may then be low or negative, which reads as no spike."""
-    if event.kind == "spike_warning" and event.details.get("signal") == "grad_norm":
-        return float(event.details.get("z", 1.0))
-    return 1.0
 
 
 # ---------------------------------------------------------------------- the Trainer's cadence
 class _FirstStepEngine(TrainerAlignedEngine):
     log_first_step = True
-
-
-class _TrainerLogs:
-    """A sink that holds one logging step's metrics until the Trainer writes its log entry."""
-
-    def __init__(self) -> None:
-        self.metrics: dict[str, float] = {}
-        self.events: list[Event] = []
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        self.metrics = dict(metrics)
-
-    def log_event(self, event: Event) -> None:
-        self.events.append(event)
 
 
 class StabilityTrainerCallback(AttachedCallback):
@@ -121,9 +81,10 @@ class StabilityTrainerCallback(AttachedCallback):
         self.driver = Driver(config, sinks=sinks, rules=rules, final_row=False)  # the Trainer's own rows only
         self.config = self.driver.config
         self.hooks = self.driver.hooks
-        self.logs = _TrainerLogs()
+        kinds = ALERT_KINDS if alerts is True else [] if alerts is False else alerts
+        self.logs = TrainerLogs(self.config.metric_prefix, kinds)  # the Trainer's log entries, W&B alerts
         self.hooks.add_sink(self.logs)
-        self.alert_on: set[str] = set(ALERT_KINDS if alerts is True else [] if alerts is False else alerts)
+        self.alert_on = self.logs.alerts
         self.log_events = log_events
         if console not in ("short", "all"):
             raise ValueError(f"console={console!r}: expected 'short' or 'all'")
@@ -157,7 +118,7 @@ class StabilityTrainerCallback(AttachedCallback):
                 "use stabilitykit.integrations.stabilize(trainer, config), which guards the DeepSpeed engine"
             )
         # an exception still ends the run (sinks closed); the route stays for the callback's life (``detach``)
-        self.driver.patch(trainer, "train", self._train_route(), lasting=True)
+        self.driver.patch(trainer, "train", self._train, lasting=True)
         self.bind(trainer)
         return self
 
@@ -181,18 +142,13 @@ class StabilityTrainerCallback(AttachedCallback):
         does the same from a model's forward or ``compute_loss`` without a handle on the callback."""
         self.driver.record(name, value, reduce)
 
-    def _train_route(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        def route(original: Callable[..., Any]) -> Callable[..., Any]:
-            def train(*args: Any, **kwargs: Any) -> Any:
-                try:
-                    return original(*args, **kwargs)
-                except BaseException:
-                    self.driver.end_run()  # the run ends here: wrappers undone, sinks closed
-                    raise
-
-            return train
-
-        return route
+    def _train(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``trainer.train``: a run that raises ends here (wrappers undone, sinks closed)."""
+        try:
+            return original(*args, **kwargs)
+        except BaseException:
+            self.driver.end_run()
+            raise
 
     @property
     def last_report(self) -> StepReport | None:
@@ -215,27 +171,25 @@ class StabilityTrainerCallback(AttachedCallback):
         (engine,) = self.driver.build_engines(
             trainer.model, [trainer.optimizer], config, scaler=accelerator.scaler, engine_cls=engine_cls
         )
-        saved = self.saved_state or self.saved_in(state, "saved_state")
-        self.saved_state = None
+        saved = self.resumed_state(state, engine.device)
         self._trainer_clipped = None
-        if saved and state.global_step > 0:
-            saved = dict(saved)
+        if saved:
             clipped = int(saved.pop(_TRAINER_CLIPPED, 0))
-            self.driver.load_state_dict(from_json(saved, engine.device))
+            self.driver.load_state_dict(saved)
             self._trainer_clipped = torch.tensor(clipped, device=engine.device)
         self._global_step = state.global_step
         self.driver.route_steps(lambda engine: route_accelerated_step(self.driver.routes, engine, trainer.optimizer))
         if trainer.lr_scheduler is not None:  # the Trainer steps it: held on skipped steps, restored by recovery
             self.driver.add_scheduler(trainer.lr_scheduler, stepped_here=False)
-        self.driver.patch(accelerator, "backward", self._backward_route(accelerator))
+        self.driver.patch(accelerator, "backward", functools.partial(self._backward, accelerator))
         if engine.rerun is not None:  # what a rerun computes again: the Trainer's step
-            self.driver.patch(trainer, "training_step", self._step_route())
+            self.driver.patch(trainer, "training_step", self._training_step)
             engine.rerun.watch_local_grads(trainer.model_wrapped)  # the Accelerator's DDP wrapper, if any
-        self.driver.patch(accelerator, "clip_grad_norm_", self._clip_route(accelerator))
-        self.driver.patch(trainer, "log", self._log_route(trainer))
+        self.driver.patch(accelerator, "clip_grad_norm_", functools.partial(self._clip_grad_norm, accelerator))
+        self.driver.patch(trainer, "log", self._log)
         for printer in trainer.callback_handler.callbacks:  # the console: no per-layer keys
             if type(printer).__name__ in ("ProgressCallback", "PrinterCallback"):
-                self.driver.patch(printer, "on_log", self._console_route())
+                self.driver.patch(printer, "on_log", functools.partial(self._on_log, self.logs.console_keys()))
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -253,62 +207,30 @@ class StabilityTrainerCallback(AttachedCallback):
         callback itself stays in the Trainer's list: remove it with ``trainer.remove_callback``)."""
         self.driver.release(lasting=True)
 
-    def _console_route(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """The Trainer's console printers get each log entry cut to what a person reads (every
-        ``report_to`` integration, and ``trainer.state.log_history``, still get every key).
-
-        ``console="short"`` (default): the Trainer's own keys (loss, grad_norm, learning_rate, ...),
-        and of ours the total grad norm, the skip and non-finite counts and the events; ``"all"``:
-        every key, as the Trainer prints them without stabilitykit.
-        """
-        prefix = f"{self.config.metric_prefix}/".lstrip("/")
-        shown = {f"{prefix}{name}" for name in CONSOLE_KEYS}
-        events = f"{prefix}events/"
-
-        def ours(key: str) -> bool:
-            return key.startswith(prefix) if prefix else "/" in key
-
-        def keep(key: str) -> bool:
-            return not ours(key) or key in shown or key.startswith(events)
-
-        def route(original: Callable[..., Any]) -> Callable[..., Any]:
-            def on_log(*args: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-                if logs is not None and self.console == "short":
-                    logs = {k: v for k, v in logs.items() if keep(k)}
-                return original(*args, logs=logs, **kwargs)
-
-            return on_log
-
-        return route
-
     # ------------------------------------------------------------------ the routes
-    def _backward_route(self, accelerator: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        def route(original: Callable[..., Any]) -> Callable[..., Any]:
-            def backward(loss: Tensor, **kwargs: Any) -> Any:
-                if self.engine is not None:  # the loss as backpropagated (Accelerate divides by its own steps)
-                    self.engine.inputs.add_loss(loss.detach() / accelerator.gradient_accumulation_steps)
-                return original(loss, **kwargs)
+    def _on_log(self, keep: Callable[[str], bool], original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A console printer's ``on_log``: with ``console="short"`` each entry cut to what a person reads
+        (``TrainerLogs.console_keys``); every ``report_to`` integration and ``log_history`` get every key."""
+        logs = kwargs.get("logs")
+        if logs is not None and self.console == "short":
+            kwargs["logs"] = {k: v for k, v in logs.items() if keep(k)}
+        return original(*args, **kwargs)
 
-            return backward
+    def _backward(self, accelerator: Any, original: Callable[..., Any], loss: Tensor, **kwargs: Any) -> Any:
+        """``accelerator.backward``: the loss recorded as backpropagated (divided by the accumulation steps)."""
+        if self.engine is not None:
+            self.engine.inputs.add_loss(loss.detach() / accelerator.gradient_accumulation_steps)
+        return original(loss, **kwargs)
 
-        return route
-
-    def _step_route(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """Keep the micro-batch's ``training_step`` call (a shallow copy of its inputs: ``compute_loss`` may
-        pop the labels) and take the random state it starts with: a rerun calls it again."""
-
-        def route(original: Callable[..., Any]) -> Callable[..., Any]:
-            def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-                engine = self.engine
-                if engine is not None and engine.rerun is not None:
-                    engine.rerun.start_step()
-                    kept = copy.copy(inputs)
-                    self._rerun_step = lambda: original(model, copy.copy(kept), *args, **kwargs)
-                return original(model, inputs, *args, **kwargs)
-
-            return training_step
-
-        return route
+    def _training_step(self, original: Callable[..., Any], model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        """``trainer.training_step`` (``config.rerun``): the call kept (a shallow copy of its inputs:
+        ``compute_loss`` may pop the labels) and its random state taken, so a rerun calls it again."""
+        engine = self.engine
+        if engine is not None and engine.rerun is not None:
+            engine.rerun.start_step()
+            kept = copy.copy(inputs)
+            self._rerun_step = lambda: original(model, copy.copy(kept), *args, **kwargs)
+        return original(model, inputs, *args, **kwargs)
 
     def _rerun_args(self) -> dict[str, Any]:
         """``Driver.decide``'s rerun arguments: the Trainer's own step again (forward, and backward through
@@ -316,22 +238,20 @@ class StabilityTrainerCallback(AttachedCallback):
         step, self._rerun_step = self._rerun_step, None
         return {} if step is None else {"rerun_replay": step, "backward": lambda _loss: None}
 
-    def _clip_route(self, accelerator: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        def route(original: Callable[..., Any]) -> Callable[..., Any]:
-            def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
-                engine = self.engine
-                if engine is None or engine.in_flight is not None or not accelerator.sync_gradients:
-                    return original(parameters, max_norm, norm_type)
-                decision = self.driver.decide(engine, log_step=self._global_step + 1, **self._rerun_args())
-                norm = decision.report.grad_norm
-                if max_norm is not None and math.isfinite(max_norm) and max_norm > 0:
-                    self._trainer_clip(engine, norm, float(max_norm))
-                    self._count_trainer_clip(norm, float(max_norm), decision.report.skipped)
-                return norm
-
-            return clip_grad_norm_
-
-        return route
+    def _clip_grad_norm(
+        self, accelerator: Any, original: Callable[..., Any], parameters: Any, max_norm: float, norm_type: float = 2
+    ) -> Any:
+        """``accelerator.clip_grad_norm_`` on the final grads: the step measured, clipped and decided here;
+        ``max_grad_norm`` applied from that norm; the pre-clip norm returned (the Trainer logs it)."""
+        engine = self.engine
+        if engine is None or engine.in_flight is not None or not accelerator.sync_gradients:
+            return original(parameters, max_norm, norm_type)
+        decision = self.driver.decide(engine, log_step=self._global_step + 1, **self._rerun_args())
+        norm = decision.report.grad_norm
+        if max_norm is not None and math.isfinite(max_norm) and max_norm > 0:
+            self._trainer_clip(engine, norm, float(max_norm))
+            self._count_trainer_clip(norm, float(max_norm), decision.report.skipped)
+        return norm
 
     def _count_trainer_clip(self, norm: Tensor, max_norm: float, skipped: Tensor) -> None:
         """Count a step ``max_grad_norm`` clipped (finite norm above it, step not skipped), on the
@@ -358,17 +278,12 @@ class StabilityTrainerCallback(AttachedCallback):
         coef = clip_coefficient(norm, max_norm, finite=torch.isfinite(max_norm / (norm + CLIP_EPS)))
         apply_clip_coefficient([[grads[i] for i in group] for group in device_groups(grads)], coef)
 
-    def _log_route(self, trainer: Trainer) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        def route(original: Callable[..., Any]) -> Callable[..., Any]:
-            def log(logs: dict[str, float], *args: Any, **kwargs: Any) -> Any:
-                if "loss" in logs and self.logs.metrics:  # the Trainer's training log entry
-                    logs.update(self.logs.metrics)
-                    self.logs.metrics = {}
-                return original(logs, *args, **kwargs)
-
-            return log
-
-        return route
+    def _log(self, original: Callable[..., Any], logs: dict[str, float], *args: Any, **kwargs: Any) -> Any:
+        """``trainer.log``: a logging step's metrics join the Trainer's training log entry."""
+        if "loss" in logs and self.logs.metrics:
+            logs.update(self.logs.metrics)
+            self.logs.metrics = {}
+        return original(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ the step
     def on_pre_optimizer_step(
@@ -397,29 +312,13 @@ class StabilityTrainerCallback(AttachedCallback):
         self._write_events(merge=bool(control.should_log))
 
     def _write_events(self, merge: bool = False, at_end: TrainerState | None = None) -> None:
-        """Each event as ``<prefix>/events/<kind>`` (and ``..._step``, the 0-based optimizer step).
-
-        On a step the Trainer logs, they join its log entry (a log call of our own would reset
-        ``control.should_log`` and drop the Trainer's); at the end of training they join the run's
-        summary entry (``log_history[-1]`` keeps ``train_loss``); otherwise they are a log entry of
-        their own.
-        """
-        events, self.logs.events = self.logs.events, []
-        events = [e for e in events if e.kind not in _NOT_LOGGED]
-        if not events:
-            return
-        for event in events:
-            if event.kind in self.alert_on:
-                _page(event)
+        """The events since the last step as Trainer log keys (``TrainerLogs.take_events``): joined to the log
+        entry of a step the Trainer logs (a log call of our own would reset ``control.should_log``), to the run's
+        summary entry at the end (``log_history[-1]`` keeps ``train_loss``), else a log entry of their own."""
+        entry = self.logs.take_events(self.log_events)
         trainer = self.bound_trainer()
-        if not self.log_events or trainer is None:
+        if entry is None or trainer is None:
             return
-        prefix = self.config.metric_prefix
-        entry: dict[str, float] = {}
-        for event in events:
-            key = f"{prefix}/events/{event.kind}".lstrip("/")
-            entry[key] = _event_value(event)
-            entry[f"{key}_step"] = float(event.step)
         if merge:
             self.logs.metrics.update(entry)
         elif at_end is not None and at_end.log_history:
@@ -430,18 +329,10 @@ class StabilityTrainerCallback(AttachedCallback):
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
         """What the Trainer writes into ``trainer_state.json`` at each checkpoint (JSON values only)."""
-        saved = to_json(self.driver.state_dict()) if self.engine is not None else None
+        saved = self.driver.state_dict() if self.engine is not None else None
         if saved is not None and self._trainer_clipped is not None:
             saved[_TRAINER_CLIPPED] = int(self._trainer_clipped)  # a checkpoint: syncs anyway
-        return {"args": {"restore_into_attached": True}, "attributes": {"saved_state": saved}}
-
-
-def _page(event: Event) -> None:
-    """A W&B alert on the active run, made as ``WandbSink`` makes them; never stops training."""
-    try:
-        send_alert(event)
-    except Exception as exc:
-        warnings.warn(f"stabilitykit: W&B alert failed: {exc!r}", RuntimeWarning, stacklevel=3)
+        return self.exported(saved)
 
 
 def stabilize(

@@ -1,26 +1,20 @@
 """The Hugging Face Trainer drivers' one attach and restore path (with and without ``deepspeed=``).
 
-* ``AttachedCallback``: a ``TrainerCallback`` bound to one Trainer by ``attach``; the Trainer's
-  callback-state restore (``restore_callback_states_from_checkpoint=True`` rebuilds each callback
-  as ``type(cb)(**saved_args)``) gets the attached callback back, so its binding, config and sinks
-  survive and the saved state is restored into it; ``saved_in`` finds a resumed run's saved state.
-* ``to_json`` / ``from_json``: the driver state as strict JSON values, for ``trainer_state.json``.
-
-``drivers/hf.py`` and ``drivers/deepspeed_hf.py`` both build on it; neither imports the other at
-import time (``stabilize`` picks the DeepSpeed one on first use).
+``AttachedCallback`` is bound to one Trainer by ``attach``; the Trainer's callback-state restore
+(``type(cb)(**saved_args)``) gets that same callback back, and ``resumed_state``/``exported`` carry the
+saved state through ``trainer_state.json``.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from stabilitykit.drivers._extras import missing
+from stabilitykit.state import from_json, to_json
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -36,6 +30,8 @@ class AttachedCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
     """A Trainer callback bound to one Trainer, that the Trainer's callback-state restore hands back."""
 
     _trainer: weakref.ReferenceType[Trainer] | None = None
+    #: The attribute that holds the saved state: ``state()`` exports it, the callback-state restore sets it.
+    saved_key = "saved_state"
 
     def __new__(cls, *args: Any, restore_into_attached: bool = False, **kwargs: Any) -> AttachedCallback:
         """``restore_into_attached``: the Trainer is restoring callback states from a checkpoint: hand back
@@ -76,42 +72,14 @@ class AttachedCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
             return None
         return entry.get("attributes", {}).get(key)
 
+    def resumed_state(self, state: Any, device: torch.device) -> Any:
+        """On a resumed run (``global_step > 0``), the state this callback saved (handed back by the Trainer's
+        callback-state restore, else read from ``state``), tensors on ``device``; else None. Taken once."""
+        saved = getattr(self, self.saved_key, None) or self.saved_in(state, self.saved_key)
+        setattr(self, self.saved_key, None)
+        return from_json(saved, device) if saved and state.global_step > 0 else None
 
-def _json_float(x: float) -> float | str:
-    """A float strict JSON can hold: non-finite values as "nan", "inf", "-inf" (``json`` would write NaN)."""
-    return x if math.isfinite(x) else str(x)
-
-
-def to_json(value: Any) -> Any:
-    """A driver's state as strict JSON values (tensors become tagged lists; every float32 survives
-    exactly; NaN and infinities become the strings "nan", "inf", "-inf", never JSON's invalid NaN)."""
-    if isinstance(value, Tensor):
-        t = value.detach().cpu()
-        data = t.float().reshape(-1).tolist() if t.is_floating_point() else t.reshape(-1).tolist()
-        return {
-            "__tensor__": [_json_float(x) for x in data] if t.is_floating_point() else data,
-            "dtype": str(t.dtype).removeprefix("torch."),
-            "shape": list(t.shape),
-        }
-    if isinstance(value, Mapping):
-        return {str(k): to_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_json(v) for v in value]
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {"__float__": str(value)}
-    return value
-
-
-def from_json(value: Any, device: torch.device | None = None) -> Any:
-    """Undo ``to_json``."""
-    if isinstance(value, Mapping):
-        if "__tensor__" in value:
-            dtype = getattr(torch, value["dtype"])
-            data = [float(x) if isinstance(x, str) else x for x in value["__tensor__"]]
-            return torch.tensor(data, dtype=dtype, device=device).reshape(value["shape"])
-        if "__float__" in value:
-            return float(value["__float__"])
-        return {k: from_json(v, device) for k, v in value.items()}
-    if isinstance(value, list):
-        return [from_json(v, device) for v in value]
-    return value
+    def exported(self, saved: Any) -> dict[str, Any]:
+        """What the Trainer writes into ``trainer_state.json`` for ``saved`` (JSON values only)."""
+        attributes = {self.saved_key: to_json(saved) if saved else None}
+        return {"args": {"restore_into_attached": True}, "attributes": attributes}

@@ -1,16 +1,9 @@
 """StabilityCallback: Lightning's hooks mapped onto the driver base, one engine per optimizer.
 
-* ``on_train_batch_start``: the data guard (OR-ed over the micro-batches of a step).
-* ``on_before_backward``: the micro-batch loss is recorded (device tensor, no sync).
-* ``on_before_optimizer_step``: grads are final (after accumulation, DDP reduction and the
-  precision plugin's unscale, before clipping): the engine measures, clips and decides.
-* each optimizer's ``step`` is routed through its engine at fit start (a skipped step never reaches
-  the optimizer; fused optimizers get the skip in ``found_inf``), and step-interval LR schedulers
-  are held on skipped steps without touching their saved state. ``training_step`` never returns
-  None, so nothing hangs under DDP: every rank takes the same, all-reduced decision.
-* ``on_train_batch_end``: events, sinks, the divergence check.
-
-Every wrapper is undone at fit end, on an exception and at teardown. Requires the ``lightning`` extra.
+``on_train_batch_start``: the data guard; ``on_before_backward``: the loss recorded;
+``on_before_optimizer_step`` (grads final, unscaled, before clipping): measure, clip, decide; each
+optimizer's ``step`` routed, step-interval schedulers held on skips; ``on_train_batch_end``: events and
+sinks. Every wrapper is undone at fit end, on an exception and at teardown.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""StabilityGuard: the driver for plain PyTorch loops, on the driver base (one engine per optimizer).
+"""StabilityGuard: the driver for plain PyTorch loops (``backward``, ``step``, ``zero_grad``), on the base.
 
-guard.backward(loss)   # scaled when a GradScaler is given; call it once per micro-batch
-report = guard.step()  # unscale once, norms, clip, skip or step, scheduler, scaler.update()
-guard.zero_grad()
-
-With several optimizers (GANs, alternating updates) each one is guarded on its own: its own skip
-decision, its own step count and logging cadence, metrics under ``<prefix>/opt<i>/``; name the
-optimizer in ``step(optimizer)``. The Accelerate, Fabric and DeepSpeed drivers
-(``stabilitykit.drivers.accelerate``, ``.fabric``, ``.deepspeed``) are subclasses that only change
-how the loss is backpropagated and how the framework's optimizer steps.
+Several optimizers are each guarded on their own (``step(optimizer=...)``). Accelerate, Fabric and
+DeepSpeed subclass it and change only how the loss is backpropagated and how the optimizer steps.
 """
 
 from __future__ import annotations

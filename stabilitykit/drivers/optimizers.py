@@ -1,8 +1,5 @@
-"""The optimizer a driver guards: looked up through framework wrappers, its parameters, and what is refused.
-
-Every check names the culprit and the fix, at construction (``drivers/base.py``) and again when a
-param group is added mid-run.
-"""
+"""The optimizer a driver guards: found through framework wrappers, its parameters, and what is refused by
+name (at construction and when a param group is added mid-run)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
-"""The earlier import paths of the framework drivers, which now live in ``stabilitykit.drivers``.
-
-* ``stabilitykit.drivers.hf``: ``StabilityTrainerCallback`` / ``stabilize(trainer)`` for the Hugging
-  Face ``Trainer`` (``pip install 'stabilitykit[transformers]'``).
-* ``stabilitykit.drivers.accelerate``: ``AccelerateGuard`` for hand-written Accelerate loops
-  (``pip install 'stabilitykit[accelerate]'``).
-* ``stabilitykit.drivers.fabric``: ``FabricGuard`` for Lightning Fabric (``pip install 'stabilitykit[lightning]'``).
-* ``stabilitykit.drivers.deepspeed``: ``DeepSpeedGuard`` for loops over a DeepSpeed engine, ZeRO
-  stages 0-3 (``pip install 'stabilitykit[deepspeed]'``).
-
-``from stabilitykit.integrations import AccelerateGuard`` (and the submodules here) keep working.
-Nothing is imported until used: ``import stabilitykit`` never needs these frameworks, and
-``from stabilitykit.integrations import AccelerateGuard`` imports only Accelerate.
-"""
+"""The earlier import paths of the framework drivers, which live in ``stabilitykit.drivers``: each name is
+imported on first use, so ``import stabilitykit`` never needs a framework."""
 
 from __future__ import annotations
 
