@@ -371,6 +371,15 @@ def coerce_config(config: Any) -> StabilityConfig:
     )
 
 
+def refuse_two_clippers(config: StabilityConfig, setting: str, value: float | None, fix: str) -> None:
+    """A framework's own clipping (``setting=value`` above 0) and stabilitykit's both on: refused, naming both."""
+    if value and value > 0 and config.clip.mode != "off":
+        raise ValueError(
+            f"{setting}={value} and stabilitykit's ClipConfig(mode={config.clip.mode!r}) both clip gradients; "
+            f"keep one: {fix} (stabilitykit then clips, GradScaler-aware) or set ClipConfig(mode='off')"
+        )
+
+
 _WARNED: set[str] = set()
 
 

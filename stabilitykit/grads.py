@@ -466,6 +466,17 @@ def apply_clip_coefficient(grouped_grads: Sequence[Sequence[Tensor]], coef: Tens
             torch._foreach_mul_(list(grads), coef.to(grads[0].device))
 
 
+def clip_to_norm(grads: Sequence[Tensor], norm: Tensor, max_norm: float) -> Tensor:
+    """Clip ``grads`` in place to ``max_norm`` from their measured total ``norm``, as torch's ``clip_grad_norm_``
+    does (an Inf norm zeroes them; only a NaN coefficient leaves them); returns whether a finite norm was
+    above ``max_norm`` (a device bool)."""
+    coef_finite = torch.isfinite(max_norm / (norm + CLIP_EPS))
+    if grads:
+        coef = clip_coefficient(norm, max_norm, finite=coef_finite)
+        apply_clip_coefficient([[grads[i] for i in group] for group in device_groups(grads)], coef)
+    return torch.isfinite(norm) & (max_norm / (norm + CLIP_EPS) < 1)
+
+
 def _as_param_list(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:
     if isinstance(parameters, Tensor):
         return [parameters]

@@ -34,12 +34,9 @@ __all__ = ["AccelerateGuard"]
 
 
 def route_accelerated_step(routes: StepRoutes, engine: StabilityEngine, optimizer: Any) -> Callable[[], None]:
-    """Route ``optimizer.step`` through ``engine``, also when it is an ``AcceleratedOptimizer`` with a GradScaler.
-
-    Such an optimizer keeps the inner optimizer's ``step`` it captured when it was built and calls
-    that one inside ``scaler.step``; after the engine's route is installed, the optimizer re-captures
-    through its own pickling protocol (``__getstate__`` / ``__setstate__``), and again after the undo.
-    Returns the undo.
+    """Route ``optimizer.step`` through ``engine``, also in an ``AcceleratedOptimizer`` with a GradScaler,
+    which calls the inner ``step`` it captured when built: it re-captures (``__getstate__`` /
+    ``__setstate__``) after the route and after the undo. Returns the undo.
     """
     undo_wrap = routes.route(engine, optimizer)
     recapture = isinstance(optimizer, AcceleratedOptimizer) and optimizer.scaler is not None
@@ -55,11 +52,10 @@ def route_accelerated_step(routes: StepRoutes, engine: StabilityEngine, optimize
 
 
 class AccelerateGuard(StabilityGuard):
-    """The plain-loop guard that understands ``accelerator.accumulate`` and Accelerate's wrappers.
+    """The plain-loop guard that follows ``accelerator.accumulate`` and Accelerate's wrappers.
 
-    ``model``, ``optimizer`` and ``scheduler`` are the objects ``accelerator.prepare`` returned.
-    ``scaler``: defaults to ``accelerator.scaler`` (fp16 mixed precision on a GPU; None otherwise).
-    ``log_to_trackers``: also send metrics to ``accelerator.log`` (the trackers of ``init_trackers``).
+    ``model``, ``optimizer``, ``scheduler``: what ``accelerator.prepare`` returned. ``scaler``: default
+    ``accelerator.scaler``. ``log_to_trackers``: metrics to ``accelerator.log`` too.
     """
 
     follows_accumulation = True
@@ -107,12 +103,8 @@ class AccelerateGuard(StabilityGuard):
         *,
         optimizer: Any | None = None,
     ) -> StepReport | None:
-        """On the micro-batch that syncs grads: measure, clip, step or skip (the report); else None.
-
-        Call it on every micro-batch inside ``accelerator.accumulate``, as you would
-        ``optimizer.step()``: partial grads are never read and only optimizer steps are counted. Accelerate's
-        optimizer step updates its GradScaler itself (there is no ``update_scaler`` to pass).
-        """
+        """On the micro-batch that syncs grads: measure, clip, step or skip (the report); else None. Call it
+        on every micro-batch inside ``accelerator.accumulate``; Accelerate's step updates its GradScaler."""
         if not self.sync_gradients:
             return None
         return super().step(replay, optimizer=optimizer)

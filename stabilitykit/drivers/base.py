@@ -51,13 +51,10 @@ def active_drivers() -> list[Driver]:
 def record(name: str, value: Tensor | float, reduce: str = "mean") -> None:
     """Record a metric for the step in flight in the running driver (no host sync).
 
-    For code that has no handle on its driver: a loss function, a model's forward (an MoE router's
-    load-balance loss or entropy), a Lightning ``training_step``, a Trainer's ``compute_loss``.
-    ``reduce``: how ranks agree on it ("mean", "sum", "max", "min"; "any"/"all" for flags). The value
-    is logged as ``<prefix>/metrics/<name>`` at logging steps, seen by skip rules as
-    ``values[name]`` (this rank's) and watched by the spike detector. Without a running driver it
-    does nothing. With several drivers open at once (two guards in one process), it goes to the one
-    started last; record into another with its own ``record``.
+    For code with no handle on its driver (a loss function, a model's forward, ``training_step``,
+    ``compute_loss``). ``reduce``: how ranks agree on it ("mean", "sum", "max", "min", "any", "all").
+    Logged as ``<prefix>/metrics/<name>``, seen by skip rules as ``values[name]`` and by the spike
+    detector; nothing without a running driver; the driver started last gets it.
     """
     drivers = active_drivers()
     if drivers:
@@ -127,9 +124,8 @@ class Driver:
         engine_cls: type[StabilityEngine] = StabilityEngine,
         names: Sequence[str] | None = None,
     ) -> list[StabilityEngine]:
-        """One engine per optimizer (metrics under ``<prefix>/opt<i>`` when there are several; the model's
-        monitor hooks, the tracer and the precision setup with the first); a state loaded earlier is
-        restored into them; the run is then active for ``record``."""
+        """One engine per optimizer (several: metrics under ``<prefix>/opt<i>``; monitors, tracer and precision
+        with the first); a state loaded earlier is restored; the run is then active for ``record``."""
         base = config or self.config
         warn_contradictions(base)
         refuse_several_optimizers(base.recovery, len(optimizers))
@@ -215,19 +211,16 @@ class Driver:
         self._undo.append((undo, False))
 
     def route_steps(self, router: Callable[[StabilityEngine], Callable[[], None] | None] | None = None) -> None:
-        """Each engine's optimizer ``step`` routed through it for the run (``router(engine)`` installs a
-        framework's own route and returns its undo, or None when it patched through ``patch`` /
-        ``replace``; default ``StepRoutes.route``)."""
+        """Each engine's optimizer ``step`` routed through it for the run (``router(engine)``: a framework's
+        own route, returning its undo or None; default ``StepRoutes.route``)."""
         for engine in self.engines:
             undo = router(engine) if router is not None else self.routes.route(engine, engine.optimizer)
             if undo is not None:
                 self.on_release(undo)
 
     def add_scheduler(self, scheduler: Any, *, stepped_here: bool) -> None:
-        """``scheduler`` drives one of the guarded optimizers: recovery saves and restores it with each
-        snapshot, and it is held on skipped steps. ``stepped_here``: this driver steps it
-        (``train_step``); else the framework does, and a class swap holds it (its saved state
-        untouched; undone at the end of the run)."""
+        """``scheduler`` drives a guarded optimizer: recovery restores it, and skips hold it, stepped here
+        (``stepped_here``: by ``train_step``) or, where the framework steps it, by a class swap."""
         engine = self.track_scheduler(scheduler)
         if engine is None:
             return
@@ -240,9 +233,8 @@ class Driver:
             self.on_release(lambda: release_scheduler(scheduler))
 
     def track_scheduler(self, scheduler: Any) -> StabilityEngine | None:
-        """``scheduler`` is saved and restored by recovery (a framework that holds it itself calls only
-        this); returns the engine of the optimizer it drives: the only one, the matching one, or (a
-        scheduler that names none) the first."""
+        """``scheduler`` is saved and restored by recovery; returns the engine of the optimizer it drives
+        (the only one, the matching one, or the first)."""
         engine: StabilityEngine | None = self.engines[0] if self.engines else None
         target = scheduler_target(scheduler) if len(self.engines) > 1 else None
         if target is not None:
@@ -281,11 +273,8 @@ class Driver:
         self._pending_losses = []
 
     def record(self, name: str, value: Tensor | float, reduce: str = "mean", *, optimizer: Any | None = None) -> None:
-        """Record a metric of the coming step (a 0-d device tensor; no sync): logged as
-        ``<prefix>/metrics/<name>`` at logging steps, agreed across ranks with ``reduce`` ("mean",
-        "sum", "max", "min", "any", "all"), seen by your skip rules (``values[name]``) and the spike
-        detector. Record every name from the first step on. With several optimizers it goes to the
-        named one, else to every one (see ``stabilitykit.record``)."""
+        """Record a metric of the coming step (a 0-d device tensor; no sync): see ``stabilitykit.record``.
+        Several optimizers: the named one, else every one. Record every name from the first step on."""
         self.check_open("record")
         targets = [self.engine_for(optimizer)] if optimizer is not None else self.engines
         for engine in targets:
@@ -300,11 +289,8 @@ class Driver:
         log_step: int | None = None,
         backward: Callable[[Tensor], None] | None = None,
     ) -> StepReport:
-        """One optimizer step, top to bottom, where the driver owns the whole step (the plain loop).
-
-        ``backward``: backpropagates a loss the way the driver does, for a rerun of a flagged step
-        (``config.rerun``); ``replay``, ``log_step``: see ``decide``.
-        """
+        """One optimizer step, top to bottom, where the driver owns the whole step (the plain loop);
+        ``backward`` backpropagates as the driver does, for a rerun; ``replay``, ``log_step``: see ``decide``."""
         if self._pending_losses:
             self.claim_losses(engine)  # 1. the losses of the micro-batches no optimizer claimed yet
         self.decide(engine, replay=replay, log_step=log_step, backward=backward)  # 2. measure ... clip
@@ -328,12 +314,10 @@ class Driver:
     ) -> StepDecision:
         """Grads are final: measure, agree, decide and clip this step (a step still in flight is finished first).
 
-        ``replay`` recomputes this batch's loss (forward only); with ``nan_trace.mode="on_nonfinite"``
-        a skipped step is replayed once to name where it went non-finite (one sync per step); with
-        ``config.rerun`` a flagged step is computed again through it (or ``rerun_replay``, a framework's
-        own training step) and ``backward`` (a driver that passes none does not re-run). ``log_step``:
-        the step number sinks see for this step (a framework's global step). Inside a step whose
-        closure already decided (a closure evaluated twice), that decision stands.
+        ``replay``: this batch's loss again (forward only), to name where a skipped step went non-finite
+        and, with ``backward`` (or ``rerun_replay``, a framework's own training step), to compute a flagged
+        step again (``config.rerun``). ``log_step``: the step number sinks see. A closure evaluated twice
+        keeps its first decision.
         """
         if engine.in_flight is not None:
             if id(engine) in self.routes.in_closure:
@@ -410,12 +394,8 @@ class Driver:
 
     # ------------------------------------------------------------------ end of run
     def summary(self) -> RunSummary:
-        """The run's totals (reads the steps since the last logging step first: one sync).
-
-        With several optimizers the first optimizer's totals, with ``optimizers``: one entry each.
-        Readable by key too (``guard.summary()["skipped"]``); ``.line()`` is the end-of-run line.
-        Reading it changes nothing ``close()`` writes. Empty before the run started.
-        """
+        """The run's totals (reads the steps since the last logging step first: one sync); empty before the
+        run. Several optimizers: the first's, with ``optimizers`` one entry each. ``.line()``: the end line."""
         if not self.engines:
             return RunSummary(0, 0, 0, 0.0, 0)
         rows = [engine_summary(engine) for engine in self.engines]
@@ -425,10 +405,8 @@ class Driver:
         return first
 
     def end_run(self, summary: RunSummary | None = None) -> None:
-        """The run is over (finished or raised): finish the step in flight, give the steps since the last
-        logging step their row, write the summary line (once), undo every patch and hook, close the
-        user's sinks. Idempotent; ``close()`` and ``with`` end it so. ``summary``: the line to write,
-        when the driver counts more than its engines do (the HF Trainer's own clipping)."""
+        """The run is over (finished or raised): the step in flight finished, the last steps folded and
+        logged, the summary line (``summary``: the driver's own), every patch undone, sinks closed. Idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -458,9 +436,8 @@ class Driver:
         self.close()
 
     def release(self, lasting: bool = False) -> None:
-        """Undo every patch and hook of the run, newest first (idempotent; the run may go on elsewhere;
-        nothing is closed); a routed step still reached runs unguarded and silently from now on.
-        ``lasting``: the patches that outlive a run too."""
+        """Undo every patch and hook of the run, newest first (idempotent; nothing is closed); a routed step
+        still reached runs unguarded. ``lasting``: also the patches that outlive a run."""
         self.routes.released = True
         kept: list[tuple[Callable[[], None], bool]] = []
         while self._undo:
@@ -480,9 +457,8 @@ class Driver:
         return driver_state(self.engines)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore ``state_dict``'s state: every optimizer's state is validated before any is loaded.
-        Before the engines exist (a framework restores callbacks first) it is kept and loaded into them
-        when the run starts; an empty state loads nothing."""
+        """Restore ``state_dict``'s state (``state.load_driver_state``); before the engines exist it is kept
+        and loaded when the run starts; an empty state loads nothing."""
         if not isinstance(state, Mapping):
             raise TypeError(f"stabilitykit state must be a mapping (from state_dict()), got {type(state).__name__}")
         if not self.engines:
@@ -492,10 +468,8 @@ class Driver:
 
 
 def _follow_param_groups(engine: StabilityEngine, model: nn.Module | None, counts: dict[int, int]) -> None:
-    """A param group added since the last step (Lightning's ``BaseFinetuning``, ``add_param_group``):
-    the engine measures the optimizer's new set from this step on. Frozen parameters are in the
-    set from the start, so unfreezing one (``requires_grad`` flipped) needs nothing here. ``counts``:
-    each engine's parameter count so far (by engine id)."""
+    """A param group added since the last step (``BaseFinetuning``, ``add_param_group``): the engine
+    measures the new set from now on (``counts``: each engine's parameter count, by engine id)."""
     count = sum(len(group["params"]) for group in engine.optimizer.param_groups)  # no call: every step pays it
     if count != counts.get(id(engine), count):
         params = optimizer_params(engine.optimizer)
@@ -520,11 +494,8 @@ def _close_engine(driver: Driver, engine: StabilityEngine) -> None:
 
 
 def guard_batch(engine: StabilityEngine, batch: Any) -> None:
-    """The data guard (``config.data``) on one micro-batch, for ``engine``'s coming step.
-
-    ``"raise"``: ``BadBatchError`` naming the path (one sync). ``"skip"``: a device flag, OR-ed
-    over every micro-batch of the step, skips the step when any was bad (no sync).
-    """
+    """The data guard (``config.data``) on one micro-batch for ``engine``'s coming step: ``"raise"``
+    raises ``BadBatchError`` (one sync); ``"skip"`` ORs a device flag over the step's micro-batches."""
     dcfg = engine.config.data
     if dcfg.mode == "skip":
         bad = batch_is_bad(batch, dcfg.num_classes, dcfg.label_keys)

@@ -15,6 +15,7 @@ from stabilitykit.drivers.optimizers import guarded_params, unwrap_optimizer
 from stabilitykit.engine.step import StabilityEngine, is_fused, reads_coming_step
 from stabilitykit.hooks import HookManager
 from stabilitykit.recovery.controller import Recovery
+from stabilitykit.recovery.snapshot import guard_snapshot, restore_guard_snapshot
 from stabilitykit.replicas import ReplicaCheck
 from stabilitykit.rerun import Rerun
 from stabilitykit.rules import SkipRule
@@ -37,12 +38,10 @@ def build_engine(
 ) -> StabilityEngine:
     """The engine guarding ``optimizer`` (framework wrappers looked through), everything attached.
 
-    ``tracing``: this engine owns the NaN tracer's hooks (the first optimizer's). ``extra_group``: a
-    process group the norms also sum over (pipeline stages). ``engine_cls``: a ``StabilityEngine``
-    subclass for a framework that logs on another cadence. ``names``: the parameters' names where the
-    model cannot give them (DeepSpeed's stand-ins). ``rules``: the user's skip rules.
-    ``precision``: applies ``config.precision`` once the engine and its scaler exist (the first
-    optimizer's; before recovery, whose snapshots then hold the converted model).
+    ``tracing``: this engine owns the NaN tracer's hooks. ``extra_group``: a process group the norms
+    also sum over. ``engine_cls``: for a framework that logs on another cadence. ``names``: parameter
+    names the model cannot give (DeepSpeed's stand-ins). ``precision``: applies ``config.precision``
+    once the engine exists (before recovery, whose snapshots then hold the converted model).
     """
     torch_optimizer = unwrap_optimizer(optimizer)
     params = guarded_params(model, torch_optimizer)
@@ -71,8 +70,8 @@ def build_engine(
             torch_optimizer,
             engine.scaler,
             hooks,
-            guard_state=lambda: snapshot_state(engine),
-            restore_guard=lambda state: restore_snapshot_state(engine, state),
+            guard_state=lambda: guard_snapshot(engine),
+            restore_guard=lambda state: restore_guard_snapshot(engine, state),
         )
         closers.append(engine.recovery.close)
     if config.rerun is not None:
@@ -88,20 +87,3 @@ def build_engine(
         engine.replicas = ReplicaCheck(config.replicas, engine.params, names, torch_optimizer, model, hooks)
     engine.tracing.attach_for(engine.step)
     return engine
-
-
-def snapshot_state(engine: StabilityEngine) -> dict[str, Any]:
-    """What a recovery snapshot keeps of the guard: the engine's state and the held steps."""
-    return {"engine": engine.state_dict(), "held_steps": engine.held_steps}
-
-
-def restore_snapshot_state(engine: StabilityEngine, state: dict[str, Any]) -> None:
-    """A rollback restored a snapshot whose guard state is ``state``.
-
-    The engine gets the snapshot's statistics while its step count goes on (``rewind``);
-    ``schedule_step`` becomes the snapshot's again, as the restored LR schedulers' counts do; the
-    restored buffers are what a later skip puts back.
-    """
-    engine.rewind(state["engine"])
-    engine.held_steps = int(state["held_steps"]) + engine.step - int(state["engine"]["step"])
-    engine.buffers.save()

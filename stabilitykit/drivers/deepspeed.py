@@ -34,7 +34,7 @@ from stabilitykit.compat.deepspeed import (
     put_engine_counters,
     rank_state,
 )
-from stabilitykit.config import StabilityConfig, coerce_config
+from stabilitykit.config import StabilityConfig, coerce_config, refuse_two_clippers
 from stabilitykit.distributed import all_objects, own_entry
 from stabilitykit.drivers._extras import missing
 from stabilitykit.drivers.base import Driver
@@ -87,12 +87,7 @@ def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
             "DeepSpeedGuard does not support ZeRO optimizer offload (offload_optimizer) yet: the grads then "
             "live in CPU buffers the guard does not read; remove offload_optimizer from the ZeRO config"
         )
-    if engine.gradient_clipping() > 0.0 and config.clip.mode != "off":
-        raise ValueError(
-            f"two clippers: DeepSpeed's gradient_clipping={engine.gradient_clipping()} and stabilitykit's "
-            f"ClipConfig(mode={config.clip.mode!r}) are both on. Keep one: remove gradient_clipping from the "
-            "DeepSpeed config (stabilitykit then clips), or set ClipConfig(mode='off')"
-        )
+    refuse_two_clippers(config, "gradient_clipping", engine.gradient_clipping(), "remove it from the DeepSpeed config")
     if config.monitors is not None:
         raise NotImplementedError(
             "DeepSpeedGuard does not run monitors (MonitorConfig) yet: it does not hook the module; remove monitors"
@@ -107,10 +102,9 @@ def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
 class DeepSpeedGuard(StabilityGuard):
     """Keeps a loop over a DeepSpeed engine finite: norms, clipping, skip-the-batch, metrics and events.
 
-    ``engine``: what ``deepspeed.initialize`` returned (kept as ``deepspeed_engine``; ``guard.engine`` is the
-    stability engine, as on every guard). For the guard's life the engine's ``backward``, ``step`` and
-    checkpoints are routed through it, so a loop (or Accelerate, or the HF Trainer) calling
-    ``engine.backward(loss)`` and ``engine.step()`` is guarded as it is; the rest is the loop guard's.
+    ``engine``: what ``deepspeed.initialize`` returned (``deepspeed_engine``). Its ``backward``, ``step``
+    and checkpoints are routed through the guard, so a loop, Accelerate or the HF Trainer calling them is
+    guarded as it is; the rest is the plain-loop guard's surface.
     """
 
     #: DeepSpeed's step cannot skip on the device: the host knows every decision before the step.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from stabilitykit.config import StabilityConfig
+from stabilitykit.config import StabilityConfig, refuse_two_clippers
 from stabilitykit.drivers._extras import missing
 from stabilitykit.drivers.deepspeed import DeepSpeedLater
 from stabilitykit.hooks import HookManager
@@ -48,13 +48,8 @@ class DeepSpeedTrainerCallback(DeepSpeedLater, AttachedCallback):
 
     def attach(self, trainer: Trainer) -> DeepSpeedTrainerCallback:
         """Bind to ``trainer`` (and add this callback to it); refuses two clippers by name."""
-        max_norm = trainer.args.max_grad_norm
-        if self.config.clip.mode != "off" and max_norm and max_norm > 0:
-            raise ValueError(
-                f"TrainingArguments(max_grad_norm={max_norm}) (DeepSpeed's gradient_clipping under the Trainer) "
-                f"and stabilitykit's ClipConfig(mode={self.config.clip.mode!r}) both clip gradients; keep one: "
-                "set max_grad_norm=0 (stabilitykit clips) or ClipConfig(mode='off')"
-            )
+        # the Trainer's max_grad_norm is DeepSpeed's gradient_clipping
+        refuse_two_clippers(self.config, "max_grad_norm", trainer.args.max_grad_norm, "set max_grad_norm=0")
         self.bind(trainer)
         return self
 

@@ -29,11 +29,8 @@ __all__ = ["FabricGuard"]
 
 
 class FabricGuard(StabilityGuard):
-    """The plain-loop guard over ``fabric.backward`` and Fabric's optimizer step.
-
-    ``model`` and ``optimizer`` (one or several) are what ``fabric.setup`` returned.
-    ``log_to_loggers``: also send metrics to ``fabric.loggers``.
-    """
+    """The plain-loop guard over ``fabric.backward`` and Fabric's optimizer step; ``model`` and
+    ``optimizer``: what ``fabric.setup`` returned. ``log_to_loggers``: metrics to ``fabric.loggers`` too."""
 
     def __init__(
         self,

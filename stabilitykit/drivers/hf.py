@@ -21,12 +21,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from stabilitykit.config import StabilityConfig
+from stabilitykit.config import StabilityConfig, refuse_two_clippers
 from stabilitykit.drivers._extras import missing
 from stabilitykit.drivers.base import Driver
 from stabilitykit.engine.cadence import TrainerAlignedEngine
 from stabilitykit.engine.step import StabilityEngine
-from stabilitykit.grads import CLIP_EPS, apply_clip_coefficient, clip_coefficient, device_groups
+from stabilitykit.grads import clip_to_norm
 from stabilitykit.report import StepReport
 from stabilitykit.rules import SkipRule
 from stabilitykit.run_log import RunSummary
@@ -58,10 +58,9 @@ class _FirstStepEngine(TrainerAlignedEngine):
 class StabilityTrainerCallback(AttachedCallback):
     """Norms, clipping, skip-the-batch, metrics and events for a Hugging Face ``Trainer``.
 
-    ``config``: a ``StabilityConfig`` (or mapping / path). Its ``log_every_n_steps`` defaults to
-    the Trainer's ``logging_steps``. ``sinks``: extra sinks besides the Trainer's logs.
-    ``alerts``: True (or event kinds) to send W&B alerts for those events when a W&B run is active
-    (``report_to="wandb"``). ``log_events``: write each event as a Trainer log entry.
+    ``log_every_n_steps`` defaults to the Trainer's ``logging_steps``. ``sinks``: besides the Trainer's
+    logs. ``alerts``: True (or event kinds) for W&B alerts on the active run. ``log_events``: each event
+    as a Trainer log entry. ``console``: "short" (the keys a person reads) or "all".
     """
 
     def __init__(
@@ -98,20 +97,9 @@ class StabilityTrainerCallback(AttachedCallback):
 
     # ------------------------------------------------------------------ attaching
     def attach(self, trainer: Trainer) -> StabilityTrainerCallback:
-        """Bind to ``trainer`` (and add this callback to it); returns self.
-
-        Refuses settings that would make the guarantees false: ``max_grad_norm > 0`` together with
-        stabilitykit clipping (two clippers) and DeepSpeed (which steps inside ``backward``).
-        ``restore_callback_states_from_checkpoint=True`` is supported: the Trainer's restore hands
-        the saved state to this same callback (``AttachedCallback``).
-        """
-        args = trainer.args
-        if self.config.clip.mode != "off" and args.max_grad_norm and args.max_grad_norm > 0:
-            raise ValueError(
-                f"TrainingArguments(max_grad_norm={args.max_grad_norm}) and stabilitykit's "
-                f"ClipConfig(mode={self.config.clip.mode!r}) both clip gradients; keep one: set "
-                "max_grad_norm=0 (stabilitykit clips, GradScaler-aware) or ClipConfig(mode='off')"
-            )
+        """Bind to ``trainer`` (and add this callback to it); returns self. Refuses two clippers
+        (``max_grad_norm > 0`` with stabilitykit's clipping) and DeepSpeed (``stabilize`` guards its engine)."""
+        refuse_two_clippers(self.config, "max_grad_norm", trainer.args.max_grad_norm, "set max_grad_norm=0")
         if trainer.is_deepspeed_enabled:
             raise ValueError(
                 "StabilityTrainerCallback does not support DeepSpeed (it clips and steps inside backward); "
@@ -248,16 +236,11 @@ class StabilityTrainerCallback(AttachedCallback):
             return original(parameters, max_norm, norm_type)
         decision = self.driver.decide(engine, log_step=self._global_step + 1, **self._rerun_args())
         norm = decision.report.grad_norm
-        if max_norm is not None and math.isfinite(max_norm) and max_norm > 0:
-            self._trainer_clip(engine, norm, float(max_norm))
-            self._count_trainer_clip(norm, float(max_norm), decision.report.skipped)
+        if max_norm is not None and math.isfinite(max_norm) and max_norm > 0:  # max_grad_norm, from that norm
+            grads = [p.grad for p in engine.params if p.grad is not None]
+            hit = (clip_to_norm(grads, norm, float(max_norm)) & ~decision.report.skipped).to(torch.int64)
+            self._trainer_clipped = hit if self._trainer_clipped is None else self._trainer_clipped + hit
         return norm
-
-    def _count_trainer_clip(self, norm: Tensor, max_norm: float, skipped: Tensor) -> None:
-        """Count a step ``max_grad_norm`` clipped (finite norm above it, step not skipped), on the
-        device: read once, by ``summary()``."""
-        hit = (torch.isfinite(norm) & (max_norm / (norm + CLIP_EPS) < 1) & ~skipped).to(torch.int64)
-        self._trainer_clipped = hit if self._trainer_clipped is None else self._trainer_clipped + hit
 
     def summary(self) -> RunSummary | None:
         """The run's totals (None before training starts): the steps the Trainer's ``max_grad_norm``
@@ -267,16 +250,6 @@ class StabilityTrainerCallback(AttachedCallback):
         summary = self.driver.summary()
         clipped = int(self._trainer_clipped) if self._trainer_clipped is not None else 0
         return dataclasses.replace(summary, clipped=summary.clipped + clipped)
-
-    @staticmethod
-    def _trainer_clip(engine: StabilityEngine, norm: Tensor, max_norm: float) -> None:
-        """``max_grad_norm`` applied from the norm just measured (as torch's clip_grad_norm_ does)."""
-        grads = [p.grad for p in engine.params if p.grad is not None]
-        if not grads:
-            return
-        # an Inf norm gives coefficient 0 (torch zeroes the grads); only a NaN coefficient becomes 1
-        coef = clip_coefficient(norm, max_norm, finite=torch.isfinite(max_norm / (norm + CLIP_EPS)))
-        apply_clip_coefficient([[grads[i] for i in group] for group in device_groups(grads)], coef)
 
     def _log(self, original: Callable[..., Any], logs: dict[str, float], *args: Any, **kwargs: Any) -> Any:
         """``trainer.log``: a logging step's metrics join the Trainer's training log entry."""
@@ -340,10 +313,8 @@ def stabilize(
     config: StabilityConfig | Mapping[str, Any] | str | None = None,
     **kwargs: Any,
 ) -> StabilityTrainerCallback:
-    """Guard ``trainer`` in one line; returns the callback (``kwargs`` go to ``StabilityTrainerCallback``).
-
-    A Trainer with ``deepspeed=`` gets a ``DeepSpeedTrainerCallback`` instead (its ``kwargs``:
-    ``sinks``, ``hooks``, ``rules``), which guards the DeepSpeed engine (the DeepSpeed guide)."""
+    """Guard ``trainer`` in one line; returns the callback (``kwargs`` go to it). With ``deepspeed=`` it
+    is a ``DeepSpeedTrainerCallback`` (``sinks``, ``hooks``, ``rules``), which guards the engine."""
     if trainer.is_deepspeed_enabled:
         from stabilitykit.drivers.deepspeed_hf import DeepSpeedTrainerCallback
 

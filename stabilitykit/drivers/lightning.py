@@ -9,13 +9,13 @@ sinks. Every wrapper is undone at fit end, on an exception and at teardown.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from stabilitykit.config import StabilityConfig
+from stabilitykit.config import StabilityConfig, refuse_two_clippers
 from stabilitykit.drivers.base import Driver, guard_batch
 from stabilitykit.engine.cadence import TrainerAlignedEngine
 from stabilitykit.engine.step import StabilityEngine
@@ -42,11 +42,9 @@ __all__ = ["StabilityCallback"]
 class StabilityCallback(Callback):
     """Norms, clipping, skip-the-batch, metrics and events for a Lightning ``Trainer``.
 
-    Metrics go to every logger in ``trainer.loggers`` (any Lightning logger) with
-    ``step=trainer.global_step``, and to any extra ``sinks``. The logging cadence is
-    ``config.log_every_n_steps`` when you set it, else ``trainer.log_every_n_steps``, counted in
-    each optimizer's own steps. With several optimizers (GANs, manual optimization) each one is
-    guarded on its own: its own skip decision, and metrics under ``<prefix>/opt<i>/``.
+    Metrics go to every logger in ``trainer.loggers`` at ``trainer.global_step`` and to any ``sinks``,
+    every ``config.log_every_n_steps`` (default: the Trainer's) of each optimizer's own steps. Several
+    optimizers are each guarded on their own, with metrics under ``<prefix>/opt<i>/``.
     """
 
     def __init__(
@@ -108,12 +106,7 @@ class StabilityCallback(Callback):
     # ------------------------------------------------------------------ setup and teardown
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Refuse a second clipper: Lightning's gradient_clip_val would clip after our norms were read."""
-        if self.config.clip.mode != "off" and trainer.gradient_clip_val:
-            raise ValueError(
-                f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) and StabilityCallback's "
-                f"ClipConfig(mode={self.config.clip.mode!r}) both clip gradients; keep one: set "
-                "gradient_clip_val=None (the callback clips, GradScaler-aware) or ClipConfig(mode='off')"
-            )
+        refuse_two_clippers(self.config, "gradient_clip_val", trainer.gradient_clip_val, "set gradient_clip_val=None")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """One engine per optimizer; route each optimizer's step and its step-interval schedulers through it."""
@@ -192,25 +185,24 @@ class StabilityCallback(Callback):
             return
         self.driver.claim_losses(engine)
         batch = self._batch
+        if batch is None or not pl_module.automatic_optimization:  # manual optimization: its own rerun
+            self.driver.decide(engine, log_step=trainer.global_step, **manual_rerun(self, trainer, batch))
+            return
 
-        def replay() -> Tensor:
-            assert batch is not None
-            out = pl_module.training_step(*batch)
-            return out["loss"] if isinstance(out, Mapping) else out  # type: ignore[return-value]
+        def loss_of(training_step: Callable[..., Any]) -> Callable[[], Tensor]:
+            def replay() -> Tensor:
+                out = training_step(*batch)
+                return out["loss"] if isinstance(out, Mapping) else out  # type: ignore[no-any-return]
 
-        def rerun_replay() -> Tensor:  # through the strategy: its DDP wrapper and precision context
-            assert batch is not None
-            out = trainer.strategy.training_step(*batch)
-            return out["loss"] if isinstance(out, Mapping) else out  # type: ignore[return-value]
+            return replay
 
         def backward(loss: Tensor) -> None:  # Lightning's own backward (its hooks record the loss)
             trainer.strategy.backward(loss, optimizer)
             self.driver.claim_losses(engine)
 
-        automatic = batch is not None and pl_module.automatic_optimization
-        manual = manual_rerun(self, trainer, batch) if not automatic else {}
-        rerun = {"backward": backward, "rerun_replay": rerun_replay} if automatic else manual
-        self.driver.decide(engine, replay=replay if automatic else None, log_step=trainer.global_step, **rerun)
+        # a rerun goes through the strategy (its DDP wrapper and precision context)
+        rerun_replay = loss_of(trainer.strategy.training_step)
+        self.driver.decide(engine, loss_of(pl_module.training_step), trainer.global_step, backward, rerun_replay)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

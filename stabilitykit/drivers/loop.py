@@ -51,15 +51,11 @@ def _refuse_accumulating(optimizers: Sequence[Any]) -> None:
 class StabilityGuard(Driver):
     """Keeps a plain training loop finite: clipping, skip-the-batch, metrics and events.
 
-    The guard owns ``backward`` (so it can scale the loss and remember it) and ``step`` (so it can
-    unscale exactly once, clip, and skip). A skipped step leaves parameters, optimizer state and the
-    LR scheduler bitwise unchanged. Calling ``scaler.unscale_(optimizer)`` yourself before ``step``
-    (the PyTorch AMP recipe) is fine: the guard sees it and never unscales twice.
-
-    ``optimizer`` may be a list: each optimizer gets its own engine (skip decision, step count,
-    cadence) and metrics under ``<metric_prefix>/opt<i>``; ``scheduler`` may be a list too, each
-    scheduler held with the optimizer it drives. The lifecycle (state, ``summary()``, ``close()``,
-    ``with``, ``record``) is the driver base's (``drivers/base.py``).
+    The guard owns ``backward`` (to scale and remember the loss) and ``step`` (to unscale exactly once,
+    clip and skip); a skipped step leaves parameters, optimizer state and the LR scheduler bitwise
+    unchanged, and a ``scaler.unscale_`` of yours before ``step`` is seen, never repeated. ``optimizer``
+    and ``scheduler`` may be lists: each optimizer is guarded on its own (metrics under ``<prefix>/opt<i>``).
+    The lifecycle (state, ``summary()``, ``close()``, ``with``, ``record``) is the driver base's.
     """
 
     #: Whether this driver follows a framework's gradient accumulation (AccelerateGuard does).
@@ -128,21 +124,14 @@ class StabilityGuard(Driver):
 
     # ------------------------------------------------------------------ the loop API
     def check_batch(self, batch: Any) -> None:
-        """The data guard (``config.data``) on one micro-batch; call it for each before its forward.
-
-        ``mode="raise"``: raise ``BadBatchError`` naming the path, index and step (one sync).
-        ``mode="skip"``: the coming step is skipped on the device when any of its micro-batches was
-        bad (no sync); a ``bad_batch`` event reports it.
-        """
+        """The data guard (``config.data``) on one micro-batch, before its forward: ``mode="raise"`` raises
+        ``BadBatchError`` naming the path (one sync); ``mode="skip"`` skips the coming step on the device."""
         for engine in self.engines:
             guard_batch(engine, batch)
 
     def backward(self, loss: Tensor, *, optimizer: Any | None = None, **kwargs: Any) -> None:
-        """Backpropagate ``loss`` (scaled when a GradScaler is enabled) and remember its value.
-
-        With several optimizers, ``optimizer`` names the one whose step this loss feeds; without it
-        the loss goes to the next ``step``.
-        """
+        """Backpropagate ``loss`` (scaled when a GradScaler is enabled) and remember its value; ``optimizer``:
+        the one whose step it feeds (several; else the next ``step``)."""
         if self.closed:
             self.check_open("backward")
         self.record_loss(loss, optimizer)
@@ -157,13 +146,10 @@ class StabilityGuard(Driver):
     ) -> StepReport:
         """Measure, clip, and step the optimizer, or skip the step; returns this step's report.
 
-        ``optimizer``: which one steps (required with several). ``replay``: recomputes this batch's
-        loss (forward only); with ``nan_trace.mode="on_nonfinite"`` a skipped step is replayed once
-        with hooks and anomaly mode to name where it went non-finite; with ``config.rerun`` a flagged
-        step is computed again through it (forward here, backward by the guard) to tell a transient
-        fault of the machine from bad data. ``update_scaler``: call
-        ``scaler.update()`` after the step (several optimizers under one GradScaler: pass False for
-        all but the last one that steps this iteration).
+        ``optimizer``: which one steps (required with several). ``replay``: this batch's loss again
+        (forward only), to name where a skipped step went non-finite (``nan_trace``) and to compute a
+        flagged step again (``config.rerun``). ``update_scaler``: ``scaler.update()`` after the step (several
+        optimizers under one GradScaler: False for all but the last to step).
         """
         if self.closed:
             self.check_open("step")
@@ -203,11 +189,8 @@ class StabilityGuard(Driver):
 
     @property
     def schedule_step(self) -> int:
-        """The step a hand-set LR schedule should use: steps so far less the skipped (held) ones.
-
-        ``lr = get_lr(guard.schedule_step)`` holds an LR written into ``param_group["lr"]`` by hand
-        through a skip, as a scheduler passed as ``scheduler=`` is held (see the skipping guide).
-        """
+        """The step a hand-set LR schedule should use: steps so far less the skipped (held) ones, so an LR
+        written into ``param_group["lr"]`` by hand is held through a skip as ``scheduler=`` is."""
         return self.engine.step - self.engine.held_steps
 
     @property
@@ -216,11 +199,10 @@ class StabilityGuard(Driver):
         return self.engine.skipped_total
 
     def restore_last_good(self) -> int:
-        """Put back the last healthy recovery snapshot in place; returns its step (the state before that step).
+        """Put back the last healthy recovery snapshot in place; returns its step (needs recovery on).
 
-        After ``RollbackLimitError`` this is the snapshot recovery kept when it gave up (it outlives
-        ``close()``; on disk as ``last-good-<step>.pt`` with disk storage or a ``record_dir``): restore it,
-        then save a checkpoint. Otherwise the newest snapshot of the ring. Needs recovery on.
+        After ``RollbackLimitError``: the snapshot recovery kept when it gave up (it outlives ``close()``;
+        on disk as ``last-good-<step>.pt`` with disk storage or a ``record_dir``); otherwise the newest.
         """
         recovery = self.engine.recovery
         if recovery is None:
