@@ -371,6 +371,13 @@ def coerce_config(config: Any) -> StabilityConfig:
     )
 
 
+def with_cadence(config: StabilityConfig, every: int) -> StabilityConfig:
+    """``config`` logging every ``every`` steps (the framework's cadence) unless the user set ``log_every_n_steps``."""
+    if "log_every_n_steps" in config.model_fields_set:
+        return config
+    return config.model_copy(update={"log_every_n_steps": max(1, every)})
+
+
 def refuse_two_clippers(config: StabilityConfig, setting: str, value: float | None, fix: str) -> None:
     """A framework's own clipping (``setting=value`` above 0) and stabilitykit's both on: refused, naming both."""
     if value and value > 0 and config.clip.mode != "off":

@@ -1,10 +1,5 @@
-"""AccelerateGuard: ``StabilityGuard`` for hand-written Accelerate loops.
-
-``step()`` acts only when ``accelerator.sync_gradients`` (optimizer steps counted, partial grads never
-read), ``backward`` goes through ``accelerator.backward`` (the loss recorded divided by the accumulation
-steps), the optimizer is seen through ``AcceleratedOptimizer`` and Accelerate's GradScaler is unscaled
-once. Metrics also go to ``accelerator.log``; save with ``accelerator.register_for_checkpointing(guard)``.
-"""
+"""AccelerateGuard: ``StabilityGuard`` for hand-written Accelerate loops: it steps only when
+``accelerator.sync_gradients``, backpropagates through ``accelerator.backward`` and logs to its trackers."""
 
 from __future__ import annotations
 
@@ -14,7 +9,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.drivers._extras import missing
+from stabilitykit.drivers import missing
 from stabilitykit.drivers.loop import StabilityGuard
 from stabilitykit.drivers.routing import StepRoutes
 from stabilitykit.engine.step import StabilityEngine
@@ -34,10 +29,8 @@ __all__ = ["AccelerateGuard"]
 
 
 def route_accelerated_step(routes: StepRoutes, engine: StabilityEngine, optimizer: Any) -> Callable[[], None]:
-    """Route ``optimizer.step`` through ``engine``, also in an ``AcceleratedOptimizer`` with a GradScaler,
-    which calls the inner ``step`` it captured when built: it re-captures (``__getstate__`` /
-    ``__setstate__``) after the route and after the undo. Returns the undo.
-    """
+    """Route ``optimizer.step`` through ``engine``; an ``AcceleratedOptimizer`` with a GradScaler re-captures the
+    inner ``step`` (``__getstate__``/``__setstate__``) after the route and after its undo. Returns the undo."""
     undo_wrap = routes.route(engine, optimizer)
     recapture = isinstance(optimizer, AcceleratedOptimizer) and optimizer.scaler is not None
     if recapture:
@@ -52,11 +45,8 @@ def route_accelerated_step(routes: StepRoutes, engine: StabilityEngine, optimize
 
 
 class AccelerateGuard(StabilityGuard):
-    """The plain-loop guard that follows ``accelerator.accumulate`` and Accelerate's wrappers.
-
-    ``model``, ``optimizer``, ``scheduler``: what ``accelerator.prepare`` returned. ``scaler``: default
-    ``accelerator.scaler``. ``log_to_trackers``: metrics to ``accelerator.log`` too.
-    """
+    """The plain-loop guard over ``accelerator.prepare``'s objects, following ``accelerator.accumulate``;
+    ``scaler``: default ``accelerator.scaler``; ``log_to_trackers``: metrics to ``accelerator.log`` too."""
 
     follows_accumulation = True
 
@@ -87,11 +77,6 @@ class AccelerateGuard(StabilityGuard):
         if log_to_trackers:
             self.hooks.add_sink(AcceleratorTrackers(accelerator, self.config.metric_prefix))
 
-    @property
-    def sync_gradients(self) -> bool:
-        """True on the micro-batch that completes an optimizer step (Accelerate's own flag)."""
-        return bool(self.accelerator.sync_gradients)
-
     def backward(self, loss: Tensor, *, optimizer: Any | None = None, **kwargs: Any) -> None:
         """``accelerator.backward(loss)``; the loss is recorded divided by the accumulation steps, as backpropagated."""
         self.record_loss(loss.detach() / self.accelerator.gradient_accumulation_steps, optimizer)
@@ -103,9 +88,8 @@ class AccelerateGuard(StabilityGuard):
         *,
         optimizer: Any | None = None,
     ) -> StepReport | None:
-        """On the micro-batch that syncs grads: measure, clip, step or skip (the report); else None. Call it
-        on every micro-batch inside ``accelerator.accumulate``; Accelerate's step updates its GradScaler."""
-        if not self.sync_gradients:
+        """On the micro-batch that syncs grads: measure, clip, step or skip (its report); else None."""
+        if not self.accelerator.sync_gradients:  # a micro-batch inside an accumulation
             return None
         return super().step(replay, optimizer=optimizer)
 

@@ -1,10 +1,8 @@
 """The driver base: the lifecycle every driver shares, so a driver only maps its framework's hooks.
 
-The base alone builds one ``StabilityEngine`` per optimizer (``build.py``), routes losses and each
-optimizer's ``step`` (``routing.py``), tracks and holds the LR schedulers, keeps the one undo list and
-the one closed flag, runs a step top to bottom (``train_step``: ``decide``, the optimizer step, the
-schedulers, ``end_step``; recovery asked once before the step and once after), saves and loads the one
-state format (``state.driver_state``), writes ``summary()`` and ends every run the same way.
+Engines per optimizer (``build.py``), loss and ``optimizer.step`` routing (``routing.py``), scheduler
+track and hold, the one undo list and closed flag, the step top to bottom (``train_step``: recovery
+asked once before and once after), the one state format, ``summary()`` and the end of every run.
 """
 
 from __future__ import annotations
@@ -83,8 +81,7 @@ class Driver:
         rules: Sequence[SkipRule] = (),
         final_row: bool = True,
     ) -> None:
-        """``final_row``: a run's last steps since its last logging step get a row of their own at the
-        end (the plain loop); False where the framework has its own logging rows (Lightning, HF)."""
+        """``final_row``: the last steps get a row of their own at the end (False: the framework logs its own)."""
         self.final_row = final_row
         self.config = coerce_config(config)
         self.hooks = hooks or HookManager()
@@ -99,13 +96,11 @@ class Driver:
         self.closed = False
         #: What ``sk.select_precision()`` recommends for the model's device (``config.precision``).
         self.precision_choice: PrecisionChoice | None = None
-        #: Start-of-run events (the precision event), emitted at the first step with its number, so
-        #: a resumed run's sinks see them at the step it resumes from, not at 0.
+        #: Start-of-run events (precision), emitted at the first step with its number (a resumed run's).
         self._start_events: list[Event] = []
         self._pending_losses: list[Tensor] = []  # several optimizers: losses not yet claimed by a step
         self._pending_state: dict[str, Any] | None = None  # loaded before the engines exist
-        #: The one undo list: every patch of a framework object made for this run (and the engines'
-        #: hooks), with whether it outlives the run (undone only by ``release(lasting=True)``).
+        #: The one undo list: every patch and hook of the run, with whether it outlives the run.
         self._undo: list[tuple[Callable[[], None], bool]] = []
         self.routes = StepRoutes()  # each optimizer's step routed through its engine
         self._stepped: dict[int, list[Any]] = {}  # engine id -> the schedulers ``train_step`` steps
@@ -124,8 +119,7 @@ class Driver:
         engine_cls: type[StabilityEngine] = StabilityEngine,
         names: Sequence[str] | None = None,
     ) -> list[StabilityEngine]:
-        """One engine per optimizer (several: metrics under ``<prefix>/opt<i>``; monitors, tracer and precision
-        with the first); a state loaded earlier is restored; the run is then active for ``record``."""
+        """One engine per optimizer (several: under ``<prefix>/opt<i>``); a state loaded earlier restored into them."""
         base = config or self.config
         warn_contradictions(base)
         refuse_several_optimizers(base.recovery, len(optimizers))
@@ -192,8 +186,7 @@ class Driver:
 
     # ------------------------------------------------------------------ patches, routes, schedulers
     def patch(self, owner: Any, name: str, around: Callable[..., Any], lasting: bool = False) -> None:
-        """Route ``owner.<name>(...)`` through ``around(original, ...)`` for this run (``compat.attributes``);
-        undone at the end of the run, or only by ``release(lasting=True)`` when ``lasting``."""
+        """Route ``owner.<name>(...)`` through ``around(original, ...)`` until the run ends (``lasting``: longer)."""
         original = getattr(owner, name)
 
         @functools.wraps(original)
@@ -211,16 +204,14 @@ class Driver:
         self._undo.append((undo, False))
 
     def route_steps(self, router: Callable[[StabilityEngine], Callable[[], None] | None] | None = None) -> None:
-        """Each engine's optimizer ``step`` routed through it for the run (``router(engine)``: a framework's
-        own route, returning its undo or None; default ``StepRoutes.route``)."""
+        """Each optimizer's ``step`` through its engine (``router(engine)``: a framework's own route, or None)."""
         for engine in self.engines:
             undo = router(engine) if router is not None else self.routes.route(engine, engine.optimizer)
             if undo is not None:
                 self.on_release(undo)
 
     def add_scheduler(self, scheduler: Any, *, stepped_here: bool) -> None:
-        """``scheduler`` drives a guarded optimizer: recovery restores it, and skips hold it, stepped here
-        (``stepped_here``: by ``train_step``) or, where the framework steps it, by a class swap."""
+        """Track ``scheduler`` for recovery and hold it on skips (``stepped_here``: ``train_step`` steps it)."""
         engine = self.track_scheduler(scheduler)
         if engine is None:
             return
@@ -233,8 +224,7 @@ class Driver:
             self.on_release(lambda: release_scheduler(scheduler))
 
     def track_scheduler(self, scheduler: Any) -> StabilityEngine | None:
-        """``scheduler`` is saved and restored by recovery; returns the engine of the optimizer it drives
-        (the only one, the matching one, or the first)."""
+        """``scheduler`` saved and restored by recovery; returns the engine of the optimizer it drives."""
         engine: StabilityEngine | None = self.engines[0] if self.engines else None
         target = scheduler_target(scheduler) if len(self.engines) > 1 else None
         if target is not None:
@@ -244,8 +234,7 @@ class Driver:
         return engine
 
     def check_open(self, what: str) -> None:
-        """Refuse ``what`` once the run is over: nothing would measure, skip or count its steps (callers on
-        the step's path test ``closed`` first, so an open run pays no call)."""
+        """Refuse ``what`` once the run is over: nothing would measure, skip or count its steps."""
         if self.closed:
             name = type(self).__name__
             raise RuntimeError(
@@ -255,8 +244,7 @@ class Driver:
 
     # ------------------------------------------------------------------ losses, metrics
     def record_loss(self, loss: Tensor, optimizer: Any | None = None) -> None:
-        """A backpropagated micro-batch loss (device tensor, no sync) for the step it feeds: the named
-        optimizer's, the only one's, or (several, none named) the next to step."""
+        """A backpropagated micro-batch loss (no sync) for the named optimizer's step, or the next to step."""
         if self.closed:
             self.check_open("record_loss")
         if optimizer is None and len(self.engines) == 1:
@@ -273,8 +261,7 @@ class Driver:
         self._pending_losses = []
 
     def record(self, name: str, value: Tensor | float, reduce: str = "mean", *, optimizer: Any | None = None) -> None:
-        """Record a metric of the coming step (a 0-d device tensor; no sync): see ``stabilitykit.record``.
-        Several optimizers: the named one, else every one. Record every name from the first step on."""
+        """Record a metric of the coming step (no sync; ``stabilitykit.record``): the named optimizer's, else all."""
         self.check_open("record")
         targets = [self.engine_for(optimizer)] if optimizer is not None else self.engines
         for engine in targets:
@@ -289,8 +276,7 @@ class Driver:
         log_step: int | None = None,
         backward: Callable[[Tensor], None] | None = None,
     ) -> StepReport:
-        """One optimizer step, top to bottom, where the driver owns the whole step (the plain loop);
-        ``backward`` backpropagates as the driver does, for a rerun; ``replay``, ``log_step``: see ``decide``."""
+        """One optimizer step top to bottom, where the driver owns the whole step (see ``decide``)."""
         if self._pending_losses:
             self.claim_losses(engine)  # 1. the losses of the micro-batches no optimizer claimed yet
         self.decide(engine, replay=replay, log_step=log_step, backward=backward)  # 2. measure ... clip
@@ -312,13 +298,10 @@ class Driver:
         backward: Callable[[Tensor], None] | None = None,
         rerun_replay: Callable[[], Tensor] | None = None,
     ) -> StepDecision:
-        """Grads are final: measure, agree, decide and clip this step (a step still in flight is finished first).
-
-        ``replay``: this batch's loss again (forward only), to name where a skipped step went non-finite
-        and, with ``backward`` (or ``rerun_replay``, a framework's own training step), to compute a flagged
-        step again (``config.rerun``). ``log_step``: the step number sinks see. A closure evaluated twice
-        keeps its first decision.
-        """
+        """Grads are final: measure, agree, decide and clip this step (one still in flight is finished first).
+        ``replay``: the batch's loss again (forward only) to name where a skip went non-finite and, with ``backward``
+        (or ``rerun_replay``), to re-run a flagged step. ``log_step``: the step sinks see. A closure run twice keeps
+        its first decision."""
         if engine.in_flight is not None:
             if id(engine) in self.routes.in_closure:
                 return engine.in_flight
@@ -365,8 +348,7 @@ class Driver:
         return decision
 
     def end_step(self, engine: StabilityEngine) -> StepReport | None:
-        """The step is over: events, sinks, the divergence check, rerun and replica checks, recovery (asked
-        here, once after the step), tracing for the next step. Nothing in flight: None."""
+        """The step is over: events, sinks, divergence, rerun and replica checks, recovery asked once, tracing."""
         decision = engine.in_flight
         if decision is None:
             return None
@@ -394,8 +376,7 @@ class Driver:
 
     # ------------------------------------------------------------------ end of run
     def summary(self) -> RunSummary:
-        """The run's totals (reads the steps since the last logging step first: one sync); empty before the
-        run. Several optimizers: the first's, with ``optimizers`` one entry each. ``.line()``: the end line."""
+        """The run's totals (one sync): the first optimizer's, with ``optimizers`` one entry each; empty before it."""
         if not self.engines:
             return RunSummary(0, 0, 0, 0.0, 0)
         rows = [engine_summary(engine) for engine in self.engines]
@@ -405,8 +386,7 @@ class Driver:
         return first
 
     def end_run(self, summary: RunSummary | None = None) -> None:
-        """The run is over (finished or raised): the step in flight finished, the last steps folded and
-        logged, the summary line (``summary``: the driver's own), every patch undone, sinks closed. Idempotent."""
+        """The run is over (finished or raised): last step and rows, summary line, patches undone, sinks closed."""
         if self.closed:
             return
         self.closed = True
@@ -424,8 +404,7 @@ class Driver:
             self.hooks.close()
 
     def close(self) -> None:
-        """Process the steps since the last logging step, remove tracing hooks and every patch, log the
-        summary line and close the sinks. Idempotent; ``with`` a driver calls it."""
+        """End the run (``end_run``): the last rows and the summary line logged, every patch undone, sinks closed."""
         self.end_run()
 
     def __enter__(self) -> Self:
@@ -436,8 +415,7 @@ class Driver:
         self.close()
 
     def release(self, lasting: bool = False) -> None:
-        """Undo every patch and hook of the run, newest first (idempotent; nothing is closed); a routed step
-        still reached runs unguarded. ``lasting``: also the patches that outlive a run."""
+        """Undo every patch and hook of the run, newest first (``lasting``: those that outlive a run too)."""
         self.routes.released = True
         kept: list[tuple[Callable[[], None], bool]] = []
         while self._undo:
@@ -450,15 +428,13 @@ class Driver:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Every engine's state in the one format all drivers save (before the run: a state loaded
-        and not applied yet, else empty)."""
+        """Every engine's state in the one format (before the run: a state loaded and not applied yet)."""
         if not self.engines:
             return dict(self._pending_state or {})
         return driver_state(self.engines)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore ``state_dict``'s state (``state.load_driver_state``); before the engines exist it is kept
-        and loaded when the run starts; an empty state loads nothing."""
+        """Restore ``state_dict``'s state (``state.load_driver_state``), or keep it until the engines exist."""
         if not isinstance(state, Mapping):
             raise TypeError(f"stabilitykit state must be a mapping (from state_dict()), got {type(state).__name__}")
         if not self.engines:
@@ -468,8 +444,7 @@ class Driver:
 
 
 def _follow_param_groups(engine: StabilityEngine, model: nn.Module | None, counts: dict[int, int]) -> None:
-    """A param group added since the last step (``BaseFinetuning``, ``add_param_group``): the engine
-    measures the new set from now on (``counts``: each engine's parameter count, by engine id)."""
+    """A param group added since the last step: the engine measures the optimizer's new set from now on."""
     count = sum(len(group["params"]) for group in engine.optimizer.param_groups)  # no call: every step pays it
     if count != counts.get(id(engine), count):
         params = optimizer_params(engine.optimizer)
@@ -481,8 +456,7 @@ def _follow_param_groups(engine: StabilityEngine, model: nn.Module | None, count
 
 
 def _close_engine(driver: Driver, engine: StabilityEngine) -> None:
-    """Finish ``engine``'s step in flight and fold what is left (its row when the driver's ``final_row``);
-    its tracing hooks go even when finishing the last step raises (a divergence)."""
+    """Finish ``engine``'s step in flight and fold what is left; its tracing hooks go even if that raises."""
     try:
         driver.end_step(engine)
     finally:
@@ -494,8 +468,7 @@ def _close_engine(driver: Driver, engine: StabilityEngine) -> None:
 
 
 def guard_batch(engine: StabilityEngine, batch: Any) -> None:
-    """The data guard (``config.data``) on one micro-batch for ``engine``'s coming step: ``"raise"``
-    raises ``BadBatchError`` (one sync); ``"skip"`` ORs a device flag over the step's micro-batches."""
+    """The data guard (``config.data``): ``raise`` (one sync) or a device flag that skips the coming step."""
     dcfg = engine.config.data
     if dcfg.mode == "skip":
         bad = batch_is_bad(batch, dcfg.num_classes, dcfg.label_keys)

@@ -36,13 +36,9 @@ def build_engine(
     rules: Sequence[SkipRule] = (),
     precision: Callable[[StabilityEngine], None] | None = None,
 ) -> StabilityEngine:
-    """The engine guarding ``optimizer`` (framework wrappers looked through), everything attached.
-
-    ``tracing``: this engine owns the NaN tracer's hooks. ``extra_group``: a process group the norms
-    also sum over. ``engine_cls``: for a framework that logs on another cadence. ``names``: parameter
-    names the model cannot give (DeepSpeed's stand-ins). ``precision``: applies ``config.precision``
-    once the engine exists (before recovery, whose snapshots then hold the converted model).
-    """
+    """The engine guarding ``optimizer`` (wrappers looked through), everything attached. ``tracing``: it owns the
+    NaN tracer's hooks; ``extra_group``: a group the norms also sum over; ``names``: parameter names the model
+    cannot give; ``precision``: applies ``config.precision`` once the engine exists (before recovery)."""
     torch_optimizer = unwrap_optimizer(optimizer)
     params = guarded_params(model, torch_optimizer)
     engine = engine_cls(

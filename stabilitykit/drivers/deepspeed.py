@@ -1,18 +1,8 @@
 """DeepSpeedGuard: the plain-loop guard over a DeepSpeed engine (ZeRO stages 0-3).
 
-    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, config=ds_config, ...)
-    guard = DeepSpeedGuard(engine, config=cfg)
-    for batch in loader:
-        engine.backward(loss)   # routed through the guard: the loss recorded (or guard.backward(loss))
-        engine.step()           # on the accumulation boundary the loop's step (or guard.step())
-
-The guard measures this rank's pieces of the final grads where DeepSpeed keeps them
-(``compat/deepspeed.py``: ``GradPartitions``); the step record's one all-reduce sums them per layer,
-so the norms are DeepSpeed's own and nothing is gathered. A skipped step runs none of DeepSpeed's
-optimizer step (only its grads are dropped, as after DeepSpeed's own fp16 overflow): parameters,
-fp32 masters, moments, the LR scheduler and the engine's counters stay as they were, on every rank
-alike. In fp16 a step whose only fault is an overflow is handed to DeepSpeed's own step, which skips
-it and lowers its loss scale. Recovery snapshots each rank's own state (``rank_state``).
+This rank's pieces of the final grads are measured where DeepSpeed keeps them (``GradPartitions``), so
+the norms are DeepSpeed's own with nothing gathered. A skipped step runs none of DeepSpeed's optimizer
+step and leaves its counters, on every rank alike; in fp16 an overflow alone is DeepSpeed's own skip.
 Refused by name: optimizer offload, the pipeline engine, monitors, update ratios; NaN tracing is off.
 """
 
@@ -36,7 +26,7 @@ from stabilitykit.compat.deepspeed import (
 )
 from stabilitykit.config import StabilityConfig, coerce_config, refuse_two_clippers
 from stabilitykit.distributed import all_objects, own_entry
-from stabilitykit.drivers._extras import missing
+from stabilitykit.drivers import missing
 from stabilitykit.drivers.base import Driver
 from stabilitykit.drivers.loop import StabilityGuard
 from stabilitykit.engine.decision import StepDecision
@@ -76,39 +66,35 @@ def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
             "DeepSpeedGuard needs an engine with an optimizer: give deepspeed.initialize an optimizer (or an "
             '"optimizer" section in its config)'
         )
-    if type(engine).__name__ == "PipelineEngine":
-        raise NotImplementedError(
-            "DeepSpeedGuard does not support DeepSpeed's pipeline engine (PipelineEngine.train_batch steps "
-            "inside its own schedule); use it with a DeepSpeedEngine from deepspeed.initialize without a "
-            "PipelineModule"
-        )
-    if engine.zero_cpu_offload():
-        raise NotImplementedError(
-            "DeepSpeedGuard does not support ZeRO optimizer offload (offload_optimizer) yet: the grads then "
-            "live in CPU buffers the guard does not read; remove offload_optimizer from the ZeRO config"
-        )
     refuse_two_clippers(config, "gradient_clipping", engine.gradient_clipping(), "remove it from the DeepSpeed config")
-    if config.monitors is not None:
-        raise NotImplementedError(
-            "DeepSpeedGuard does not run monitors (MonitorConfig) yet: it does not hook the module; remove monitors"
-        )
-    if config.grad_norm.update_ratio:
-        raise NotImplementedError(
-            "DeepSpeedGuard does not measure update ratios (GradNormConfig(update_ratio=...)): the parameters "
-            "are partitioned inside DeepSpeed; turn update_ratio off"
-        )
-
+    not_yet = [  # what the guard does not support yet, and the fix
+        (
+            type(engine).__name__ == "PipelineEngine",
+            "DeepSpeed's pipeline engine (PipelineEngine.train_batch steps inside its own schedule); use a "
+            "DeepSpeedEngine from deepspeed.initialize without a PipelineModule",
+        ),
+        (
+            engine.zero_cpu_offload(),
+            "ZeRO optimizer offload (offload_optimizer): the grads then live in CPU buffers the guard does not "
+            "read; remove offload_optimizer from the ZeRO config",
+        ),
+        (config.monitors is not None, "monitors (MonitorConfig): it does not hook the module; remove monitors"),
+        (
+            bool(config.grad_norm.update_ratio),
+            "update ratios (GradNormConfig(update_ratio=...)): the parameters are partitioned inside DeepSpeed; "
+            "turn update_ratio off",
+        ),
+    ]
+    for refused, what in not_yet:
+        if refused:
+            raise NotImplementedError(f"DeepSpeedGuard does not support {what} yet")
 
 class DeepSpeedGuard(StabilityGuard):
-    """Keeps a loop over a DeepSpeed engine finite: norms, clipping, skip-the-batch, metrics and events.
+    """Keeps a loop over a DeepSpeed engine finite. ``engine``: what ``deepspeed.initialize`` returned
+    (``deepspeed_engine``); its ``backward``, ``step`` and checkpoints are routed through the guard, so a loop,
+    Accelerate or the HF Trainer calling them is guarded as it is; the rest is the plain-loop guard's."""
 
-    ``engine``: what ``deepspeed.initialize`` returned (``deepspeed_engine``). Its ``backward``, ``step``
-    and checkpoints are routed through the guard, so a loop, Accelerate or the HF Trainer calling them is
-    guarded as it is; the rest is the plain-loop guard's surface.
-    """
-
-    #: DeepSpeed's step cannot skip on the device: the host knows every decision before the step.
-    host_decides = True
+    host_decides = True  #: DeepSpeed's step cannot skip on the device: the host decides (``Driver``)
 
     def __init__(
         self,
@@ -191,8 +177,7 @@ class DeepSpeedGuard(StabilityGuard):
         return original(loss, *args, **kwargs)
 
     def _engine_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """``engine.step``: on the accumulation boundary the loop's step (``StabilityGuard.step``) with DeepSpeed's
-        own step as its optimizer step; elsewhere DeepSpeed's own."""
+        """``engine.step``: on the accumulation boundary the loop's step, with DeepSpeed's as its optimizer step."""
         if self.closed or not self.deepspeed_engine.is_gradient_accumulation_boundary():
             return original(*args, **kwargs)  # type: ignore[no-any-return]
         self._deepspeed_step = functools.partial(original, *args, **kwargs)
@@ -217,8 +202,7 @@ class DeepSpeedGuard(StabilityGuard):
         return result
 
     def _deepspeed_skips(self, decision: Any) -> bool:
-        """A step skipped for an fp16 overflow alone, which DeepSpeed's own step skips (counting it and lowering
-        its loss scale). Decided from the agreed rules only, so every rank hands it over or skips it alike."""
+        """An fp16 overflow alone, which DeepSpeed's own step skips (decided from agreed rules: alike on every rank)."""
         if not (self.fp16 and decision.skipped_now):
             return False
         return self.engine.rules.raised_anywhere(decision.outcome.code) == ["fp16_overflow"]
@@ -242,8 +226,7 @@ class DeepSpeedGuard(StabilityGuard):
     def _save_checkpoint(
         self, original: Callable[..., Any], save_dir: str, tag: Any = None, client_state: Any = None, **kwargs: Any
     ) -> Any:
-        """``engine.save_checkpoint``, whoever calls it: every rank's guard state in the client state (key
-        ``"stabilitykit"``; DeepSpeed writes one rank's client state, so every rank's goes in)."""
+        """``engine.save_checkpoint``: every rank's guard state in the client state (``"stabilitykit"``)."""
         state = dict(client_state or {})
         if not self.closed:
             self.checkpoint_states = all_objects(self.state_dict())  # each rank's differs: keep them all
@@ -262,8 +245,7 @@ class DeepSpeedGuard(StabilityGuard):
 
 
 class DeepSpeedLater:
-    """A ``DeepSpeedGuard``'s arguments, kept until a framework has made its engine (the Lightning strategy's
-    and the Hugging Face Trainer's callbacks); ``guard`` is the guard of the run in progress."""
+    """A ``DeepSpeedGuard``'s arguments, kept until a framework has made its engine; ``guard``: the run's."""
 
     def __init__(
         self,

@@ -1,10 +1,5 @@
-"""The Hugging Face Trainer with ``deepspeed=``: ``stabilize(trainer, cfg)`` puts a ``DeepSpeedGuard`` on its engine.
-
-The Trainer makes the engine inside ``train()``, so the guard is built when training begins; it routes
-the engine's ``backward``, ``step`` and checkpoints as in any DeepSpeed loop. Metrics and events go to
-``trainer.state.log_history``; every rank's guard state goes into the engine's checkpoints and
-``trainer_state.json`` and comes back on ``resume_from_checkpoint`` (see the DeepSpeed guide).
-"""
+"""The Hugging Face Trainer with ``deepspeed=``: a ``DeepSpeedGuard`` on the engine the Trainer makes in
+``train()``; metrics to ``log_history``; every rank's state through checkpoints and ``trainer_state.json``."""
 
 from __future__ import annotations
 
@@ -12,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from stabilitykit.config import StabilityConfig, refuse_two_clippers
-from stabilitykit.drivers._extras import missing
+from stabilitykit.drivers import missing
 from stabilitykit.drivers.deepspeed import DeepSpeedLater
 from stabilitykit.hooks import HookManager
 from stabilitykit.rules import SkipRule
@@ -55,11 +50,7 @@ class DeepSpeedTrainerCallback(DeepSpeedLater, AttachedCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """The engine exists now: guard it; a resumed run gives each rank its saved state back."""
-        trainer = self.bound_trainer()
-        if trainer is None:
-            raise RuntimeError(
-                "DeepSpeedTrainerCallback is not attached: use stabilitykit.integrations.stabilize(trainer)"
-            )
+        trainer = self.bound()
         self.start_guard(trainer.model_wrapped, sinks=[LogHistory(trainer, self.config.metric_prefix)])
         assert self.guard is not None
         saved = self.resumed_state(state, self.guard.engine.device)
@@ -70,6 +61,5 @@ class DeepSpeedTrainerCallback(DeepSpeedLater, AttachedCallback):
         self.close_guard()
 
     def state(self) -> dict[str, Any]:
-        """What the Trainer writes into ``trainer_state.json`` at a checkpoint (rank 0 only): every rank's guard
-        state as the engine's ``save_checkpoint`` gathered it just before."""
+        """For ``trainer_state.json``: every rank's guard state as the engine's last ``save_checkpoint`` gathered it."""
         return self.exported(self.guard.checkpoint_states if self.guard is not None else None)

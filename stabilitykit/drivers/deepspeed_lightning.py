@@ -1,15 +1,10 @@
-"""Lightning's DeepSpeed strategy: ``DeepSpeedStabilityCallback`` puts a ``DeepSpeedGuard`` on its engine.
-
-    trainer = L.Trainer(strategy="deepspeed_stage_2", callbacks=[DeepSpeedStabilityCallback(cfg)])
-
-The guard is built at fit start (the strategy has made the engine) and routes its ``backward`` and
-``step``; metrics go to every logger of the Trainer. Lightning runs this strategy on CUDA only, so the
-callback is tested in ``tests/cuda``; the guard under it on the CPU.
-"""
+"""Lightning's DeepSpeed strategy: ``DeepSpeedStabilityCallback`` puts a ``DeepSpeedGuard`` on its engine at fit
+start (metrics to every logger). Lightning runs the strategy on CUDA only: tested in ``tests/cuda``."""
 
 from __future__ import annotations
 
-from stabilitykit.drivers._extras import missing
+from stabilitykit.config import with_cadence
+from stabilitykit.drivers import missing
 from stabilitykit.drivers.deepspeed import DeepSpeedLater
 
 try:
@@ -19,8 +14,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 
 class DeepSpeedStabilityCallback(DeepSpeedLater, pl.Callback):
-    """Guards the DeepSpeed engine of a Lightning ``DeepSpeedStrategy`` fit (``config``, ``sinks``, ``hooks``,
-    ``rules``: as ``DeepSpeedGuard``'s)."""
+    """Guards the DeepSpeed engine of a Lightning ``DeepSpeedStrategy`` fit."""
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The strategy has made the engine: guard it (metrics to every logger of the Trainer)."""
@@ -30,9 +24,7 @@ class DeepSpeedStabilityCallback(DeepSpeedLater, pl.Callback):
                 f"DeepSpeedStabilityCallback needs Lightning's DeepSpeedStrategy, got "
                 f"{type(trainer.strategy).__name__}; use stabilitykit.lightning.StabilityCallback for other strategies"
             )
-        config = self.config
-        if "log_every_n_steps" not in config.model_fields_set:
-            config = config.model_copy(update={"log_every_n_steps": max(1, trainer.log_every_n_steps)})  # type: ignore[attr-defined]
+        config = with_cadence(self.config, trainer.log_every_n_steps)  # type: ignore[attr-defined]
         for logger in trainer.loggers:
             if not any(sink is logger for sink in self.hooks.sinks):
                 self.hooks.add_sink(logger, owned=False)  # type: ignore[arg-type]  # Lightning finalizes it

@@ -1,7 +1,4 @@
-"""FabricGuard: ``StabilityGuard`` over ``fabric.backward`` and Fabric's optimizer step (strategy, precision
-plugin, GradScaler), routed through the guard so a skipped step never reaches the optimizer. Metrics also
-go to ``fabric.loggers``; save the guard with the rest in ``fabric.save``.
-"""
+"""FabricGuard: ``StabilityGuard`` over ``fabric.backward`` and Fabric's routed optimizer step."""
 
 from __future__ import annotations
 
@@ -11,7 +8,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
-from stabilitykit.drivers._extras import missing
+from stabilitykit.drivers import missing
 from stabilitykit.drivers.loop import StabilityGuard
 from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.hooks import HookManager
@@ -29,8 +26,7 @@ __all__ = ["FabricGuard"]
 
 
 class FabricGuard(StabilityGuard):
-    """The plain-loop guard over ``fabric.backward`` and Fabric's optimizer step; ``model`` and
-    ``optimizer``: what ``fabric.setup`` returned. ``log_to_loggers``: metrics to ``fabric.loggers`` too."""
+    """The plain-loop guard over ``fabric.setup``'s objects; ``log_to_loggers``: metrics to ``fabric.loggers``."""
 
     def __init__(
         self,
@@ -61,8 +57,7 @@ class FabricGuard(StabilityGuard):
         self.fabric.backward(loss, **kwargs)
 
     def step(self, replay: Callable[[], Tensor] | None = None, *, optimizer: Any | None = None) -> StepReport:  # type: ignore[override]
-        """The plain guard's ``step``; Fabric's optimizer step updates its GradScaler itself (there is no
-        ``update_scaler`` to pass)."""
+        """The plain guard's ``step``; Fabric's optimizer step updates its GradScaler itself."""
         return super().step(replay, optimizer=optimizer)
 
     def _optimizer_step(self, engine: StabilityEngine, update_scaler: bool) -> None:

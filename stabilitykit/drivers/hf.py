@@ -1,11 +1,8 @@
 """StabilityTrainerCallback: the Hugging Face ``Trainer``'s hooks mapped onto the driver base.
 
-``stabilize(trainer, config)``. ``accelerator.backward`` records each micro-batch's loss;
-``accelerator.clip_grad_norm_`` (called once per optimizer step on the final grads, before anything
-clips them) is where the step is measured, clipped and decided, so the Trainer's ``grad_norm`` is the
-pre-clip norm and ``max_grad_norm`` is applied from it; the optimizer's step is routed, the LR scheduler
-held on skips; metrics and events join the Trainer's own log entries (``sinks/trainers.py``); the state
-rides in ``trainer_state.json`` (``hf_attach.py``). Needs ``pip install 'stabilitykit[transformers]'``.
+``accelerator.backward`` records the loss; ``accelerator.clip_grad_norm_`` (the final grads, before
+anything clips them) measures, clips and decides, so ``grad_norm`` is the pre-clip norm; the optimizer's
+step is routed, the scheduler held on skips; logs join the Trainer's (``sinks/trainers.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +18,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from stabilitykit.config import StabilityConfig, refuse_two_clippers
-from stabilitykit.drivers._extras import missing
+from stabilitykit.config import StabilityConfig, refuse_two_clippers, with_cadence
+from stabilitykit.drivers import missing
 from stabilitykit.drivers.base import Driver
 from stabilitykit.engine.cadence import TrainerAlignedEngine
 from stabilitykit.engine.step import StabilityEngine
@@ -56,12 +53,9 @@ class _FirstStepEngine(TrainerAlignedEngine):
 
 
 class StabilityTrainerCallback(AttachedCallback):
-    """Norms, clipping, skip-the-batch, metrics and events for a Hugging Face ``Trainer``.
-
-    ``log_every_n_steps`` defaults to the Trainer's ``logging_steps``. ``sinks``: besides the Trainer's
-    logs. ``alerts``: True (or event kinds) for W&B alerts on the active run. ``log_events``: each event
-    as a Trainer log entry. ``console``: "short" (the keys a person reads) or "all".
-    """
+    """Norms, clipping, skip-the-batch, metrics and events for a Hugging Face ``Trainer``. ``sinks``: besides the
+    Trainer's logs; ``alerts``: True (or kinds) for W&B alerts; ``log_events``: events as log entries;
+    ``console``: "short" (the keys a person reads) or "all". Logs every ``logging_steps`` by default."""
 
     def __init__(
         self,
@@ -97,8 +91,7 @@ class StabilityTrainerCallback(AttachedCallback):
 
     # ------------------------------------------------------------------ attaching
     def attach(self, trainer: Trainer) -> StabilityTrainerCallback:
-        """Bind to ``trainer`` (and add this callback to it); returns self. Refuses two clippers
-        (``max_grad_norm > 0`` with stabilitykit's clipping) and DeepSpeed (``stabilize`` guards its engine)."""
+        """Bind to ``trainer`` (and add this callback to it); refuses two clippers and DeepSpeed (``stabilize``)."""
         refuse_two_clippers(self.config, "max_grad_norm", trainer.args.max_grad_norm, "set max_grad_norm=0")
         if trainer.is_deepspeed_enabled:
             raise ValueError(
@@ -110,24 +103,13 @@ class StabilityTrainerCallback(AttachedCallback):
         self.bind(trainer)
         return self
 
-    def _bound(self) -> Trainer:
-        trainer = self.bound_trainer()
-        if trainer is None:
-            raise RuntimeError(
-                "StabilityTrainerCallback is not attached to a Trainer: use "
-                "stabilitykit.integrations.stabilize(trainer, config) or callback.attach(trainer) "
-                "instead of passing it in callbacks=[...]"
-            )
-        return trainer
-
     @property
     def engine(self) -> StabilityEngine | None:
         """The engine over the Trainer's optimizer (None before training starts)."""
         return self.driver.engines[0] if self.driver.engines else None
 
     def record(self, name: str, value: Tensor | float, reduce: str = "mean") -> None:
-        """Record a metric of the coming optimizer step (no sync); see ``stabilitykit.record``, which
-        does the same from a model's forward or ``compute_loss`` without a handle on the callback."""
+        """Record a metric of the coming optimizer step (no sync); see ``stabilitykit.record``."""
         self.driver.record(name, value, reduce)
 
     def _train(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -148,12 +130,11 @@ class StabilityTrainerCallback(AttachedCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Build the engine over the prepared optimizer; restore a resumed run's state; install the routes."""
-        trainer = self._bound()
+        trainer = self.bound()
         self.driver.release()
         config = self.config
-        if "log_every_n_steps" not in config.model_fields_set and args.logging_strategy == "steps":
-            every = max(1, int(state.logging_steps or args.logging_steps or 1))
-            config = config.model_copy(update={"log_every_n_steps": every})
+        if args.logging_strategy == "steps":
+            config = with_cadence(config, int(state.logging_steps or args.logging_steps or 1))
         accelerator = trainer.accelerator
         engine_cls = _FirstStepEngine if args.logging_first_step else TrainerAlignedEngine
         (engine,) = self.driver.build_engines(
@@ -182,8 +163,7 @@ class StabilityTrainerCallback(AttachedCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """The run is over: the last steps folded (a last row for your sinks, events into the Trainer's
-        log), the summary line, every route undone, sinks closed."""
+        """The run is over: the last steps folded, events logged, the summary line, routes undone, sinks closed."""
         if self.engine is not None:
             self.driver.end_step(self.engine)
             self.engine.flush()
@@ -191,14 +171,12 @@ class StabilityTrainerCallback(AttachedCallback):
         self.driver.end_run(self.summary())
 
     def detach(self) -> None:
-        """Undo everything this callback installed on its Trainer, the ``train`` route included (the
-        callback itself stays in the Trainer's list: remove it with ``trainer.remove_callback``)."""
+        """Undo everything this callback installed on its Trainer, the ``train`` route included."""
         self.driver.release(lasting=True)
 
     # ------------------------------------------------------------------ the routes
     def _on_log(self, keep: Callable[[str], bool], original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """A console printer's ``on_log``: with ``console="short"`` each entry cut to what a person reads
-        (``TrainerLogs.console_keys``); every ``report_to`` integration and ``log_history`` get every key."""
+        """A console printer's ``on_log``: with ``console="short"`` each entry cut to what a person reads."""
         logs = kwargs.get("logs")
         if logs is not None and self.console == "short":
             kwargs["logs"] = {k: v for k, v in logs.items() if keep(k)}
@@ -221,16 +199,14 @@ class StabilityTrainerCallback(AttachedCallback):
         return original(model, inputs, *args, **kwargs)
 
     def _rerun_args(self) -> dict[str, Any]:
-        """``Driver.decide``'s rerun arguments: the Trainer's own step again (forward, and backward through
-        ``accelerator.backward``, whose route records the loss), so the backward given has nothing to do."""
+        """``decide``'s rerun arguments: the Trainer's own step again (its backward route records the loss)."""
         step, self._rerun_step = self._rerun_step, None
         return {} if step is None else {"rerun_replay": step, "backward": lambda _loss: None}
 
     def _clip_grad_norm(
         self, accelerator: Any, original: Callable[..., Any], parameters: Any, max_norm: float, norm_type: float = 2
     ) -> Any:
-        """``accelerator.clip_grad_norm_`` on the final grads: the step measured, clipped and decided here;
-        ``max_grad_norm`` applied from that norm; the pre-clip norm returned (the Trainer logs it)."""
+        """``accelerator.clip_grad_norm_``: measure, clip, decide; ``max_grad_norm`` from that norm; the norm back."""
         engine = self.engine
         if engine is None or engine.in_flight is not None or not accelerator.sync_gradients:
             return original(parameters, max_norm, norm_type)
@@ -243,8 +219,7 @@ class StabilityTrainerCallback(AttachedCallback):
         return norm
 
     def summary(self) -> RunSummary | None:
-        """The run's totals (None before training starts): the steps the Trainer's ``max_grad_norm``
-        clipped are counted in ``clipped``, rollbacks apart (see ``RunSummary``)."""
+        """The run's totals (None before training), the steps the Trainer's ``max_grad_norm`` clipped counted."""
         if self.engine is None:
             return None
         summary = self.driver.summary()
@@ -285,9 +260,8 @@ class StabilityTrainerCallback(AttachedCallback):
         self._write_events(merge=bool(control.should_log))
 
     def _write_events(self, merge: bool = False, at_end: TrainerState | None = None) -> None:
-        """The events since the last step as Trainer log keys (``TrainerLogs.take_events``): joined to the log
-        entry of a step the Trainer logs (a log call of our own would reset ``control.should_log``), to the run's
-        summary entry at the end (``log_history[-1]`` keeps ``train_loss``), else a log entry of their own."""
+        """The events since the last step as log keys: joined to a logged step's entry (a log call of ours would
+        reset ``should_log``), to the summary entry at the end, else an entry of their own."""
         entry = self.logs.take_events(self.log_events)
         trainer = self.bound_trainer()
         if entry is None or trainer is None:

@@ -1,9 +1,5 @@
-"""The Hugging Face Trainer drivers' one attach and restore path (with and without ``deepspeed=``).
-
-``AttachedCallback`` is bound to one Trainer by ``attach``; the Trainer's callback-state restore
-(``type(cb)(**saved_args)``) gets that same callback back, and ``resumed_state``/``exported`` carry the
-saved state through ``trainer_state.json``.
-"""
+"""The Hugging Face Trainer drivers' one attach and restore path: ``AttachedCallback`` is bound to one Trainer,
+the Trainer's callback-state restore gets it back, and its saved state rides in ``trainer_state.json``."""
 
 from __future__ import annotations
 
@@ -13,7 +9,7 @@ from typing import Any
 
 import torch
 
-from stabilitykit.drivers._extras import missing
+from stabilitykit.drivers import missing
 from stabilitykit.state import from_json, to_json
 
 try:
@@ -34,8 +30,7 @@ class AttachedCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
     saved_key = "saved_state"
 
     def __new__(cls, *args: Any, restore_into_attached: bool = False, **kwargs: Any) -> AttachedCallback:
-        """``restore_into_attached``: the Trainer is restoring callback states from a checkpoint: hand back
-        the newest live callback of this class attached to a Trainer that restores callback states."""
+        """The Trainer restoring callback states: hand back this class's live callback attached to that Trainer."""
         if restore_into_attached:
             _ATTACHED[:] = [ref for ref in _ATTACHED if ref() is not None]
             for ref in reversed(_ATTACHED):
@@ -58,6 +53,16 @@ class AttachedCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
         if not any(cb is self for cb in trainer.callback_handler.callbacks):
             trainer.add_callback(self)
 
+    def bound(self) -> Trainer:
+        """The Trainer this callback is attached to; refused by name when it was passed in ``callbacks=[...]``."""
+        trainer = self.bound_trainer()
+        if trainer is None:
+            raise RuntimeError(
+                f"{type(self).__name__} is not attached to a Trainer: use stabilitykit.integrations.stabilize(trainer, "
+                "config) or callback.attach(trainer) instead of passing it in callbacks=[...]"
+            )
+        return trainer
+
     def bound_trainer(self) -> Trainer | None:
         """The Trainer this callback is attached to (None before ``attach`` or once it is gone)."""
         return self._trainer() if self._trainer is not None else None
@@ -73,8 +78,7 @@ class AttachedCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
         return entry.get("attributes", {}).get(key)
 
     def resumed_state(self, state: Any, device: torch.device) -> Any:
-        """On a resumed run (``global_step > 0``), the state this callback saved (handed back by the Trainer's
-        callback-state restore, else read from ``state``), tensors on ``device``; else None. Taken once."""
+        """A resumed run's saved state (from the restore, else from ``state``; tensors on ``device``), taken once."""
         saved = getattr(self, self.saved_key, None) or self.saved_in(state, self.saved_key)
         setattr(self, self.saved_key, None)
         return from_json(saved, device) if saved and state.global_step > 0 else None

@@ -1,9 +1,7 @@
 """StabilityCallback: Lightning's hooks mapped onto the driver base, one engine per optimizer.
 
-``on_train_batch_start``: the data guard; ``on_before_backward``: the loss recorded;
-``on_before_optimizer_step`` (grads final, unscaled, before clipping): measure, clip, decide; each
-optimizer's ``step`` routed, step-interval schedulers held on skips; ``on_train_batch_end``: events and
-sinks. Every wrapper is undone at fit end, on an exception and at teardown.
+``on_before_backward`` records the loss; ``on_before_optimizer_step`` (grads final, unscaled, before
+clipping) measures, clips and decides; each optimizer's ``step`` is routed; ``on_train_batch_end`` ends it.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stabilitykit.config import StabilityConfig, refuse_two_clippers
+from stabilitykit.config import StabilityConfig, refuse_two_clippers, with_cadence
 from stabilitykit.drivers.base import Driver, guard_batch
 from stabilitykit.engine.cadence import TrainerAlignedEngine
 from stabilitykit.engine.step import StabilityEngine
@@ -40,12 +38,9 @@ __all__ = ["StabilityCallback"]
 
 
 class StabilityCallback(Callback):
-    """Norms, clipping, skip-the-batch, metrics and events for a Lightning ``Trainer``.
-
-    Metrics go to every logger in ``trainer.loggers`` at ``trainer.global_step`` and to any ``sinks``,
-    every ``config.log_every_n_steps`` (default: the Trainer's) of each optimizer's own steps. Several
-    optimizers are each guarded on their own, with metrics under ``<prefix>/opt<i>/``.
-    """
+    """Norms, clipping, skip-the-batch, metrics and events for a Lightning ``Trainer``: metrics to every
+    logger at ``trainer.global_step`` and to ``sinks``, every ``log_every_n_steps`` (default: the Trainer's)
+    of each optimizer's own steps; several optimizers each guarded on their own (``<prefix>/opt<i>/``)."""
 
     def __init__(
         self,
@@ -69,8 +64,7 @@ class StabilityCallback(Callback):
         return self.driver.engines
 
     def record(self, name: str, value: Tensor | float, reduce: str = "mean") -> None:
-        """Record a metric of the coming optimizer step (call it from ``training_step``; no sync); see
-        ``stabilitykit.record``, which does the same without a handle on the callback."""
+        """Record a metric of the coming optimizer step (no sync); see ``stabilitykit.record``."""
         self.driver.record(name, value, reduce)
 
     def summary(self) -> RunSummary:
@@ -121,10 +115,7 @@ class StabilityCallback(Callback):
                 stacklevel=2,
             )
             return
-        config = self.config
-        if "log_every_n_steps" not in config.model_fields_set:
-            every = max(1, trainer.log_every_n_steps)  # type: ignore[attr-defined]
-            config = config.model_copy(update={"log_every_n_steps": every})
+        config = with_cadence(self.config, trainer.log_every_n_steps)  # type: ignore[attr-defined]
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         for sink, owned in sinks_for_loggers(trainer.loggers, self.hooks.sinks, trainer.is_global_zero):
             self.hooks.add_sink(sink, owned=owned)  # a WandbLogger's run gets a WandbSink: markers and alerts

@@ -1,8 +1,5 @@
-"""StabilityGuard: the driver for plain PyTorch loops (``backward``, ``step``, ``zero_grad``), on the base.
-
-Several optimizers are each guarded on their own (``step(optimizer=...)``). Accelerate, Fabric and
-DeepSpeed subclass it and change only how the loss is backpropagated and how the optimizer steps.
-"""
+"""StabilityGuard: the driver for plain PyTorch loops, on the base; Accelerate, Fabric and DeepSpeed subclass
+it and change only how the loss is backpropagated and how the optimizer steps."""
 
 from __future__ import annotations
 
@@ -14,7 +11,6 @@ from torch import Tensor, nn
 
 from stabilitykit.config import StabilityConfig
 from stabilitykit.drivers.base import Driver, guard_batch
-from stabilitykit.drivers.base import scheduler_target as scheduler_target
 from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.nan import NaNTracer, NonFiniteRecord
@@ -26,16 +22,11 @@ from stabilitykit.sinks.base import Sink
 
 def _as_list(value: Any) -> list[Any]:
     """``None`` -> [], a list or tuple -> a list, anything else -> [value]."""
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    return [value]
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _refuse_accumulating(optimizers: Sequence[Any]) -> None:
-    """An Accelerate optimizer accumulating over several micro-batches steps only on the last one; the
-    plain guard would count every micro-batch as a step and measure partial grads."""
+    """An optimizer accumulating over micro-batches (Accelerate's) is refused: use AccelerateGuard."""
     for opt in optimizers:
         state = getattr(opt, "gradient_state", None)
         steps = getattr(state, "num_steps", 1) if state is not None else 1
@@ -58,8 +49,7 @@ class StabilityGuard(Driver):
     The lifecycle (state, ``summary()``, ``close()``, ``with``, ``record``) is the driver base's.
     """
 
-    #: Whether this driver follows a framework's gradient accumulation (AccelerateGuard does).
-    follows_accumulation = False
+    follows_accumulation = False  #: whether it follows a framework's gradient accumulation (Accelerate's)
 
     def __init__(
         self,
@@ -96,8 +86,7 @@ class StabilityGuard(Driver):
         extra_group: Any | None = None,
         names: Sequence[str] | None = None,
     ) -> None:
-        """The run starts: one engine per optimizer, each optimizer's step routed through its engine
-        (``_route_step``; undone by ``close()``)."""
+        """The run starts: one engine per optimizer, each optimizer's step routed through it."""
         self.build_engines(model, optimizers, scaler=scaler, extra_group=extra_group, names=names)
         #: The (first optimizer's) engine behind this guard (counters, layer names, journal, recovery).
         self.engine = self.engines[0]
@@ -124,14 +113,12 @@ class StabilityGuard(Driver):
 
     # ------------------------------------------------------------------ the loop API
     def check_batch(self, batch: Any) -> None:
-        """The data guard (``config.data``) on one micro-batch, before its forward: ``mode="raise"`` raises
-        ``BadBatchError`` naming the path (one sync); ``mode="skip"`` skips the coming step on the device."""
+        """The data guard (``config.data``) on one micro-batch, before its forward (``raise`` or skip the step)."""
         for engine in self.engines:
             guard_batch(engine, batch)
 
     def backward(self, loss: Tensor, *, optimizer: Any | None = None, **kwargs: Any) -> None:
-        """Backpropagate ``loss`` (scaled when a GradScaler is enabled) and remember its value; ``optimizer``:
-        the one whose step it feeds (several; else the next ``step``)."""
+        """Backpropagate ``loss`` (scaled under a GradScaler) and record it for the named or the next ``step``."""
         if self.closed:
             self.check_open("backward")
         self.record_loss(loss, optimizer)
@@ -199,11 +186,8 @@ class StabilityGuard(Driver):
         return self.engine.skipped_total
 
     def restore_last_good(self) -> int:
-        """Put back the last healthy recovery snapshot in place; returns its step (needs recovery on).
-
-        After ``RollbackLimitError``: the snapshot recovery kept when it gave up (it outlives ``close()``;
-        on disk as ``last-good-<step>.pt`` with disk storage or a ``record_dir``); otherwise the newest.
-        """
+        """Put back the last healthy recovery snapshot; returns its step. After ``RollbackLimitError``: the one kept
+        when recovery gave up (it outlives ``close()``; on disk as ``last-good-<step>.pt``); else the newest."""
         recovery = self.engine.recovery
         if recovery is None:
             raise RuntimeError("stabilitykit: restore_last_good() needs recovery on (StabilityConfig(recovery=...))")

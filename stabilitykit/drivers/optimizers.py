@@ -81,9 +81,7 @@ def optimizer_params(optimizer: Any) -> list[Tensor]:
 
 
 def guarded_params(model: nn.Module | None, optimizer: Any) -> list[Tensor]:
-    """The parameters of the torch optimizer ``optimizer`` guarded for ``model``, after every check: an
-    optimizer with nothing to guard is refused, a frozen model is named (not an error: a fine-tuning
-    schedule such as Lightning's ``BaseFinetuning`` unfreezes it later)."""
+    """The parameters ``optimizer`` guards: none is refused, a frozen model named (it may be unfrozen later)."""
     refuse_non_optimizer(optimizer)
     params = optimizer_params(optimizer)
     if not params:

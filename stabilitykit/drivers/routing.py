@@ -1,11 +1,6 @@
-"""Each guarded optimizer's ``step`` routed through its engine: applied, or skipped before its update.
-
-The driver base owns one ``StepRoutes``; a driver only says where the framework's optimizer step
-is (``Driver.route_steps``). A routed step with a step in flight runs inside the engine's gate
-(``engine/gate.py``): a skip the host knows never reaches the optimizer, a skip still on the device
-goes to a fused optimizer's ``found_inf``; around it, the LR a rollback lowered and the LR the step
-used (noted for the logging step's ``lr/<group>`` metrics, ``engine/lr.py``).
-"""
+"""Each guarded optimizer's ``step`` routed through its engine (``Driver.route_steps``): inside the engine's
+gate (``engine/gate.py``) a skip the host knows never reaches the optimizer and one still on the device
+goes to a fused optimizer's ``found_inf``; around it, the LR a rollback lowered and the LR noted for ``lr/``."""
 
 from __future__ import annotations
 
@@ -38,13 +33,9 @@ class StepRoutes:
         self.in_closure: set[int] = set()
 
     def route(self, engine: StabilityEngine, optimizer: Any) -> Callable[[], None]:
-        """Route ``optimizer.step`` through ``engine`` (once: a second call returns the same undo).
-
-        The wrapper is a bound method on the instance, so torch's LR schedulers built later (they
-        need ``optimizer.step.__func__``) and anyone who wraps it after us keep working; it never
-        reaches ``optimizer.state_dict()``. Undoing restores exactly what was there before (an
-        instance attribute such as an LR scheduler's patch, or none).
-        """
+        """Route ``optimizer.step`` through ``engine`` (once; a second call returns the same undo). The wrapper is a
+        bound method on the instance, so LR schedulers built later and wrappers put on top keep working and it
+        never reaches ``state_dict()``; the undo restores exactly what was there before."""
         target = unwrap_optimizer(optimizer)
         self.released = False
         installed = self._undo.get(id(target))
@@ -82,16 +73,10 @@ class StepRoutes:
                 gate.close()
 
     def run_closure(self, engine: StabilityEngine, step_fn: Callable[[Callable[[], Any]], Any], closure: Any) -> Any:
-        """Run ``step_fn(guarded_closure)``: the optimizer calls the closure itself, as it would without us.
-
-        The grads are final when the closure returns (Lightning measures them in its
-        ``on_before_optimizer_step``, inside the closure). The first return of the closure decides
-        the step: a skip the host knows stops the optimizer right there (before its update), a skip
-        still on the device goes to a fused optimizer's ``found_inf``. An optimizer that evaluates
-        its closure again in the same step (a SAM-style two-pass step) gets each evaluation's real
-        result; only the first is measured, clipped and decides. An optimizer that never calls its
-        closure is left to notice that itself (Lightning raises).
-        """
+        """Run ``step_fn(guarded_closure)``; the optimizer calls the closure itself. The grads are final when it
+        returns (Lightning decides inside it), so its first return decides: a skip the host knows stops the
+        optimizer before its update, one on the device goes to ``found_inf``; a second evaluation (SAM) gets its
+        real result and decides nothing; an optimizer that never calls it is left to notice (Lightning raises)."""
         gate: StepGate | None = None
         result: Any = None
 
