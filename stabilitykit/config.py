@@ -383,7 +383,7 @@ def refuse_two_clippers(config: StabilityConfig, setting: str, value: float | No
     if value and value > 0 and config.clip.mode != "off":
         raise ValueError(
             f"{setting}={value} and stabilitykit's ClipConfig(mode={config.clip.mode!r}) both clip gradients; "
-            f"keep one: {fix} (stabilitykit then clips, GradScaler-aware) or set ClipConfig(mode='off')"
+            f"keep one: {fix} (stabilitykit then clips) or set ClipConfig(mode='off')"
         )
 
 
