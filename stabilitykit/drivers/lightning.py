@@ -191,8 +191,7 @@ class StabilityCallback(Callback):
             trainer.strategy.backward(loss, optimizer)
             self.driver.claim_losses(engine)
 
-        # a rerun goes through the strategy (its DDP wrapper and precision context)
-        rerun_replay = loss_of(trainer.strategy.training_step)
+        rerun_replay = loss_of(trainer.strategy.training_step)  # through the strategy's DDP wrapper and precision
         self.driver.decide(engine, loss_of(pl_module.training_step), trainer.global_step, backward, rerun_replay)
 
     def on_train_batch_end(
