@@ -29,7 +29,3 @@ def replace_attribute(owner: Any, name: str, value: Any) -> Callable[[], None]:
 
     return undo
 
-
-def route_attribute(owner: Any, name: str, route: Callable[[Any], Any]) -> Callable[[], None]:
-    """Replace ``owner.<name>`` with ``route(current value)``; returns the undo."""
-    return replace_attribute(owner, name, route(getattr(owner, name)))
