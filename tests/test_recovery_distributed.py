@@ -17,6 +17,7 @@ import torch
 import stabilitykit as sk
 from stabilitykit.compat.grad_scaler import ScalerAdapter
 from stabilitykit.engine import StabilityEngine
+from stabilitykit.engine.decision import RecoveryAnswer
 from stabilitykit.engine.journal import Row
 from stabilitykit.hooks import HookManager
 from stabilitykit.recovery import Recovery
@@ -168,7 +169,8 @@ def test_an_agreement_sends_once_and_acts_on_the_earliest_onset() -> None:
     value = agreement.request(10)
     assert decode_request(value, 10) == ("diverged", 7)
     assert agreement.request(11) == 0  # sent once
-    agreement.read([_row(10, value), _row(12, encode_request("spike_alert", 11, 12)), _row(13, 0)])
+    rows = [_row(10, value), _row(12, encode_request("spike_alert", 11, 12)), _row(13, 0)]
+    agreement.read(RecoveryAnswer.of(rows).requests)
     assert agreement.take() == ("diverged", 7)
     assert agreement.take() is None
 

@@ -13,6 +13,7 @@ next journal read tells the host).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,31 @@ class RecoveryAsk:
 
 #: A step recovery asks nothing of (recovery off, or nothing to ask).
 NO_ASK = RecoveryAsk()
+
+
+@dataclass(frozen=True)
+class RecoveryAnswer:
+    """What the ranks agreed on recovery's asks (``RecoveryAsk``), for the steps the host has read.
+
+    ``requests`` and ``verdicts``: (step, agreed value) pairs, zeros left out, in step order. Each value is
+    agreed in its step's collective and reaches the host with that step's journal row, so the answer costs
+    no sync of its own: the engine hands it back with the step (``StepDecision.answer``, set by
+    ``StabilityEngine.finish``) or the flush that read it; the journal keeps the values for logs.
+    """
+
+    requests: tuple[tuple[int, int], ...] = ()
+    verdicts: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def of(cls, rows: Iterable[Any]) -> RecoveryAnswer:
+        """The answer carried by journal ``rows`` the host has read (``engine/journal.py``'s ``Row``)."""
+        rows = list(rows)
+        requests = tuple((row.step, row.request) for row in rows if row.request > 0)
+        return cls(requests, tuple((row.step, row.verdict) for row in rows if row.verdict > 0))
+
+
+#: No answer (no row read, or nothing agreed).
+NO_ANSWER = RecoveryAnswer()
 
 
 @dataclass(frozen=True)
@@ -84,6 +110,7 @@ class StepDecision:
     lr_metrics: dict[str, float] = field(default_factory=dict)  # the LR each param group used (logging steps)
     divergence: Any = None  # a run of skips that reached max_consecutive, when ``finish`` did not raise it
     log_step: int | None = None  # the step number sinks see (a framework's global step); None: the engine's
+    answer: RecoveryAnswer = NO_ANSWER  # recovery's agreed answer in the rows read, set by ``finish``
 
     @property
     def skipped_now(self) -> bool:

@@ -55,7 +55,7 @@ from stabilitykit.compat.grad_scaler import ScalerAdapter
 from stabilitykit.compat.private import supports_amp_scaling
 from stabilitykit.distributed import is_distributed, mark_collective_step, reducer_for
 from stabilitykit.engine.clipping import ClipStrategy, PerTensorClip, make_clip_strategy
-from stabilitykit.engine.decision import NO_ASK, TAKEN, Known, RecoveryAsk, StepDecision
+from stabilitykit.engine.decision import NO_ASK, TAKEN, Known, RecoveryAnswer, RecoveryAsk, StepDecision
 from stabilitykit.engine.gate import NewStateCheck
 from stabilitykit.engine.inputs import StepInputs
 from stabilitykit.engine.journal import MAX_JOURNAL_ROWS, Journal, RowInfo
@@ -499,6 +499,7 @@ class StabilityEngine:
         Sinks see the step as ``decision.log_step`` (a framework's global step) when set, else the engine's.
         ``raise_divergence=False``: a divergence is left in ``decision.divergence`` for the caller
         (recovery) instead of being reported and raised; ``readout.report_divergence`` does that.
+        Recovery's agreed answer in the rows read for this step is left in ``decision.answer``.
         """
         step = self.step
         self.step += 1
@@ -507,6 +508,7 @@ class StabilityEngine:
         self._hold = None
         self.sources.begin_step(self.step, self.is_logging_step())
         divergence = self.readout.fold(decision.rows, step, decision.signals)
+        decision.answer = RecoveryAnswer.of(decision.rows)
         if decision.logging:
             for event in self.sources.events(step, decision.module_metrics):
                 self.readout.hooks.emit(event)
@@ -524,7 +526,7 @@ class StabilityEngine:
         """Fold the steps since the last logging step now (one sync); ``final_row``: and log their row."""
         rows = self.readout.flush(self.step, final_row=final_row)
         if self.recovery is not None:
-            self.recovery.flush(rows)
+            self.recovery.flush(rows, RecoveryAnswer.of(rows))
 
     # ----------------------------------------------------------------------------- state
 

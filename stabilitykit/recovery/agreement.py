@@ -8,7 +8,8 @@ from different steps (FSDP). So, with several ranks:
 1. a rank that finds a trigger *queues* it: ``(trigger, onset)``, the earliest one if several;
 2. the next step sends it as one number in the step's record (``engine/record.py``, a
    MAX that already runs on every rank every step: no extra collective, no extra sync); every
-   rank's row of that step then holds the same agreed request (``Row.request``);
+   rank's row of that step then holds the same agreed request (``Row.request``), which the engine hands
+   back to recovery with the step (``RecoveryAnswer.requests``);
 3. the rollback happens at the end of the next **logging step**, the first step at which every
    rank is certain to have read that row (a logging step reads every unread row): every rank
    restores the same snapshot at the same step.
@@ -25,8 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-from stabilitykit.engine.journal import Row
 
 #: The triggers a request can carry, by code (1, 2, 3).
 KINDS = ("diverged", "spike_alert", "loss_drift")
@@ -62,11 +61,11 @@ class Agreement:
         (trigger, onset), self.queued = self.queued, None
         return encode_request(trigger, min(onset, step), step)
 
-    def read(self, rows: Iterable[Row]) -> None:
-        """Rows the host has read: keep the earliest agreed request among them."""
-        for row in rows:
-            if row.request > 0:
-                found = decode_request(row.request, row.step)
+    def read(self, requests: Iterable[tuple[int, int]]) -> None:
+        """Agreed requests the host has read, as (step, request) pairs: keep the earliest onset among them."""
+        for step, request in requests:
+            if request > 0:
+                found = decode_request(request, step)
                 if self.agreed is None or found[1] < self.agreed[1]:
                     self.agreed = found
 

@@ -38,7 +38,7 @@ from torch import nn
 
 from stabilitykit.compat.grad_scaler import ScalerAdapter
 from stabilitykit.distributed import is_distributed
-from stabilitykit.engine.decision import StepDecision
+from stabilitykit.engine.decision import RecoveryAnswer, StepDecision
 from stabilitykit.engine.journal import Row
 from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.hooks import HookManager
@@ -205,25 +205,25 @@ class Recovery:
         verdict, encoded (``vetting.py``); 0 otherwise or when none is queued."""
         return self.points.send(step)
 
-    def confirm(self, rows: Iterable[Row]) -> None:
-        """Journal rows the host has read (outside a step, e.g. a flush): settle pending snapshots, keep or
-        drop snapshots by the detectors' verdict (agreed across ranks under torch.distributed), note agreed
-        rollback requests."""
+    def confirm(self, rows: Iterable[Row], answer: RecoveryAnswer) -> None:
+        """Journal rows the host has read, and the ranks' ``answer`` the engine handed back with them: settle
+        pending snapshots, keep or drop snapshots by the detectors' verdict (agreed across ranks under
+        torch.distributed), note agreed rollback requests."""
         rows = list(rows)
         self.store.confirm((row.step, not row.skipped) for row in rows)
         self.escalation.observe(rows)
-        self.points.settle(rows)
+        self.points.settle(answer.verdicts)
         if self.agreement is not None:
-            self.agreement.read(rows)
+            self.agreement.read(answer.requests)
 
-    def flush(self, rows: Iterable[Row]) -> None:
-        """The driver folded ``rows`` outside a step (a flush): settle them, and wait for snapshot files."""
-        self.confirm(rows)
+    def flush(self, rows: Iterable[Row], answer: RecoveryAnswer) -> None:
+        """The engine folded ``rows`` outside a step (a flush): settle them, and wait for snapshot files."""
+        self.confirm(rows, answer)
         self.store.wait_for_writes()
 
     def after_step(self, decision: StepDecision) -> bool:
         """The step is over and folded: settle, trigger and roll back, or snapshot. True after a rollback."""
-        self.confirm(decision.rows)
+        self.confirm(decision.rows, decision.answer)
         trigger = self.triggers.found(decision)
         if self.agreement is None:
             if trigger is not None:

@@ -23,6 +23,7 @@ all-reduce (``vetting.py``), and a snapshot any rank judged unsettled is dropped
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from stabilitykit.recovery.config import RecoveryConfig
@@ -33,7 +34,6 @@ from stabilitykit.recovery.vetting import Verdicts, decode_verdict
 
 if TYPE_CHECKING:
     from stabilitykit.engine.decision import StepDecision
-    from stabilitykit.engine.journal import Row
     from stabilitykit.engine.step import StabilityEngine
     from stabilitykit.spikes import SpikeMonitor
 
@@ -86,12 +86,13 @@ class RestorePoints:
         if self.agree:
             self._judge()  # its step may be scored already (a logging step's read)
 
-    def settle(self, rows: list[Row]) -> None:
-        """Rows the host read: keep or drop snapshots by the detectors' verdict (agreed across ranks)."""
+    def settle(self, verdicts: Iterable[tuple[int, int]]) -> None:
+        """The host read rows: keep or drop snapshots by the detectors' verdicts agreed in them, as (step,
+        verdict) pairs (``RecoveryAnswer.verdicts``)."""
         if not self.agree:
             self._vet()
         else:
-            self._apply_verdicts(rows)
+            self._apply_verdicts(verdicts)
             self._judge()
 
     def send(self, step: int) -> int:
@@ -126,14 +127,14 @@ class RestorePoints:
             if not snapshot.vetted and snapshot.step - 1 <= monitor.last_step:
                 self.verdicts.judge(snapshot.step, not self._keeps(monitor, snapshot.step - 1))
 
-    def _apply_verdicts(self, rows: list[Row]) -> None:
-        """With several ranks: keep or drop snapshots by the verdicts agreed in ``rows`` (the same on every
+    def _apply_verdicts(self, verdicts: Iterable[tuple[int, int]]) -> None:
+        """With several ranks: keep or drop snapshots by the agreed (step, verdict) pairs (the same on every
         rank): dropped on every rank when any rank's monitor was not settled at the snapshot's step."""
         changed = False
-        for row in rows:
-            if row.verdict <= 0:
+        for step, verdict in verdicts:
+            if verdict <= 0:
                 continue
-            snapshot_step, unsettled = decode_verdict(row.verdict, row.step)
+            snapshot_step, unsettled = decode_verdict(verdict, step)
             for snapshot in [s for s in self.store.snapshots if s.step == snapshot_step and not s.vetted]:
                 if unsettled:
                     self.store.discard(snapshot)
