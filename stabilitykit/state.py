@@ -25,7 +25,7 @@ from torch import Tensor
 from stabilitykit.engine.journal import LEGACY_COLUMNS, Row, RowInfo
 from stabilitykit.engine.ledger import Counters
 from stabilitykit.recovery.escalation import LrChange
-from stabilitykit.recovery.record import RollbackRecord
+from stabilitykit.recovery.rollback_log import RollbackRecord
 
 if TYPE_CHECKING:
     from stabilitykit.engine.step import StabilityEngine

@@ -18,9 +18,9 @@ from typing import Any
 
 from stabilitykit.recovery.config import RecoveryConfig as RecoveryConfig
 from stabilitykit.recovery.config import refuse_several_optimizers as refuse_several_optimizers
-from stabilitykit.recovery.record import SKIPPED_FILE as SKIPPED_FILE
-from stabilitykit.recovery.record import RollbackLog as RollbackLog
-from stabilitykit.recovery.record import RollbackRecord as RollbackRecord
+from stabilitykit.recovery.rollback_log import SKIPPED_FILE as SKIPPED_FILE
+from stabilitykit.recovery.rollback_log import RollbackLog as RollbackLog
+from stabilitykit.recovery.rollback_log import RollbackRecord as RollbackRecord
 from stabilitykit.recovery.snapshot import Snapshot as Snapshot
 from stabilitykit.recovery.snapshot import TrainingObjects as TrainingObjects
 from stabilitykit.recovery.snapshot import restore_snapshot as restore_snapshot

@@ -47,9 +47,9 @@ from stabilitykit.recovery.config import RecoveryConfig as RecoveryConfig  # its
 from stabilitykit.recovery.config import refuse_several_optimizers as refuse_several_optimizers
 from stabilitykit.recovery.escalation import Escalation
 from stabilitykit.recovery.host_copy import HostCopier
-from stabilitykit.recovery.record import RollbackLog
 from stabilitykit.recovery.restore_points import RestorePoints
 from stabilitykit.recovery.rollback import Rollback
+from stabilitykit.recovery.rollback_log import RollbackLog
 from stabilitykit.recovery.snapshot import TrainingObjects, restore_snapshot
 from stabilitykit.recovery.store import SnapshotStore
 from stabilitykit.recovery.triggers import Triggers

@@ -4,7 +4,7 @@ A trigger rolls back to the newest confirmed snapshot taken at least ``min_lookb
 onset and inside the bound (``max_lookback`` steps, ``max_lookback_share`` of the run: never the
 initial weights). Parameters, buffers, optimizer, schedulers, GradScaler and, when asked, the random
 generators are put back in place (``snapshot.py``), the driver's own state through the controller.
-A ``rollback`` event names the skipped step range (``record.py``) and what was done to the learning
+A ``rollback`` event names the skipped step range (``rollback_log.py``) and what was done to the learning
 rate and why (``escalation.py``).
 
 With no restore point inside the bound, an alert lowers the LR where the run is (a ``recovery``
@@ -27,7 +27,7 @@ from stabilitykit.hooks import HookManager
 from stabilitykit.recovery.config import RecoveryConfig
 from stabilitykit.recovery.escalation import Cause, Escalation
 from stabilitykit.recovery.files import SnapshotFileError, read_verified
-from stabilitykit.recovery.record import RollbackLog, RollbackRecord
+from stabilitykit.recovery.rollback_log import RollbackLog, RollbackRecord
 from stabilitykit.recovery.snapshot import Snapshot
 from stabilitykit.recovery.store import SnapshotStore
 

@@ -7,5 +7,5 @@ arms it per step with the driver's way to recompute the batch; the engine consul
 """
 
 from stabilitykit.rerun.config import RerunConfig as RerunConfig
+from stabilitykit.rerun.judged_steps import RerunRecord as RerunRecord
 from stabilitykit.rerun.policy import Rerun as Rerun
-from stabilitykit.rerun.record import RerunRecord as RerunRecord

@@ -1,4 +1,4 @@
-"""The rerun record: one JSON line per verdict, beside the run, read back by a resumed run.
+"""The judged steps of a rerun: one JSON line per verdict, beside the run, read back by a resumed run.
 
 A line: ``{"step", "batch", "verdict", "rank", "host", "reasons"}``. ``batch`` is the batch index the
 driver knows (the step, in a loop that trains on one batch per step). Steps judged

@@ -37,8 +37,8 @@ from stabilitykit.hooks import HookManager
 from stabilitykit.recovery.rng import capture_rng, restore_rng
 from stabilitykit.rerun.compare import compare
 from stabilitykit.rerun.config import NOT_RERUN, RerunConfig
+from stabilitykit.rerun.judged_steps import RerunRecord
 from stabilitykit.rerun.local import LocalGrads
-from stabilitykit.rerun.record import RerunRecord
 from stabilitykit.rules import RuleSet
 from stabilitykit.rules.registry import SKIP
 
