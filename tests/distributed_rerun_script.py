@@ -9,7 +9,8 @@ model:
   exponent bit flip in rank 1's logits at step ``FAULT_STEP``; a one-time flip in rank 1's local
   gradient; a batch of huge inputs on rank 1 (a reproducible fault), then a run started again with
   the rerun record; the final weights of each as a hash of their bytes; FSDP2 (2 processes): a
-  clean run and a one-time NaN in rank 1's logits;
+  clean run and one with a one-time NaN in rank 1's logits and, two steps later, a one-time flip in
+  rank 1's local gradient;
 * replica checks: a finite corruption of one parameter on rank 1 under DDP and (4 processes) HSDP
   on a 2 x 2 mesh, checked every ``CHECK_EVERY`` steps; and a long clean run with rerun and replica
   checks on, which must report nothing.
@@ -61,7 +62,7 @@ def weights_hash(model: nn.Module) -> str:
 def train(
     rank: int,
     layout: str = "ddp",
-    fault: dict[str, Any] | None = None,
+    fault: dict[str, Any] | list[dict[str, Any]] | None = None,
     huge_on: int | None = None,
     steps: int = STEPS,
     record: str | None = None,
@@ -93,7 +94,8 @@ def train(
     events: list[dict[str, Any]] = []
     guard = sk.StabilityGuard(model, opt, cfg)
     guard.hooks.on("*", lambda e: events.append({"kind": e.kind, "step": e.step, **e.details}))
-    injected = inject_fault(model, **fault) if fault is not None else None
+    faults = [] if fault is None else fault if isinstance(fault, list) else [fault]
+    injected = [inject_fault(model, **f) for f in faults]
     skipped = []
     for step in range(steps):
         x, y = batch(rank, step, huge=huge_on is not None and rank == huge_on and step == FAULT_STEP)
@@ -116,7 +118,7 @@ def train(
             if e["kind"] in keep
         ],
         "skipped": skipped,
-        "fired": injected.fired if injected is not None else None,
+        "fired": sum(f.fired for f in injected) if injected else None,
         "seconds": time.perf_counter() - started,
     }
 
@@ -133,10 +135,12 @@ def worker(rank: int, world: int) -> dict[str, Any]:
         results["hsdp-param"] = train(rank, "hsdp", fault=param, replicas=True, rerun=False)
         results["hsdp-clean"] = train(rank, "hsdp", steps=25, replicas=True)
         return results
-    # FSDP2: 8 steps (the fault at step 6 and two steps after it) for both, the clean one the reference
+    # FSDP2: 8 steps for both, the clean one the reference; in one run a one-time NaN in rank 1's logits at step
+    # 4 and a one-time flip in rank 1's local (unsharded, before the reduce-scatter) gradient at step 6
     results["fsdp2-clean"] = train(rank, "fsdp2", steps=FAULT_STEP + 2)
-    nan = {"target": "activation", "name": "head", "kind": "nan", **at}
-    results["fsdp2-nan-activation"] = train(rank, "fsdp2", fault=nan, steps=FAULT_STEP + 2)
+    nan = {"target": "activation", "name": "head", "kind": "nan", "step": FAULT_STEP - 2, "rank": 1}
+    flip = {"target": "grad", "name": "head.weight", **at}
+    results["fsdp2-faults"] = train(rank, "fsdp2", fault=[nan, flip], steps=FAULT_STEP + 2)
     results["clean-spike"] = train(rank, spike=True)
     results["flip-activation"] = train(rank, fault={"target": "activation", "name": "head", **at}, spike=True)
     results["flip-grad"] = train(rank, fault={"target": "grad", "name": "head.weight", **at})

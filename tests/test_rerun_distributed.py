@@ -2,7 +2,7 @@
 
 One launch per world size (``distributed_rerun_script.py``): 2 processes (DDP: the plain loop's
 rerun cells, the record and a run started again with it, a parameter corruption, 500 clean steps;
-FSDP2: a transient NaN, 8 steps)
+FSDP2: a transient NaN and a transient local-gradient flip in one run of 8 steps)
 and 4 (DDP and HSDP on a 2 x 2 mesh: a parameter corruption on one replica, clean steps).
 """
 
@@ -49,13 +49,21 @@ def test_a_one_time_nan_in_rank_1s_forward_is_transient_names_rank_1_and_ends_bi
     assert [r["nan-activation"]["fired"] for r in ranks] == [0, 1] + [0] * (world - 2)
 
 
-def test_fsdp2_a_one_time_nan_in_rank_1s_forward_is_transient_and_ends_bitwise_clean(two: list[dict]) -> None:
-    """FSDP2 over 2 ranks: the recomputation's forward and backward go through the shards' own hooks."""
+def test_fsdp2_a_one_time_nan_in_rank_1s_forward_and_a_flip_in_its_local_gradient_are_transient_on_rank_1(
+    two: list[dict],
+) -> None:
+    """FSDP2 over 2 ranks, one run: a NaN in rank 1's logits at step 4, a flipped bit in rank 1's unsharded
+    gradient of ``head.weight`` at step 6 (before the reduce-scatter, which puts it in rank 0's shard). The
+    recomputation's forward and backward go through the shards' own hooks; rank 1 is named by its own
+    unsharded grads (``rerun/local.py``); the final shards are a clean run's, bitwise."""
     for rank in two:
-        cell = rank["fsdp2-nan-activation"]
-        assert _reruns(cell) == [{"kind": "rerun", "step": FAULT_STEP, "verdict": "transient", "rank": 1}]
+        cell = rank["fsdp2-faults"]
+        assert _reruns(cell) == [
+            {"kind": "rerun", "step": step, "verdict": "transient", "rank": 1} for step in (FAULT_STEP - 2, FAULT_STEP)
+        ]
         assert cell["skipped"] == []
         assert cell["hash"] == rank["fsdp2-clean"]["hash"]  # each rank's shard, bitwise
+    assert [r["fsdp2-faults"]["fired"] for r in two] == [0, 2]
 
 
 def test_a_one_time_exponent_flip_caught_as_a_spike_is_transient_on_rank_1(two: list[dict]) -> None:

@@ -10,8 +10,13 @@ differed is named.
 
 Only where it can be: the model is a ``DistributedDataParallel`` with no communication hook of its own
 (DDP takes one hook per model: a model that has one keeps it, and the rank of a local-gradient fault is
-then not named; register yours before the guard is built, or without rerun). FSDP, DeepSpeed and the
-frameworks' own DDP wrappers reduce otherwise and are not hooked.
+then not named; register yours before the guard is built, or without rerun).
+
+FSDP2 (``fully_shard``): each module's forward computes with unsharded parameters, whose grads backward
+accumulates before FSDP2 reduce-scatters them; a hook after each one's accumulation adds its sum of
+squares (one small kernel per parameter per step, no sync). FSDP1, DeepSpeed and the frameworks' own DDP
+wrappers reduce otherwise and are not hooked: a local-gradient fault there is judged ``transient`` with
+no rank named when every rank's reduced grads differ alike.
 """
 
 # no ``from __future__ import annotations``: DDP checks the hook's annotations as objects
@@ -29,6 +34,10 @@ class LocalGrads:
     def __init__(self, model: nn.Module | None) -> None:
         self.total: Tensor | None = None
         self.hooked = False
+        self._handles: list[Any] = []
+        if model is not None and _is_fsdp2(model):
+            self._hook_unsharded(model)
+            return
         if model is None or not isinstance(model, nn.parallel.DistributedDataParallel):
             return
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -48,12 +57,48 @@ class LocalGrads:
             return
         self.hooked = True
 
+    def _hook_unsharded(self, model: nn.Module) -> None:
+        """FSDP2: each module's forward computes with the unsharded parameters (the sharded ones get their
+        grads after the reduce-scatter); a hook after each unsharded parameter's accumulation adds its sum of
+        squares before the reduce-scatter reads it. The unsharded parameters are found at the forward (a
+        forward pre-hook on every module with parameters of its own), hooked once each."""
+        seen: list[Tensor] = []
+
+        def on_grad(param: Tensor) -> None:
+            if self.hooked and param.grad is not None:
+                part = param.grad.detach().float().pow(2).sum()
+                self.total = part if self.total is None else self.total + part
+
+        def before_forward(module: nn.Module, _args: Any) -> None:
+            for _name, param in module.named_parameters(recurse=False):
+                if hasattr(param, "to_local") or not param.requires_grad or any(param is p for p in seen):
+                    continue  # a sharded DTensor (outside FSDP2's forward), frozen, or already hooked
+                seen.append(param)
+                self._handles.append(param.register_post_accumulate_grad_hook(on_grad))
+
+        for module in model.modules():
+            if next(module.parameters(recurse=False), None) is not None:
+                self._handles.append(module.register_forward_pre_hook(before_forward))
+        self.hooked = True
+
     def take(self) -> Tensor | None:
         """This rank's local sum of squares since the last take (None: not measured); the next starts at 0."""
         total, self.total = self.total, None
         return total
 
     def close(self) -> None:
-        """Stop measuring (DDP cannot remove a hook: it goes on averaging as DDP does)."""
+        """Stop measuring (DDP cannot remove a hook: it goes on averaging as DDP does; FSDP2's are removed)."""
         self.hooked = False
         self.total = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _is_fsdp2(model: nn.Module) -> bool:
+    """Some module of ``model`` is sharded by FSDP2's ``fully_shard``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())

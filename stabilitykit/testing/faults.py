@@ -10,8 +10,10 @@
 Where a fault lands (``target``):
 
 * ``"activation"``: the output of the named module's forward (a forward hook);
-* ``"grad"``: the named parameter's gradient, where backward accumulates it on this rank (before a
-  data-parallel all-reduce: the local gradient, as a faulty device would compute it);
+* ``"grad"``: the named parameter's gradient as backward computes it on this rank, before it is
+  accumulated and before any data-parallel reduction (DDP's all-reduce, FSDP2's reduce-scatter): the
+  local gradient, as a faulty device would compute it (a hook on the parameter the owning module's
+  forward computes with: under FSDP2 the unsharded one);
 * ``"param"``: the named parameter itself, before the forward of that step (a corrupted weight stays
   corrupted: it fires once);
 * ``"loss"``: a loss handed to the fault, ``loss = fault(loss)`` (the loss is computed by your code).
@@ -175,6 +177,13 @@ def _parameter(model: nn.Module, name: str) -> nn.Parameter:
     raise KeyError(f"no parameter named {name!r} in {type(model).__name__} (parameters: {sorted(clean)[:8]}...)")
 
 
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module that holds parameter ``name`` (by its name with or without a wrapper's prefix), and the
+    attribute it is held under."""
+    path, _, attribute = name.rpartition(".")
+    return (_module(model, path) if path else model), attribute
+
+
 def _clean(name: str) -> str:
     """A module or parameter name without the wrappers' prefixes (DDP's ``module.``, torch.compile's ...)."""
     wrappers = {"module", "_orig_mod", "_forward_module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
@@ -234,13 +243,28 @@ def inject_fault(
 
         fault.hold(module.register_forward_hook(on_output))
     elif target == "grad":
-        param = _parameter(model, name)
+        _parameter(model, name)  # a clear error for a name that is not there
+        owner, attribute = _owner(model, name)
+        hooked: list[Tensor] = []  # the parameter objects whose grads are hooked
 
-        def on_grad(p: Tensor) -> None:
-            if p.grad is not None and fault.due():
-                fault.corrupt(p.grad)
+        def on_local_grad(grad: Tensor) -> Tensor | None:
+            if not fault.due():
+                return None
+            corrupted = grad.detach().clone()
+            fault.corrupt(corrupted)
+            return corrupted
 
-        fault.hold(param.register_post_accumulate_grad_hook(on_grad))
+        def before_owner(_module: nn.Module, _args: Any) -> None:
+            # The parameter the forward computes with: under FSDP2 the unsharded one (the sharded parameter's
+            # grad is set after the reduce-scatter); a hook on its gradient before accumulation sees this rank's
+            # local gradient before any reduction, and runs before anything that measures it once accumulated.
+            param = getattr(_module, attribute, None)
+            if not isinstance(param, Tensor) or hasattr(param, "to_local") or any(param is p for p in hooked):
+                return
+            hooked.append(param)
+            fault.hold(param.register_hook(on_local_grad))
+
+        fault.hold(owner.register_forward_pre_hook(before_owner))
     else:  # param: before the forward of its step
         param = _parameter(model, name)
 
