@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from stabilitykit.compat.functional import FunctionalWrappers
 
 #: Receives (module name, 0-d device tensor) for each measured attention call.
-Record = Callable[[str, Tensor], None]
+Keep = Callable[[str, Tensor], None]
 
 
 def sdpa_max_logit(
@@ -131,7 +131,7 @@ _ATTENTION_CALLS = FunctionalWrappers({"scaled_dot_product_attention": _sdpa_wra
 class AttentionCapture:
     """Marks the running attention module on sampled steps and measures its attention call.
 
-    ``active()`` says whether the coming forward passes are sampled; ``record(name, value)`` keeps a
+    ``active()`` says whether the coming forward passes are sampled; ``keep(name, value)`` keeps a
     value; ``failed(name, reason)`` is told once when measuring a module raised (the module is then
     left alone: the step itself never sees the exception).
     """
@@ -140,12 +140,12 @@ class AttentionCapture:
         self,
         modules: list[tuple[str, nn.Module]],
         active: Callable[[], bool],
-        record: Record,
+        keep: Keep,
         failed: Callable[[str, str], None],
     ) -> None:
         self.modules = modules
         self.active = active
-        self.record = record
+        self.keep = keep
         self.failed = failed
         #: Modules whose measurement raised: never measured again.
         self.disabled: set[str] = set()
@@ -196,7 +196,7 @@ class AttentionCapture:
         except Exception as error:  # a measurement never breaks the user's step
             self._fail(name, f"its scaled_dot_product_attention call could not be measured ({error})")
             return
-        self.record(name, value)
+        self.keep(name, value)
 
     def measure_softmax(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Measure the input of an ``F.softmax`` call made in ``name``'s forward: the pre-softmax logits."""
@@ -206,7 +206,7 @@ class AttentionCapture:
         except Exception as error:  # a measurement never breaks the user's step
             self._fail(name, f"its softmax call could not be measured ({error})")
             return
-        self.record(name, value)
+        self.keep(name, value)
 
     def _fail(self, name: str, reason: str) -> None:
         self.disabled.add(name)

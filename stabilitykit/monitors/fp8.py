@@ -89,7 +89,7 @@ class Fp8MonitorConfig(Section):
     )
 
 
-Record = Callable[[str, str, Tensor], None]
+Keep = Callable[[str, str, Tensor], None]
 Guarded = Callable[[str, Callable[[], None]], None]
 
 
@@ -101,7 +101,7 @@ class Fp8Monitor:
         modules: list[tuple[str, nn.Module]],
         config: Fp8MonitorConfig,
         active: Callable[[], bool],
-        record: Record,
+        keep: Keep,
         declare: Callable[[str, str], None],
         guarded: Guarded,
     ) -> None:
@@ -110,7 +110,7 @@ class Fp8Monitor:
         self.config = config
         self._compat = torchao_float8
         self._active = active
-        self._record = record
+        self._keep = keep
         self._guarded = guarded
         self.layers: dict[str, nn.Module] = {n: m for n, m in modules if _maybe_float8(m) and self._is_fp8(m)}
         #: Layers running in high precision after a warning (``Fp8MonitorConfig.fallback``), in order.
@@ -136,11 +136,11 @@ class Fp8Monitor:
     def _measure(self, name: str, role: str, x: Tensor) -> None:
         stats = self._compat.cast_stats(x, self._casts[name][role])
         key = f"{name}/{role}"
-        self._record("fp8_amax", key, stats.amax)
-        self._record("fp8_scale", key, stats.scale)
-        self._record("fp8_underflow", key, stats.underflow)
-        self._record("fp8_saturation", key, stats.saturation)
-        self._record("fp8_error", key, stats.error)
+        self._keep("fp8_amax", key, stats.amax)
+        self._keep("fp8_scale", key, stats.scale)
+        self._keep("fp8_underflow", key, stats.underflow)
+        self._keep("fp8_saturation", key, stats.saturation)
+        self._keep("fp8_error", key, stats.error)
 
     def _pre_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:

@@ -83,8 +83,8 @@ class OutputLogits:
 
     def _measure(self, logits: Tensor, mask: Tensor | None) -> None:
         top, log_z = logit_stats(logits, self._positions, mask)
-        self._store.record("logits_max", self.name, top)
-        self._store.record("log_z", self.name, log_z)
+        self._store.keep("logits_max", self.name, top)
+        self._store.keep("log_z", self.name, log_z)
 
     def close(self) -> None:
         """Remove the hooks."""

@@ -197,16 +197,16 @@ class ModelMonitor:
                 self._handles.append(module.register_forward_hook(hook))
         if cfg.attention:
 
-            def record(module: str, value: Tensor) -> None:
-                store.record("attn_logit_max", module, value)
+            def keep(module: str, value: Tensor) -> None:
+                store.keep("attn_logit_max", module, value)
 
-            self.capture = AttentionCapture(attention_modules(targets.modules), self._active, record, failures.failed)
+            self.capture = AttentionCapture(attention_modules(targets.modules), self._active, keep, failures.failed)
             for name in self.capture.names:
                 store.declare("attn_logit_max", name)
         if cfg.logits:
             self.logits = OutputLogits(targets, cfg.log_z_positions, self._active, store, failures)
         if cfg.fp8 is not None:
-            fp8 = Fp8Monitor(targets.modules, cfg.fp8, self._active, store.record, store.declare, failures.guarded)
+            fp8 = Fp8Monitor(targets.modules, cfg.fp8, self._active, store.keep, store.declare, failures.guarded)
             self.fp8 = fp8 if fp8.layers else None
         if cfg.routers is not None:
             self.routers = RouterMonitor(
@@ -215,7 +215,7 @@ class ModelMonitor:
                 cfg.routers,
                 self._active,
                 store.declare,
-                store.record,
+                store.keep,
                 failures.failed,
                 store.device,
             )
@@ -226,10 +226,10 @@ class ModelMonitor:
         def measure(x: Tensor) -> None:
             rms, top, norm = activation_stats(x)
             if activations:
-                store.record("act_rms", name, rms)
-                store.record("act_max", name, top)
+                store.keep("act_rms", name, rms)
+                store.keep("act_max", name, top)
             if residual:
-                store.record("resid_norm", name, norm)
+                store.keep("resid_norm", name, norm)
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self.sampling or not module.training:

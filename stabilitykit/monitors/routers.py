@@ -341,7 +341,7 @@ class RouterMonitor:
     """Hooks every router of a model and measures it on sampled steps (see the module docstring).
 
     ``sampling()`` says whether the coming forward passes belong to a sampled step; ``declare(signal,
-    name)`` and ``record(signal, name, value)`` keep values in the model monitor's store; ``failed(name,
+    name)`` and ``keep(signal, name, value)`` keep values in the model monitor's store; ``failed(name,
     reason)`` disables a router that could not be measured, with one warning.
     """
 
@@ -352,14 +352,14 @@ class RouterMonitor:
         config: RouterConfig,
         sampling: Callable[[], bool],
         declare: Callable[[str, str], None],
-        record: Callable[[str, str, Tensor], None],
+        keep: Callable[[str, str, Tensor], None],
         failed: Callable[[str, str], None],
         device: torch.device,
     ) -> None:
         self.config = config
         self.model = model
         self._sampling = sampling
-        self._record = record
+        self._keep = keep
         self._failed = failed
         self.device = device
         self.disabled: set[str] = set()
@@ -524,7 +524,7 @@ class RouterMonitor:
             )
             stats["router_collapsed"] = router.streak
             for signal, value in stats.items():
-                self._record(signal, router.name, value)
+                self._keep(signal, router.name, value)
                 out[f"monitors/{signal}/{router.name}"] = value
             router.last_counts = router.counts
             router.counts = router.tokens = router.entropy = router.z = None

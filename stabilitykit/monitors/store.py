@@ -1,6 +1,6 @@
 """The monitors' store: one device value per metric, kept between sampled steps and the logging read.
 
-Every hook records into a slot declared when it was installed (the set of slots never changes
+Every hook keeps its values in a slot declared when it was installed (the set of slots never changes
 afterwards, so nothing grows per step). A max signal keeps its running maximum over the sampled
 forward passes since the last read, any other the latest value.
 """
@@ -54,7 +54,7 @@ class MetricStore:
         """Declare a metric when its hook is installed (the set of slots never changes afterwards)."""
         self._slots.setdefault(f"monitors/{signal}/{module}", Slot())
 
-    def record(self, signal: str, module: str, value: Tensor) -> None:
+    def keep(self, signal: str, module: str, value: Tensor) -> None:
         """Keep one measured value on the device (a running max for max signals) until the next read."""
         slot = self._slots.get(f"monitors/{signal}/{module}")
         if slot is None:
