@@ -94,11 +94,11 @@ def grad_processing(args: argparse.Namespace) -> dict[str, float]:
 
     def ours() -> None:
         decision = engine.evaluate()
-        engine.finish(decision)
+        engine.book_step(decision)
 
     def ours_per_tensor() -> None:
         decision = per_tensor_engine.evaluate()
-        per_tensor_engine.finish(decision)
+        per_tensor_engine.book_step(decision)
 
     def torch_clip() -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -178,7 +178,7 @@ def test_a_step_the_engine_skips_or_does_not_skip_leaves_the_statistics_alone() 
         model.zero_grad()
         nn.functional.mse_loss(model(x * (3.0 if step == 3 else 1.0)), y).backward()
         force = torch.tensor(step == 3)
-        engine.finish(engine.evaluate(force_skip=force))
+        engine.book_step(engine.evaluate(force_skip=force))
         if step == 2:
             before = engine.clip.state_dict()  # type: ignore[union-attr]
     after = engine.clip.state_dict()  # type: ignore[union-attr]
@@ -189,7 +189,7 @@ def test_a_step_the_engine_skips_or_does_not_skip_leaves_the_statistics_alone() 
     params[0].grad[0, 0] = float("nan")  # type: ignore[index]
     grads = [p.grad.clone() for p in params]  # type: ignore[union-attr]
     decision = engine.evaluate()
-    engine.finish(decision)
+    engine.book_step(decision)
     assert not bool(decision.skip), "skipping is off"
     for p, g in zip(params, grads, strict=True):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True)  # coefficient exactly 1

@@ -363,7 +363,7 @@ class Driver:
         assert engine.tracing is not None
         try:
             recovery = engine.recovery
-            engine.last_report = engine.finish(decision, raise_divergence=recovery is None)
+            engine.last_report = engine.book_step(decision, raise_divergence=recovery is None)
             if engine.rerun is not None:
                 engine.rerun.end_step()
             if engine.replicas is not None and engine.replicas.due(decision.report.step):

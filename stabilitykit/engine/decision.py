@@ -49,7 +49,7 @@ class RecoveryAnswer:
     ``requests`` and ``verdicts``: (step, agreed value) pairs, zeros left out, in step order. Each value is
     agreed in its step's collective and reaches the host with that step's journal row, so the answer costs
     no sync of its own: the engine hands it back with the step (``StepDecision.answer``, set by
-    ``StabilityEngine.finish``) or the flush that read it; the journal keeps the values for logs.
+    ``StabilityEngine.book_step``) or the flush that read it; the journal keeps the values for logs.
     """
 
     requests: tuple[tuple[int, int], ...] = ()
@@ -108,9 +108,9 @@ class StepDecision:
     signals: dict[str, float] = field(default_factory=dict)  # the module metrics the spike detector watches
     update_metrics: dict[str, float] = field(default_factory=dict)  # update ratio and weight norms (logging steps)
     lr_metrics: dict[str, float] = field(default_factory=dict)  # the LR each param group used (logging steps)
-    divergence: Any = None  # a run of skips that reached max_consecutive, when ``finish`` did not raise it
+    divergence: Any = None  # a run of skips that reached max_consecutive, when ``book_step`` did not raise it
     log_step: int | None = None  # the step number sinks see (a framework's global step); None: the engine's
-    answer: RecoveryAnswer = NO_ANSWER  # recovery's agreed answer in the rows read, set by ``finish``
+    answer: RecoveryAnswer = NO_ANSWER  # recovery's agreed answer in the rows read, set by ``book_step``
 
     @property
     def skipped_now(self) -> bool:

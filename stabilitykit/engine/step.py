@@ -13,7 +13,7 @@ and after the grads are final:
 3. ``gate = StepGate(decision, optimizer, qk_clip)``, the optimizer step unless ``gate.skip_now``,
    then ``gate.close()`` (``gate.py``; the driver's step routes do this, ``drivers/routing.py``),
 4. ``holds_scheduler()`` before stepping an LR scheduler (decided once per step),
-5. ``finish(decision)``: rows the host read are folded into the ledger (events, counters,
+5. ``book_step(decision)``: rows the host read are folded into the ledger (events, counters,
    divergence) and, on logging steps, the metrics (``metrics.py``) go to the sinks; both are the
    host side's job (``readout.py``), which also does the logging step's read.
 
@@ -36,7 +36,7 @@ Host syncs: none on a non-logging step when the optimizer is fused or skipping i
 step for other optimizers with skipping on; one per logging step.
 
 With ``GradNormConfig.update_ratio`` the step before each logging step copies the parameters at
-the end of ``evaluate`` and measures its update at the start of ``finish``; the logging step reads
+the end of ``evaluate`` and measures its update at the start of ``book_step``; the logging step reads
 it with its journal (``engine/updates.py``), so it adds no sync.
 """
 
@@ -493,7 +493,7 @@ class StabilityEngine:
             self.held_steps += int(self._hold)
         return self._hold
 
-    def finish(self, decision: StepDecision, raise_divergence: bool = True) -> StepReport:
+    def book_step(self, decision: StepDecision, raise_divergence: bool = True) -> StepReport:
         """Host-side bookkeeping after the step: the ledger, events, sinks, then the divergence check.
 
         Sinks see the step as ``decision.log_step`` (a framework's global step) when set, else the engine's.
