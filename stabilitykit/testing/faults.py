@@ -243,7 +243,7 @@ def inject_fault(
 
         fault.hold(module.register_forward_hook(on_output))
     elif target == "grad":
-        _parameter(model, name)  # a clear error for a name that is not there
+        param = _parameter(model, name)  # a clear error for a name that is not there
         owner, attribute = _owner(model, name)
         hooked: list[Tensor] = []  # the parameter objects whose grads are hooked
 
@@ -258,12 +258,15 @@ def inject_fault(
             # The parameter the forward computes with: under FSDP2 the unsharded one (the sharded parameter's
             # grad is set after the reduce-scatter); a hook on its gradient before accumulation sees this rank's
             # local gradient before any reduction, and runs before anything that measures it once accumulated.
-            param = getattr(_module, attribute, None)
-            if not isinstance(param, Tensor) or hasattr(param, "to_local") or any(param is p for p in hooked):
+            current = getattr(_module, attribute, None)
+            if not isinstance(current, Tensor) or hasattr(current, "to_local") or any(current is p for p in hooked):
                 return
+            hooked.append(current)
+            fault.hold(current.register_hook(on_local_grad))
+
+        if not hasattr(param, "to_local"):  # an ordinary parameter: hooked now, used through its module or not
             hooked.append(param)
             fault.hold(param.register_hook(on_local_grad))
-
         fault.hold(owner.register_forward_pre_hook(before_owner))
     else:  # param: before the forward of its step
         param = _parameter(model, name)
