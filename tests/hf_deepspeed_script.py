@@ -274,7 +274,12 @@ def _recovery_cell(out: Path, rows: list[Any], stage: int, precision: str) -> di
     parameters equal."""
     name = f"recovery-stage{stage}-{precision}"
     recovery = sk.RecoveryConfig(
-        enabled=True, snapshot_every=2, keep=2, trigger=["diverged"], min_lookback=0, skip_after=0,
+        enabled=True,
+        snapshot_every=2,
+        keep=2,
+        trigger=["diverged"],
+        min_lookback=0,
+        skip_after=0,
         max_lookback_share=1.0,  # a few steps: any snapshot but the first's (the rollback is agreed at step 5)
     )
     cfg = sk.StabilityConfig(

@@ -371,4 +371,3 @@ def test_rerun_judges_a_one_time_fault_transient_and_a_repeated_one_reproducible
         assert cell["reproducible"]["events"] == [[1, "reproducible", None]]
         assert cell["reproducible"]["skipped"] == [1]
         assert cell["reproducible"]["same"], cell["reproducible"]["diff"]
-

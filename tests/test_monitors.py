@@ -467,10 +467,7 @@ def test_a_compiled_model_keeps_two_graphs_with_values_waiting_between_reads(
     # a sampled and an unsampled variant, whether values of earlier forward passes wait or not
     assert counters["stats"]["unique_graphs"] == 2
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    assert (
-        guard.engines[0].readout.last_host_metrics["stability/monitors/attn_logit_max/model.layers.0.self_attn"]
-        > 0
-    )
+    assert guard.engines[0].readout.last_host_metrics["stability/monitors/attn_logit_max/model.layers.0.self_attn"] > 0
     torch._dynamo.reset()
 
 

@@ -445,6 +445,4 @@ def test_router_monitors_add_no_host_sync_on_unsampled_steps_and_ride_the_loggin
         counts.append(len(counter.library_sites()))  # Mixtral's own expert loop syncs: not ours
     guard.close()
     assert counts == [1 if i % 4 == 0 else 0 for i in range(9)], counts
-    assert (
-        "stability/monitors/expert_load_max/model.layers.1.mlp.gate" in guard.engines[0].readout.last_host_metrics
-    )
+    assert "stability/monitors/expert_load_max/model.layers.1.mlp.gate" in guard.engines[0].readout.last_host_metrics

@@ -28,4 +28,3 @@ def replace_attribute(owner: Any, name: str, value: Any) -> Callable[[], None]:
             delattr(owner, name)
 
     return undo
-

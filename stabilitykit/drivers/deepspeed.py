@@ -89,6 +89,7 @@ def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
         if refused:
             raise NotImplementedError(f"DeepSpeedGuard does not support {what} yet")
 
+
 class DeepSpeedGuard(StabilityGuard):
     """Keeps a loop over a DeepSpeed engine finite. ``engine``: what ``deepspeed.initialize`` returned
     (``deepspeed_engine``); its ``backward``, ``step`` and checkpoints are routed through the guard, so a loop,
@@ -136,7 +137,6 @@ class DeepSpeedGuard(StabilityGuard):
         self.patch(engine, "save_checkpoint", self._save_checkpoint)
         self.patch(engine, "load_checkpoint", self._load_checkpoint)
 
-    # ------------------------------------------------------------------ the loop API
     def backward(self, loss: Tensor, *, optimizer: Any | None = None, **kwargs: Any) -> Any:
         """``engine.backward(loss)`` (its route records the loss)."""
         self.check_open("backward")
