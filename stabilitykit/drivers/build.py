@@ -12,10 +12,10 @@ from stabilitykit.buffers import BufferGuard, running_stat_buffers
 from stabilitykit.compat.grad_scaler import ScalerAdapter
 from stabilitykit.config import StabilityConfig
 from stabilitykit.drivers.optimizers import guarded_params, unwrap_optimizer
+from stabilitykit.engine.guard_state import guard_snapshot, restore_guard_snapshot
 from stabilitykit.engine.step import StabilityEngine, is_fused, reads_coming_step
 from stabilitykit.hooks import HookManager
 from stabilitykit.recovery.controller import Recovery
-from stabilitykit.recovery.snapshot import guard_snapshot, restore_guard_snapshot
 from stabilitykit.replicas import ReplicaCheck
 from stabilitykit.rerun import Rerun
 from stabilitykit.rules import SkipRule

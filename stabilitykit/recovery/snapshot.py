@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -37,9 +37,6 @@ from stabilitykit.compat.grad_scaler import ScalerAdapter
 from stabilitykit.distributed import to_local
 from stabilitykit.recovery.host_copy import HostCopier, HostTree, Saved, map_saved
 from stabilitykit.recovery.rng import capture_rng, restore_rng
-
-if TYPE_CHECKING:
-    from stabilitykit.engine.step import StabilityEngine
 
 
 @dataclass
@@ -259,18 +256,3 @@ def restore_snapshot(objects: TrainingObjects, tree: Any, rng: bool) -> dict[str
         restore_rng(map_saved(tree["rng"], lambda s: s.data.clone()))
     guard: dict[str, Any] = map_saved(tree["guard"], _new)
     return guard
-
-
-def guard_snapshot(engine: StabilityEngine) -> dict[str, Any]:
-    """What a recovery snapshot keeps of the guard: the engine's state and the held steps."""
-    return {"engine": engine.state_dict(), "held_steps": engine.held_steps}
-
-
-def restore_guard_snapshot(engine: StabilityEngine, state: dict[str, Any]) -> None:
-    """A rollback restored a snapshot whose guard state is ``state``: the engine gets its statistics while
-    its step count goes on (``rewind``), ``schedule_step`` becomes the snapshot's (as the restored
-    schedulers' counts do), and the restored buffers are what a later skip puts back.
-    """
-    engine.rewind(state["engine"])
-    engine.held_steps = int(state["held_steps"]) + engine.step - int(state["engine"]["step"])
-    engine.buffers.save()
