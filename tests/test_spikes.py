@@ -438,10 +438,16 @@ def test_the_corpus_defaults_are_quieter_than_the_previous_ones_on_the_tuning_fa
     unconfirmed, the loss's scale floor on the grad norm's looks, no look cooldown or trend hysteresis) paged
     5 times and looked 24 (``score.py --split tune`` prints both); both alert 10 of 13 onsets."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "warning"))
+    from bound import arrivals, is_data_event
     from score import TUNE, load, ours, score
+    from truth import onsets_of
 
-    now = score(load(families=TUNE), {"now": ours()})["now"]["all"]
+    runs = load(families=TUNE)
+    now = score(runs, {"now": ours()})["now"]["all"]
     assert (now.pages, now.looks, now.recalled, now.onsets, now.healthy) == (0, 9, 10, 13, 7848)
+    # the bound on warning ahead (bound.py): 8 of the 13 onsets came with a burst or the data shift
+    data = [is_data_event(m, arrivals(r.meta)) for r in runs for m, _ in onsets_of(r.col("loss")).onsets]
+    assert (len(data), sum(data)) == (13, 8)
 
 
 def test_layer_share_trend_names_the_layer_whose_share_of_the_grad_norm_grows_and_is_off_by_default() -> None:

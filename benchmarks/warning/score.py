@@ -1,7 +1,7 @@
 """Early warning scored on the corpus (``corpus.py``): ours and every peer, on held-out families.
 
     python benchmarks/warning/score.py [--corpus benchmarks/warning/corpus.npz] [--split tune|held|all]
-                                       [--signals-every 1] [--skip-synthetic] [--onsets] [--candidates]
+                                       [--signals-every 1] [--skip-synthetic] [--onsets] [--candidates] [--bound]
 
 Ground truth comes from the loss alone, by the rule of ``truth.py`` (the same for every detector,
 fixed before any detector was scored on it): ``spike_suite.ground_truth``'s 1.3x rule with each
@@ -27,6 +27,10 @@ update-to-weight ratio and the LR are in the corpus but not handed to the detect
 does not: ``--candidates`` (tuning families only) scores them as a precursor (``extra_signals``),
 and each layer's share of the grad norm (``SpikeConfig.layer_share_trend``), against the defaults.
 
+``--bound`` (``bound.py``) prints what bounds "warned before the loss moved" on the split: how many
+onsets are data events (a burst or the shift arriving: nothing inside the model precedes them) and,
+on the tuning families, the best any single precursor threshold does at <= 1 look per 1,000 healthy steps.
+
 The synthetic hard stream (``spike_suite.synthetic_stream``, sigma 0.35, phi 0.9: grad norms that
 wander) is scored on five seeds: recall on spikes of 3x and more, false alarms per 10k clean steps.
 """
@@ -47,6 +51,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import bound
 from spike_suite import (
     lightning_rule,
     megatron_rule,
@@ -368,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--signals-every", type=int, default=1)
     parser.add_argument("--skip-synthetic", action="store_true")
     parser.add_argument("--onsets", action="store_true", help="also list each run's onsets")
+    parser.add_argument("--bound", action="store_true", help="also print the bound on warning before the loss moved")
     parser.add_argument(
         "--candidates", action="store_true", help="score the candidate precursors instead (tuning families only)"
     )
@@ -382,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     table = score(runs, CANDIDATES if args.candidates else DETECTORS, args.signals_every)
     print_table(f"{args.split} families ({', '.join(families)}): {len(runs)} runs", table)
     print_early(table)
+    if args.bound:
+        truths = {r.key: onsets_of(r.col("loss")) for r in runs}
+        bound.report(runs, truths, args.split, tune=args.split == "tune")
     if not args.skip_synthetic:
         r = hard_stream()
         print(
