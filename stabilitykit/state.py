@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from stabilitykit.engine.step import StabilityEngine
 
 #: Version of the state a driver saves, and the only one this release reads.
-STATE_VERSION = 9  # 9: the spike monitor's last warning step (warning_cooldown)
+STATE_VERSION = 10  # 10: recovery's escalation in full (last onset, verdicts, reference losses)
 
 
 class _State(BaseModel):
@@ -228,6 +228,25 @@ class _Escalation(_State):
     level: int = Field(ge=0)
     changes: list[_LrChange]  # type: ignore[valid-type]
     last_action: int | None = Field(ge=0)
+    last_onset: int | None = Field(ge=0)
+    reviewed: int | None = Field(ge=0)  # the index in 'changes' of the last one whose end was reviewed
+    data_bad: bool | None
+    skipped: list[Annotated[int, Field(ge=0)]] | None  # (first, end) of the batches being judged
+    reference: float | None
+    skipped_losses: list[float]
+    loss_steps: list[Annotated[int, Field(ge=0)]]
+    losses: list[float]
+    onsets: list[Annotated[int, Field(ge=0)]]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> _Escalation:
+        if self.reviewed is not None and self.reviewed >= len(self.changes):
+            raise ValueError(f"'reviewed' is change {self.reviewed}, 'changes' holds {len(self.changes)}")
+        if self.skipped is not None and len(self.skipped) != 2:
+            raise ValueError(f"'skipped' must be [first, end], got {len(self.skipped)} values")
+        if len(self.losses) != len(self.loss_steps):
+            raise ValueError(f"'losses' holds {len(self.losses)} values, 'loss_steps' {len(self.loss_steps)}")
+        return self
 
 
 class _Recovery(_State):

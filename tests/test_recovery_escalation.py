@@ -3,6 +3,7 @@ skipped again when the data is, never a restore of the initial weights; the LR e
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -247,3 +248,83 @@ def test_trouble_still_there_when_the_lowered_lr_ends_lowers_it_further() -> Non
     assert "did not pass" in events[1].message
     after = [m["stability/lr/0"] for s, m in sink.rows.items() if s > first["lr_until"] and "stability/lr/0" in m]
     assert after and all(lr == pytest.approx(0.005) for lr in after)
+
+
+def _hot_parts(peak: float = 1.2) -> tuple[nn.Linear, torch.optim.SGD, Any, sk.StabilityGuard, Metrics, list[sk.Event]]:
+    """``_hot_run``'s model, SGD, schedule and guard (snapshot_every=10), its metrics sink and its events."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=peak)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
+    sink = Metrics()
+    cfg = sk.StabilityConfig(log_every_n_steps=5, recovery=sk.RecoveryConfig(snapshot_every=10))
+    guard = sk.StabilityGuard(model, opt, cfg, scheduler=sched, sinks=[sink])
+    events: list[sk.Event] = []
+    guard.hooks.on("rollback", events.append)
+    guard.hooks.on("recovery", events.append)
+    return model, opt, sched, guard, sink, events
+
+
+def test_a_resume_mid_backoff_keeps_the_lr_and_the_next_decision() -> None:
+    """Saved right after the second rollback (the LR blamed, 0.5x for 500 steps) and loaded into a fresh guard:
+    the resumed run uses the same LR at every step and, when the trouble comes back, blames the LR again and
+    goes to 0.25x, as the run that was not interrupted does. Without the verdict on the data in the state, the
+    resumed run would call the same trouble "undetermined" and skip batches the LR is to blame for."""
+    _, batches = regression(170)
+    model, opt, sched, guard, sink, events = _hot_parts()
+    saved: dict[str, Any] = {}
+    for i, (x, y) in enumerate(batches):
+        guard.backward(nn.functional.mse_loss(model(x), y))
+        guard.step()
+        guard.zero_grad()
+        if not saved and len(events) == 2:
+            saved = copy.deepcopy(
+                {"at": i + 1, "model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
+            )
+            saved["guard"] = copy.deepcopy(guard.state_dict())
+            seen = len(events)
+    guard.close()
+    assert saved and [e.details["cause"] for e in events[:2]] == ["undetermined", "lr"]
+    model2, opt2, sched2, guard2, sink2, events2 = _hot_parts()
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    sched2.load_state_dict(saved["sched"])
+    guard2.load_state_dict(saved["guard"])
+    assert guard2.state_dict()["optimizers"][0]["recovery"] == saved["guard"]["optimizers"][0]["recovery"]
+    for x, y in batches[saved["at"] :]:
+        guard2.backward(nn.functional.mse_loss(model2(x), y))
+        guard2.step()
+        guard2.zero_grad()
+    guard2.close()
+    after = [(e.kind, e.details["cause"], e.details["lr_factor"], e.details["trigger_step"]) for e in events[seen:]]
+    assert after and after == [
+        (e.kind, e.details["cause"], e.details["lr_factor"], e.details["trigger_step"]) for e in events2
+    ]
+    assert after[0][1:3] == ("lr", 0.25)
+    lrs = {s: m["stability/lr/0"] for s, m in sink.rows.items() if s > saved["at"] and "stability/lr/0" in m}
+    lrs2 = {s: m["stability/lr/0"] for s, m in sink2.rows.items() if s > saved["at"] and "stability/lr/0" in m}
+    assert lrs and lrs == lrs2
+
+
+def test_a_state_of_the_previous_layout_is_refused_and_loads_nothing() -> None:
+    """A state saved before the escalation was kept in full (version 9: level, changes and last action only) is
+    refused naming both versions, and the guard it was given to keeps its own LR backoff."""
+    from stabilitykit.state import STATE_VERSION
+
+    model, _, _, guard, _, events = _hot_parts()
+    for x, y in regression(120)[1]:
+        guard.backward(nn.functional.mse_loss(model(x), y))
+        guard.step()
+        guard.zero_grad()
+    assert events
+    state = copy.deepcopy(guard.state_dict())
+    old = state["optimizers"][0]["recovery"]["escalation"]
+    state["optimizers"][0]["recovery"]["escalation"] = {k: old[k] for k in ("level", "changes", "last_action")}
+    state["version"] = 9
+    fresh = _hot_parts()[3]
+    before = fresh.state_dict()
+    with pytest.raises(ValueError, match=rf"version 9 .*reads version {STATE_VERSION} only\. Nothing was loaded"):
+        fresh.load_state_dict(state)
+    assert fresh.state_dict()["optimizers"][0]["recovery"] == before["optimizers"][0]["recovery"]
+    fresh.close()
+    guard.close()

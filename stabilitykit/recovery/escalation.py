@@ -213,14 +213,42 @@ class Escalation:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The level, the LR changes and the last action (the verdict in progress and the last onset, which
-        keeps snapshots taken in an alert's cooldown, are not kept: after a resume such a snapshot waits for a
-        settled step)."""
-        return {"level": self.level, "changes": [c.to_dict() for c in self.changes], "last_action": self.last_action}
+        """Everything the next decision reads, so a resumed run decides as the run would have: the level, the
+        LR changes (which one's end was reviewed), the last action and onset, the verdict on the data and one
+        in progress (the batches skipped ahead, their reference and losses so far), the recent losses of taken
+        steps (the references) and the recent onsets. Host values only (no sync)."""
+        window = self._skipped
+        reviewed = next((i for i, c in enumerate(self.changes) if c is self._reviewed), None)
+        return {
+            "level": self.level,
+            "changes": [c.to_dict() for c in self.changes],
+            "last_action": self.last_action,
+            "last_onset": self.last_onset,
+            "reviewed": reviewed,
+            "data_bad": self.data_bad,
+            "skipped": list(window) if window is not None else None,
+            "reference": self._reference,
+            "skipped_losses": list(self._skipped_losses),
+            "loss_steps": [step for step, _ in self._losses],
+            "losses": [loss for _, loss in self._losses],
+            "onsets": list(self._onsets),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned."""
-        self.level = int(state.get("level", 0))
-        self.changes = [LrChange(**c) for c in state.get("changes", [])]
-        last = state.get("last_action")
+        """Restore what ``state_dict`` returned (validated by ``stabilitykit.state`` before; empty: nothing saved)."""
+        if not state:
+            return
+        self.level = int(state["level"])
+        self.changes = [LrChange(**c) for c in state["changes"]]
+        last, onset, reviewed = state["last_action"], state["last_onset"], state["reviewed"]
         self.last_action = int(last) if last is not None else None
+        self.last_onset = int(onset) if onset is not None else None
+        self._reviewed = self.changes[reviewed] if reviewed is not None and reviewed < len(self.changes) else None
+        self.data_bad = state["data_bad"]
+        window = state["skipped"]
+        self._skipped = (int(window[0]), int(window[1])) if window is not None else None
+        self._reference = state["reference"]
+        self._skipped_losses = [float(x) for x in state["skipped_losses"]]
+        pairs = zip(state["loss_steps"], state["losses"], strict=True)
+        self._losses = deque(((int(s), float(x)) for s, x in pairs), maxlen=self._losses.maxlen)
+        self._onsets = deque((int(s) for s in state["onsets"]), maxlen=self._onsets.maxlen)
