@@ -3,17 +3,18 @@
     python tests/distributed_rerun_script.py WORLD OUT PORT
 
 Every fault is injected on rank 1 only (``stabilitykit.testing.inject_fault``). Cells, each on a fresh
-model:
+model, on both world sizes:
 
-* DDP, the plain loop with ``guard.step(replay=...)``: a clean run; a one-time NaN and a one-time
-  exponent bit flip in rank 1's logits at step ``FAULT_STEP``; a one-time flip in rank 1's local
-  gradient; a batch of huge inputs on rank 1 (a reproducible fault), then a run started again with
-  the rerun record; the final weights of each as a hash of their bytes; FSDP2 (2 processes): a
-  clean run and one with a one-time NaN in rank 1's logits and, two steps later, a one-time flip in
-  rank 1's local gradient;
+* rerun, under DDP and FSDP2, the plain loop with ``guard.step(replay=...)``: a clean run of
+  ``CLEAN_REF_STEPS`` steps and one run of one step more with every fault of ``FAULTS`` in turn on rank 1
+  (a one-time NaN and a one-time exponent bit flip in its logits, a one-time flip in its local
+  gradient), then a batch of huge inputs on rank 1 (a reproducible fault) at its last step, skipped, so
+  that its final weights are the clean run's; the final weights of each as a hash of their bytes; on 2
+  processes a run started again with the rerun record;
 * replica checks: a finite corruption of one parameter on rank 1 under DDP and (4 processes) HSDP
-  on a 2 x 2 mesh, checked every ``CHECK_EVERY`` steps; and a long clean run with rerun and replica
-  checks on, which must report nothing.
+  on a 2 x 2 mesh, checked every ``CHECK_EVERY`` steps; and long clean runs with rerun and replica
+  checks on, which must report nothing (``CLEAN_STEPS`` under DDP; HSDP and FSDP2 ``CLEAN_STEPS`` with
+  ``STABILITYKIT_FULL_MATRIX=1``, else ``SHORT_CLEAN_STEPS``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ STEPS = 12
 FAULT_STEP = 6
 CHECK_EVERY = 5
 CLEAN_STEPS = 500
+SHORT_CLEAN_STEPS = 25
+FULL = os.environ.get("STABILITYKIT_FULL_MATRIX") == "1"
+#: The one-time faults on rank 1 of the faulted run, by the step they hit (each judged transient), and the step
+#: of its batch of huge inputs (reproducible), its last.
+FAULTS = {
+    4: {"target": "activation", "name": "head", "kind": "nan"},
+    5: {"target": "grad", "name": "head.weight"},  # a flip in rank 1's local gradient, before any reduction
+    6: {"target": "activation", "name": "head"},  # an exponent bit flip (a large positive logit, flagged as a spike)
+}
+HUGE_STEP = 7
+CLEAN_REF_STEPS = HUGE_STEP  # the clean run stops before the huge batch, which the faulted run skips
 
 
 def batch(rank: int, step: int, huge: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +75,7 @@ def train(
     rank: int,
     layout: str = "ddp",
     fault: dict[str, Any] | list[dict[str, Any]] | None = None,
-    huge_on: int | None = None,
+    huge_at: int | None = None,
     steps: int = STEPS,
     record: str | None = None,
     replicas: bool = False,
@@ -71,6 +83,7 @@ def train(
     spike: bool = False,
     fused: bool = False,
     check_every: int = CHECK_EVERY,
+    max_transient: int | None = 3,
 ) -> dict[str, Any]:
     started = time.perf_counter()
     net = ResidualNet(WIDTH, HIDDEN, DEPTH, CLASSES)
@@ -87,7 +100,7 @@ def train(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused or None)
     cfg = sk.StabilityConfig(
         log_every_n_steps=50 if fused else 4,
-        rerun=sk.RerunConfig(record_path=record) if rerun else None,
+        rerun=sk.RerunConfig(record_path=record, max_transient=max_transient) if rerun else None,
         skip=sk.SkipConfig(spike=spike, spike_warmup_steps=3),
         replicas=sk.ReplicaCheckConfig(every_n_steps=check_every) if replicas else None,
     )
@@ -98,7 +111,7 @@ def train(
     injected = [inject_fault(model, **f) for f in faults]
     skipped = []
     for step in range(steps):
-        x, y = batch(rank, step, huge=huge_on is not None and rank == huge_on and step == FAULT_STEP)
+        x, y = batch(rank, step, huge=rank == 1 and step == huge_at)
 
         def loss_of(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
             return nn.functional.cross_entropy(model(x), y)
@@ -126,29 +139,31 @@ def train(
 def worker(rank: int, world: int) -> dict[str, Any]:
     out = Path(os.environ.get("SK_RERUN_OUT", "."))
     results: dict[str, Any] = {"world": world}
-    at = {"step": FAULT_STEP, "rank": 1}
-    param = {"target": "param", "name": "blocks.0.fc.weight", "kind": "bitflip", "bit": 12, "index": 3, **at}
-    results["clean"] = train(rank)
-    results["nan-activation"] = train(rank, fault={"target": "activation", "name": "head", "kind": "nan", **at})
+    faults = [{**fault, "step": step, "rank": 1} for step, fault in FAULTS.items()]
+    for layout in ("ddp", "fsdp2"):
+        # skip-on-spike on (its warm-up over before the first fault), so that a finite exponent flip is flagged too;
+        # three transient faults on rank 1 in one run: max_transient off
+        common = {"layout": layout, "spike": True, "max_transient": None}
+        results[f"{layout}-clean"] = train(rank, steps=CLEAN_REF_STEPS, **common)
+        record = str(out / f"{layout}.jsonl")
+        results[f"{layout}-faults"] = train(
+            rank, fault=faults, steps=HUGE_STEP + 1, huge_at=HUGE_STEP, record=record, **common
+        )
+        dist.barrier()
+        results[f"{layout}-record"] = Path(record).read_text().splitlines()
+    # a run started again with the record: the huge batch skipped as known bad, without a rerun
+    if world == 2:
+        results["ddp-again"] = train(rank, steps=HUGE_STEP + 1, huge_at=HUGE_STEP, record=str(out / "ddp.jsonl"))
+    param = {"target": "param", "name": "blocks.0.fc.weight", "kind": "bitflip", "bit": 12, "index": 3}
+    param.update(step=FAULT_STEP, rank=1)
     results["ddp-param"] = train(rank, fault=param, replicas=True, rerun=False)
+    long_clean = CLEAN_STEPS if FULL else SHORT_CLEAN_STEPS
     if world == 4:  # HSDP on a 2 x 2 mesh: compared across the replicate dimension, shard against shard
         results["hsdp-param"] = train(rank, "hsdp", fault=param, replicas=True, rerun=False)
-        results["hsdp-clean"] = train(rank, "hsdp", steps=25, replicas=True)
+        results["hsdp-clean"] = train(rank, "hsdp", steps=long_clean, replicas=True)
         return results
-    # FSDP2: 8 steps for both, the clean one the reference; in one run a one-time NaN in rank 1's logits at step
-    # 4 and a one-time flip in rank 1's local (unsharded, before the reduce-scatter) gradient at step 6
-    results["fsdp2-clean"] = train(rank, "fsdp2", steps=FAULT_STEP + 2)
-    nan = {"target": "activation", "name": "head", "kind": "nan", "step": FAULT_STEP - 2, "rank": 1}
-    flip = {"target": "grad", "name": "head.weight", **at}
-    results["fsdp2-faults"] = train(rank, "fsdp2", fault=[nan, flip], steps=FAULT_STEP + 2)
-    results["clean-spike"] = train(rank, spike=True)
-    results["flip-activation"] = train(rank, fault={"target": "activation", "name": "head", **at}, spike=True)
-    results["flip-grad"] = train(rank, fault={"target": "grad", "name": "head.weight", **at})
-    record = str(out / "rerun.jsonl")
-    results["huge-batch"] = train(rank, huge_on=1, record=record)
-    dist.barrier()
-    results["record"] = Path(record).read_text().splitlines()
-    results["huge-batch-again"] = train(rank, huge_on=1, record=record)  # a run started again with the record
+    if FULL:
+        results["fsdp2-clean-long"] = train(rank, "fsdp2", steps=CLEAN_STEPS, replicas=True)
     # fused AdamW, a logging step every 50: the cheapest steps that still show any false flag (a rerun event, or a
     # skip event for a step flagged between logging steps) and any false replica mismatch (checked every 5 steps)
     results["ddp-clean-long"] = train(rank, steps=CLEAN_STEPS, replicas=True, fused=True)
