@@ -2,8 +2,8 @@
 
 A truncated or hand-edited checkpoint must fail with an error that names the key and the
 expected type, and must leave the driver exactly as it was (no half-loaded state). Versioned:
-``version`` says which layout a state has; this release reads its own layout only (no migrations
-before the first release).
+``version`` says which layout a state has; this release reads its own layout and the one before it
+(``_upgrade``: a journal column renamed), and refuses older development layouts.
 
 Two layers of checks: the schema below (every key, type and list length a state of this
 version has, whatever driver saved it), then, given the loading driver's own state as
@@ -30,8 +30,10 @@ from stabilitykit.recovery.rollback_log import RollbackRecord
 if TYPE_CHECKING:
     from stabilitykit.engine.step import StabilityEngine
 
-#: Version of the state a driver saves, and the only one this release reads.
-STATE_VERSION = 10  # 10: recovery's escalation in full (last onset, verdicts, reference losses)
+#: Version of the state a driver saves.
+STATE_VERSION = 11  # 11: the journal's snapshot column is ``health`` (10 called it ``verdict``)
+#: The oldest version this release reads: a state of it is upgraded on load (``_upgrade``).
+OLDEST_READ = 10
 
 
 class _State(BaseModel):
@@ -186,7 +188,7 @@ class _Journal(_State):
     rows: torch.Tensor
     infos: list[_RowInfo]  # type: ignore[valid-type]
     metric_names: list[str]
-    columns: list[str] | None = None  # the built-in columns (absent: saved before ``verdict`` was added)
+    columns: list[str] | None = None  # the built-in columns (absent: saved before ``health`` was added)
     carried: list[_Row]  # type: ignore[valid-type]  # rows decoded on the host
 
     @model_validator(mode="after")
@@ -272,7 +274,7 @@ class _Invalid(ValueError):
 
 
 def check_version(state: Mapping[str, Any], required: bool = False) -> None:
-    """Refuse a state whose ``version`` is not an int, or not the one this release reads; ``required``: a
+    """Refuse a state whose ``version`` is not an int, or not one this release reads; ``required``: a
     driver's state, where the version is stored (a key dropped is refused as a wrong one is)."""
     if required and "version" not in state:
         raise ValueError(
@@ -285,10 +287,10 @@ def check_version(state: Mapping[str, Any], required: bool = False) -> None:
             f"stabilitykit state version {version} is newer than this release reads ({STATE_VERSION}); "
             "upgrade stabilitykit to load it"
         )
-    if isinstance(version, int) and not isinstance(version, bool) and version < STATE_VERSION:
+    if isinstance(version, int) and not isinstance(version, bool) and version < OLDEST_READ:
         raise ValueError(
             f"stabilitykit state version {version} was saved by a development build with another layout; this "
-            f"release reads version {STATE_VERSION} only. Nothing was loaded."
+            f"release reads versions {OLDEST_READ} to {STATE_VERSION} only. Nothing was loaded."
         )
     if "version" in state and not (isinstance(version, int) and not isinstance(version, bool)):
         raise ValueError(
@@ -420,6 +422,7 @@ def load_driver_state(engines: Sequence[StabilityEngine], state: Mapping[str, An
     """Restore what ``driver_state`` returned: the version and every optimizer's state are validated before
     any is loaded; an error names the path within the state and says that nothing was loaded."""
     check_version(state, required=True)  # stored once, at this level: a driver's state has it
+    state = _upgrade(state)
     states = state.get("optimizers")
     if not isinstance(states, list):
         got = "missing" if states is None else f"got {type(states).__name__}"
@@ -439,6 +442,32 @@ def load_driver_state(engines: Sequence[StabilityEngine], state: Mapping[str, An
             raise ValueError(_within(f"optimizers.{i}", str(exc))) from None
     for engine, saved in zip(engines, states, strict=True):
         _load_optimizer_state(engine, saved)
+
+
+def _upgrade(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A state of version 10 as this version's: the journal's snapshot column was named ``verdict`` (in its
+    saved column names and in each row carried on the host); nothing else changed. The caller's state is
+    not modified; a damaged one is left for validation to name."""
+    if state.get("version") != 10 or not isinstance(state.get("optimizers"), list):
+        return state
+    return {**state, "version": STATE_VERSION, "optimizers": [_renamed_health(s) for s in state["optimizers"]]}
+
+
+def _renamed_health(optimizer: Any) -> Any:
+    """One optimizer's version 10 state with its journal's ``verdict`` column named ``health``."""
+    engine = optimizer.get("engine") if isinstance(optimizer, Mapping) else None
+    journal = engine.get("journal") if isinstance(engine, Mapping) else None
+    if not isinstance(engine, Mapping) or not isinstance(journal, Mapping):
+        return optimizer
+    journal = dict(journal)
+    if isinstance(journal.get("columns"), list):
+        journal["columns"] = ["health" if c == "verdict" else c for c in journal["columns"]]
+    if isinstance(journal.get("carried"), list):
+        journal["carried"] = [
+            {("health" if k == "verdict" else k): v for k, v in row.items()} if isinstance(row, Mapping) else row
+            for row in journal["carried"]
+        ]
+    return {**optimizer, "engine": {**engine, "journal": journal}}
 
 
 def _optimizer_state(engine: StabilityEngine) -> dict[str, Any]:

@@ -517,7 +517,7 @@ def _fp16(stage: int, rank: int) -> dict[str, Any]:
     engine = _fp16_engine(stage)
     recovery = _short_run_recovery()
     # no spike detection: the overflow is injected as a loss 1e6x on rank 1, which its detectors would
-    # rightly call a jump, and the agreed verdict would then drop the snapshot after it (step 6's), the one
+    # rightly call a jump, and the agreed health would then drop the snapshot after it (step 6's), the one
     # whose halved loss scale this case restores
     cfg = sk.StabilityConfig(
         log_every_n_steps=1,

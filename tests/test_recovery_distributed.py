@@ -3,7 +3,7 @@
 Real gloo processes (``distributed_recovery_script.py``), a tiny HF Llama under DDP, FSDP2, FSDP1 and
 tensor parallel (and a climb on one rank whose snapshots every rank drops), and
 the real HF Trainer under ``torchrun`` (``hf_ddp_recovery_script.py``); the request encoding of
-``recovery/agreement.py`` and the verdict encoding of ``recovery/vetting.py`` are checked here directly.
+``recovery/agreement.py`` and the snapshot health encoding of ``recovery/vetting.py`` are checked here directly.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from stabilitykit.engine.journal import Row
 from stabilitykit.hooks import HookManager
 from stabilitykit.recovery import Recovery
 from stabilitykit.recovery.agreement import Agreement, decode_request, encode_request
-from stabilitykit.recovery.vetting import Verdicts, decode_verdict, encode_verdict
+from stabilitykit.recovery.vetting import HealthQueue, decode_health, encode_health
 from tests.distributed_script_runner import run_torchrun, run_world
 from tests.time_limits import limit, waits_for
 
@@ -87,7 +87,7 @@ def test_fsdp2_shards_round_trip_through_disk_snapshots(ranks: list[dict]) -> No
 @waits_for("distributed_recovery_script")
 def test_a_snapshot_inside_one_ranks_climb_is_dropped_on_every_rank(ranks: list[dict]) -> None:
     """Rank 1 alone climbs (50x its loss at steps 30-37, finite), then diverges (NaN at 38-40). The snapshots
-    due inside the climb (steps 32 and 36) are dropped on both ranks by the verdict agreed in the step record,
+    due inside the climb (steps 32 and 36) are dropped on both ranks by the health agreed in the step record,
     so both restore step 28's, bitwise, and the replicas stay identical. Before, each rank ignored its
     detectors under torch.distributed and both restored step 36's, from inside the climb."""
     first, second = ranks[0]["ddp-climb"], ranks[1]["ddp-climb"]
@@ -175,14 +175,14 @@ def test_an_agreement_sends_once_and_acts_on_the_earliest_onset() -> None:
     assert agreement.take() is None
 
 
-def test_a_verdict_carries_its_snapshot_and_any_ranks_unsettled_wins() -> None:
+def test_a_snapshots_health_carries_its_step_and_any_ranks_unsettled_wins() -> None:
     for unsettled in (False, True):
-        assert decode_verdict(encode_verdict(36, unsettled, 41), 41) == (36, unsettled)
-    assert max(encode_verdict(36, False, 41), encode_verdict(36, True, 41)) == encode_verdict(36, True, 41)
-    verdicts = Verdicts()
-    verdicts.judge(32, True)
-    verdicts.judge(36, False)
-    verdicts.judge(32, False)  # judged once
-    assert decode_verdict(verdicts.send(40), 40) == (32, True)  # one a step, oldest first
-    verdicts.forget_after(28)  # a rollback past both
-    assert verdicts.send(41) == 0
+        assert decode_health(encode_health(36, unsettled, 41), 41) == (36, unsettled)
+    assert max(encode_health(36, False, 41), encode_health(36, True, 41)) == encode_health(36, True, 41)
+    queue = HealthQueue()
+    queue.judge(32, True)
+    queue.judge(36, False)
+    queue.judge(32, False)  # judged once
+    assert decode_health(queue.send(40), 40) == (32, True)  # one a step, oldest first
+    queue.forget_after(28)  # a rollback past both
+    assert queue.send(41) == 0

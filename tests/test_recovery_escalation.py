@@ -309,7 +309,7 @@ def test_a_resume_mid_backoff_keeps_the_lr_and_the_next_decision() -> None:
 def test_a_state_of_the_previous_layout_is_refused_and_loads_nothing() -> None:
     """A state saved before the escalation was kept in full (version 9: level, changes and last action only) is
     refused naming both versions, and the guard it was given to keeps its own LR backoff."""
-    from stabilitykit.state import STATE_VERSION
+    from stabilitykit.state import OLDEST_READ, STATE_VERSION
 
     model, _, _, guard, _, events = _hot_parts()
     for x, y in regression(120)[1]:
@@ -323,7 +323,8 @@ def test_a_state_of_the_previous_layout_is_refused_and_loads_nothing() -> None:
     state["version"] = 9
     fresh = _hot_parts()[3]
     before = fresh.state_dict()
-    with pytest.raises(ValueError, match=rf"version 9 .*reads version {STATE_VERSION} only\. Nothing was loaded"):
+    refused = rf"version 9 .*reads versions {OLDEST_READ} to {STATE_VERSION} only\. Nothing was loaded"
+    with pytest.raises(ValueError, match=refused):
         fresh.load_state_dict(state)
     assert fresh.state_dict()["optimizers"][0]["recovery"] == before["optimizers"][0]["recovery"]
     fresh.close()

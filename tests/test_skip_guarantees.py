@@ -242,16 +242,40 @@ def _fused_guard_with_unread_nan_row() -> tuple[torch.nn.Module, dict]:
     return model, state
 
 
-def test_a_state_of_an_older_development_layout_is_refused_by_version() -> None:
-    """No migrations before the first release: another layout's state is refused, naming both versions."""
+def _as_version_10(state: dict) -> dict:
+    """``state`` as version 10 wrote it: the journal's snapshot column was named ``verdict``."""
+    old = copy.deepcopy(state)
+    old["version"] = 10
+    journal = old["optimizers"][0]["engine"]["journal"]
+    assert "health" in journal["columns"]
+    journal["columns"] = ["verdict" if c == "health" else c for c in journal["columns"]]
+    journal["carried"] = [{("verdict" if k == "health" else k): v for k, v in r.items()} for r in journal["carried"]]
+    return old
+
+
+def test_a_state_of_the_version_before_loads() -> None:
+    """A version 10 state (its journal's snapshot column named ``verdict``) loads: its unread rows, held for
+    the device or carried on the host, are folded as this version's are (older layouts are refused:
+    ``test_recovery_escalation.py``)."""
     model, state = _fused_guard_with_unread_nan_row()
-    state["version"] = STATE_VERSION - 1
-    fresh = sk.StabilityGuard(
-        model, torch.optim.AdamW(model.parameters(), fused=True), sk.StabilityConfig(log_every_n_steps=10)
-    )
-    with pytest.raises(ValueError, match=f"version {STATE_VERSION - 1}.*reads version {STATE_VERSION} only"):
-        fresh.load_state_dict(state)
-    assert fresh.step_count == 0
+
+    def fresh(every: int) -> sk.StabilityGuard:
+        optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+        return sk.StabilityGuard(model, optimizer, sk.StabilityConfig(log_every_n_steps=every))
+
+    carrier = fresh(1)  # another cadence: the saved rows are carried on the host, and saved so
+    carrier.load_state_dict(state)
+    carried = carrier.state_dict()
+    assert len(carried["optimizers"][0]["engine"]["journal"]["carried"]) == 2
+    for saved in (state, carried):
+        old = _as_version_10(saved)
+        guard = fresh(10)
+        guard.load_state_dict(old)
+        guard.backward(model(torch.randn(8, 4)).sum())
+        guard.step()
+        assert (guard.summary().steps, guard.summary().skipped) == (4, 1)
+        assert guard.engine.counters.last_bad_reason == "nonfinite_loss"
+        assert old["version"] == 10 and "verdict" in old["optimizers"][0]["engine"]["journal"]["columns"]
 
 
 @pytest.mark.parametrize("every", [1, 2, 5, 20])

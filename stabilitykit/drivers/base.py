@@ -320,7 +320,7 @@ class Driver:
         recovery, step = engine.recovery, engine.step  # recovery is asked here, once before the step
         ask = NO_ASK
         if recovery is not None:
-            ask = RecoveryAsk(recovery.skips_batch(step), recovery.request(step), recovery.verdict(step))
+            ask = RecoveryAsk(recovery.skips_batch(step), recovery.request(step), recovery.health(step))
         decision = engine.evaluate(
             grad_scale=grad_scale,
             scaler_active=engine.scaler.enabled,

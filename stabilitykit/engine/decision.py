@@ -28,14 +28,14 @@ class RecoveryAsk:
 
     ``skip_ahead``: a batch a rollback skips (``RecoveryConfig.skip_after``): measured and logged, never
     trained on; known on the host (the same on every rank), so it costs no sync. ``request``: a rollback
-    request of this rank (``recovery/agreement.py``) and ``verdict``: this rank's verdict on a snapshot's
-    step (``recovery/vetting.py``), both non-negative integers agreed in the step's collective (the
-    largest any rank sent) and written to its journal row.
+    request of this rank (``recovery/agreement.py``) and ``health``: the health this rank sees for a
+    snapshot, healthy or climbing, encoded (``recovery/vetting.py``), both non-negative integers agreed
+    in the step's collective (the largest any rank sent) and written to its journal row.
     """
 
     skip_ahead: bool = False
     request: int = 0
-    verdict: int = 0
+    health: int = 0
 
 
 #: A step recovery asks nothing of (recovery off, or nothing to ask).
@@ -46,21 +46,21 @@ NO_ASK = RecoveryAsk()
 class RecoveryAnswer:
     """What the ranks agreed on recovery's asks (``RecoveryAsk``), for the steps the host has read.
 
-    ``requests`` and ``verdicts``: (step, agreed value) pairs, zeros left out, in step order. Each value is
+    ``requests`` and ``health``: (step, agreed value) pairs, zeros left out, in step order. Each value is
     agreed in its step's collective and reaches the host with that step's journal row, so the answer costs
     no sync of its own: the engine hands it back with the step (``StepDecision.answer``, set by
     ``StabilityEngine.book_step``) or the flush that read it; the journal keeps the values for logs.
     """
 
     requests: tuple[tuple[int, int], ...] = ()
-    verdicts: tuple[tuple[int, int], ...] = ()
+    health: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, rows: Iterable[Any]) -> RecoveryAnswer:
         """The answer carried by journal ``rows`` the host has read (``engine/journal.py``'s ``Row``)."""
         rows = list(rows)
         requests = tuple((row.step, row.request) for row in rows if row.request > 0)
-        return cls(requests, tuple((row.step, row.verdict) for row in rows if row.verdict > 0))
+        return cls(requests, tuple((row.step, row.health) for row in rows if row.health > 0))
 
 
 #: No answer (no row read, or nothing agreed).

@@ -3,7 +3,7 @@
 Between two optimizer steps a driver hands in the losses backpropagated into the grads (one per
 micro-batch) and users record metrics (``sk.record``). At ``evaluate`` they are taken, and with the
 step's norms they make the step record (``engine/record.py``): the norm, finiteness, each rule's
-flag on this rank, the rollback request, the snapshot verdict and the recorded metrics, each with its cross-rank
+flag on this rank, the rollback request, a snapshot's health and the recorded metrics, each with its cross-rank
 reduction. Everything stays on the device: nothing here syncs.
 """
 
@@ -125,8 +125,8 @@ class StepInputs:
             rules.inputs[rule.name] = tuple(sorted(view.read))
         asked = self._no_request if ask.request == 0 else torch.full((), float(ask.request), device=self.device)
         record.put("request", asked, "max")
-        judged = self._no_request if ask.verdict == 0 else torch.full((), float(ask.verdict), device=self.device)
-        record.put("verdict", judged, "max")
+        judged = self._no_request if ask.health == 0 else torch.full((), float(ask.health), device=self.device)
+        record.put("health", judged, "max")
         for name, value in metrics.items():
             record.put(f"metric/{name}", value, self.layout.columns[name])
         return record

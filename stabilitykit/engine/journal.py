@@ -3,7 +3,7 @@
 A row holds ``total`` (pre-clip norm), ``loss``, ``code`` (the step's decision code: 0 taken, else
 why it was skipped, decoded by ``rules/registry.py``), ``coef`` (clip coefficient), ``threshold``,
 ``request`` (a rollback request agreed across ranks in this step's collective, 0 for none:
-``recovery/agreement.py``), ``verdict`` (the detectors' verdict on a snapshot's step, agreed the same
+``recovery/agreement.py``), ``health`` (a snapshot's health, healthy or climbing, agreed the same
 way, 0 for none: ``recovery/vetting.py``), then one column per metric a user records (``metric_names``), then one
 norm per layer. Rows stay on the device until a logging step (or a step whose decision the host
 must know now) reads them.
@@ -26,10 +26,10 @@ from stabilitykit.fields import NonNegativeInt
 from stabilitykit.rules.registry import SKIP
 
 #: The built-in scalar columns of a row, in order; recorded metrics, then the per-layer norms follow.
-COLUMNS = ("total", "loss", "code", "coef", "threshold", "request", "verdict")
-TOTAL, LOSS, CODE, COEF, THRESHOLD, REQUEST, VERDICT = range(len(COLUMNS))
-#: The built-in columns of a journal saved before ``verdict`` was added (a resume from such a state).
-LEGACY_COLUMNS = COLUMNS[:VERDICT]
+COLUMNS = ("total", "loss", "code", "coef", "threshold", "request", "health")
+TOTAL, LOSS, CODE, COEF, THRESHOLD, REQUEST, HEALTH = range(len(COLUMNS))
+#: The built-in columns of a journal saved before the snapshot health column was added (a resume from such a state).
+LEGACY_COLUMNS = COLUMNS[:HEALTH]
 #: Rows kept on the device between reads. A log cadence above this reads the journal early (one sync).
 MAX_JOURNAL_ROWS = 1024
 
@@ -56,7 +56,7 @@ class Row:
     code: int  # the decision code (0: taken), see rules/registry.py
     layers: list[float] = field(default_factory=list)
     request: int = 0  # the rollback request agreed in this step's collective (0: none)
-    verdict: int = 0  # the snapshot verdict agreed in this step's collective (0: none)
+    health: int = 0  # a snapshot's health agreed in this step's collective (0: none)
     on_time: bool = False  # read before its own optimizer and scheduler step (so the skip was applied there)
     folded: bool = False
     metrics: dict[str, float] = field(default_factory=dict)  # recorded metrics, agreed across ranks
@@ -80,7 +80,7 @@ def _decode(
         round(values[CODE]),
         list(values[width:]),
         request=round(values[REQUEST]),
-        verdict=round(values[VERDICT]) if len(columns) > VERDICT else 0,
+        health=round(values[HEALTH]) if len(columns) > HEALTH else 0,
         folded=info.folded,
         metrics={name: values[len(columns) + i] for i, name in enumerate(metric_names)},
     )
@@ -216,7 +216,7 @@ class Journal:
         carried = [Row(**row) for row in state["carried"]]
         rows = state["rows"]
         names = list(state["metric_names"])
-        columns = list(state.get("columns") or LEGACY_COLUMNS)  # absent or None: saved before ``verdict``
+        columns = list(state.get("columns") or LEGACY_COLUMNS)  # absent or None: saved before ``health``
         self.infos = []
         if infos:
             if rows is None or rows.shape[0] < len(infos):

@@ -39,7 +39,7 @@ def remeasure_overflow(
     sync_ranks: bool,
 ) -> Remeasured | None:
     """Measure in fp64; if every grad and the loss are finite (on every rank), clip and return the
-    numbers, else None (the skip stands). Syncs: the verdict is read on the host (a rare path)."""
+    numbers, else None (the skip stands). Syncs: the finite flags are read on the host (a rare path)."""
     norms, _ = plan.compute(grad_scale, dtype=torch.float64)
     grads_finite = norms.finite if norms.finite is not None else torch.isfinite(norms.total)
     loss_finite = torch.isfinite(loss) if loss is not None else torch.ones_like(grads_finite)

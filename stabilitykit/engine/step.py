@@ -329,9 +329,9 @@ class StabilityEngine:
         ``grad_scale``: the loss scale still applied to the grads (fused optimizer + fp16), so norms
         are reported unscaled. ``scaler_active``: a GradScaler is in use, so a non-finite grad is an
         fp16 overflow. ``loss_scale``: the GradScaler's scale, logged on logging steps.
-        ``force_skip``: a 0-d device bool (the data guard's verdict) that skips the step when true.
+        ``force_skip``: a 0-d device bool (the data guard's flag) that skips the step when true.
         ``ask``: what recovery asks of this step (``RecoveryAsk``: a batch a rollback skips, a rollback
-        request, a snapshot's verdict), agreed in this step's collective with the rest.
+        request, a snapshot's health), agreed in this step's collective with the rest.
         """
         step = self.step
         mark_collective_step(step)
@@ -406,7 +406,7 @@ class StabilityEngine:
             self.journal.drop_last(step)
         self.journal.write(
             RowInfo(step, loss is not None, scaler_active),
-            [total, self.inputs.or_nan(loss), code, coef, threshold, agreed["request"], agreed["verdict"]],
+            [total, self.inputs.or_nan(loss), code, coef, threshold, agreed["request"], agreed["health"]],
             list(agreed_metrics.values()),
             layer_norms,
         )

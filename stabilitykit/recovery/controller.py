@@ -16,9 +16,9 @@ folded what the host read) and runs the optimizer step inside ``scaled_lr()``. I
 
 With several ranks a trigger is not acted on where it is found: it is queued, agreed in the next
 step's all-reduce and acted on at the next logging step, by every rank at once (``agreement.py``).
-Snapshots are kept or dropped the same way: each rank's verdict on a snapshot's step rides in a
-later step's all-reduce, and a snapshot any rank judged unsettled is dropped on every rank
-(``vetting.py``).
+Snapshots are kept or dropped the same way: the health each rank sees for a snapshot (healthy or
+climbing) rides in a later step's all-reduce, and a snapshot any rank saw climbing is dropped on every
+rank (``vetting.py``).
 
 The step count goes on after a rollback (loggers need steps that only grow; Lightning and the HF
 Trainer own their global step); the LR schedulers are the snapshot's, so the schedule runs behind
@@ -100,7 +100,7 @@ class Recovery:
             config.window,
             judge_data=not agree,
         )
-        #: The snapshot cadence and the verdicts that keep or drop snapshots.
+        #: The snapshot cadence and the health that keeps or drops snapshots.
         self.points = RestorePoints(config, engine, self.store, agree, self.escalation)
         #: What a trigger does (restore, lower the LR in place, stand down, raise).
         self.rollback = Rollback(
@@ -200,19 +200,19 @@ class Recovery:
         """What step ``step`` sends in its all-reduce: this rank's queued trigger, encoded (0: none)."""
         return self.agreement.request(step) if self.agreement is not None else 0
 
-    def verdict(self, step: int) -> int:
-        """What step ``step`` sends as its snapshot verdict: with several ranks, this rank's oldest queued
-        verdict, encoded (``vetting.py``); 0 otherwise or when none is queued."""
+    def health(self, step: int) -> int:
+        """What step ``step`` sends as a snapshot's health: with several ranks, the oldest this rank queued,
+        encoded (``vetting.py``); 0 otherwise or when none is queued."""
         return self.points.send(step)
 
     def confirm(self, rows: Iterable[Row], answer: RecoveryAnswer) -> None:
         """Journal rows the host has read, and the ranks' ``answer`` the engine handed back with them: settle
-        pending snapshots, keep or drop snapshots by the detectors' verdict (agreed across ranks under
+        pending snapshots, keep or drop snapshots by their health (agreed across ranks under
         torch.distributed), note agreed rollback requests."""
         rows = list(rows)
         self.store.confirm((row.step, not row.skipped) for row in rows)
         self.escalation.observe(rows)
-        self.points.settle(answer.verdicts)
+        self.points.settle(answer.health)
         if self.agreement is not None:
             self.agreement.read(answer.requests)
 

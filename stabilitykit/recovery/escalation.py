@@ -14,7 +14,7 @@ steps of that action:
   (``lr_backoff``, 0.5 then 0.25 times the schedule's), held for ``backoff_steps``;
 * nothing was measured (the last action lowered the LR where the run was, with no restore point to
   measure batches on): there is no evidence either way, so the cause is **undetermined** again and both
-  are handled. Blaming the LR without a verdict would stop the skipping that a burst of bad data needs.
+  are handled. Blaming the LR without evidence would stop the skipping that a burst of bad data needs.
 
 Under torch.distributed each rank measures its own batches' loss, so ranks could judge differently;
 there a recurrence is always the learning rate's (a choice every rank makes alike).
@@ -58,7 +58,7 @@ class LrChange:
 
 
 class Escalation:
-    """The learning-rate factor in force, the backoff level reached, and the verdict on skipped data."""
+    """The learning-rate factor in force, the backoff level reached, and what the skipped data showed."""
 
     def __init__(
         self,
@@ -81,7 +81,7 @@ class Escalation:
         self._skipped: tuple[int, int] | None = None
         self._reference: float | None = None
         self._skipped_losses: list[float] = []
-        self.data_bad: bool | None = None  # the verdict on the last batches skipped ahead (None: none yet)
+        self.data_bad: bool | None = None  # the last batches skipped ahead were bad (None: not measured yet)
         self._losses: deque[tuple[int, float]] = deque(maxlen=256)  # (step, loss) of recent taken steps
         self._onsets: deque[int] = deque(maxlen=16)  # where recent trouble began: never a reference
 
@@ -108,11 +108,11 @@ class Escalation:
     # ------------------------------------------------------------------ deciding
     def cause(self, onset: int) -> Cause:
         """Why trouble at ``onset`` came: "undetermined" when nothing was done within ``window`` steps before
-        or nothing was measured since (no verdict on the data), else "data" when the batches skipped after the
-        last rollback were bad, else "lr" (under torch.distributed, where no verdict is shared: always "lr")."""
+        or nothing was measured since (nothing known of the data), else "data" when the batches skipped after the
+        last rollback were bad, else "lr" (under torch.distributed, where the data is not judged: always "lr")."""
         if self.last_action is None or onset - self.last_action > self.window:
             return "undetermined"
-        if not self.judge_data:  # several ranks: no verdict to share, every rank blames the LR alike
+        if not self.judge_data:  # several ranks: the data is not judged, every rank blames the LR alike
             return "lr"
         if self.data_bad is None:  # nothing measured since the last action (an LR lowered in place)
             return "undetermined"
@@ -214,9 +214,9 @@ class Escalation:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Everything the next decision reads, so a resumed run decides as the run would have: the level, the
-        LR changes (which one's end was reviewed), the last action and onset, the verdict on the data and one
-        in progress (the batches skipped ahead, their reference and losses so far), the recent losses of taken
-        steps (the references) and the recent onsets. Host values only (no sync)."""
+        LR changes (which one's end was reviewed), the last action and onset, what the skipped data showed and
+        the measure in progress (the batches skipped ahead, their reference and losses so far), the recent
+        losses of taken steps (the references) and the recent onsets. Host values only (no sync)."""
         window = self._skipped
         reviewed = next((i for i, c in enumerate(self.changes) if c is self._reviewed), None)
         return {

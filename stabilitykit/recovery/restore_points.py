@@ -15,9 +15,9 @@ trouble recovery acted on (``Escalation.recovered``: under 1.5 times its median 
 (``_keeps``).
 
 Under torch.distributed each rank's monitor scores its own loss, so a snapshot is taken on the
-cadence whatever this rank's monitor says; each rank's verdict on it rides in a later step's
-all-reduce (``vetting.py``), and a snapshot any rank judged unsettled is dropped on every rank
-(``_judge``, ``_apply_verdicts``).
+cadence whatever this rank's monitor says; the health each rank sees for it (healthy or climbing) rides
+in a later step's all-reduce (``vetting.py``), and a snapshot any rank saw climbing is dropped on every
+rank (``_judge``, ``_apply_health``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from stabilitykit.recovery.config import RecoveryConfig
 from stabilitykit.recovery.escalation import Escalation
 from stabilitykit.recovery.snapshot import TrainingObjects, take_snapshot
 from stabilitykit.recovery.store import SnapshotStore
-from stabilitykit.recovery.vetting import Verdicts, decode_verdict
+from stabilitykit.recovery.vetting import HealthQueue, decode_health
 
 if TYPE_CHECKING:
     from stabilitykit.engine.decision import StepDecision
@@ -39,20 +39,20 @@ if TYPE_CHECKING:
 
 
 class RestorePoints:
-    """The snapshot cadence and the verdicts that keep or drop each snapshot, over one ``SnapshotStore``."""
+    """The snapshot cadence and the health that keeps or drops each snapshot, over one ``SnapshotStore``."""
 
     def __init__(
         self, config: RecoveryConfig, engine: StabilityEngine, store: SnapshotStore, agree: bool, escalation: Escalation
     ) -> None:
-        """``agree``: several ranks agree on each snapshot's verdict (else this rank's monitor decides);
+        """``agree``: several ranks agree on each snapshot's health (else this rank's monitor decides);
         ``escalation``: whether recovery's lowered LR holds, and whether the loss is back (``_keeps``)."""
         self.config = config
         self.engine = engine
         self.store = store
         self.agree = agree
         self.escalation = escalation
-        #: With several ranks: this rank's verdicts on snapshots, sent to be agreed (``vetting.py``).
-        self.verdicts = Verdicts()
+        #: With several ranks: the health this rank sees for snapshots, sent to be agreed (``vetting.py``).
+        self.health = HealthQueue()
         #: Snapshot at the end of the next healthy, settled step: the first step of a run (a blow-up before the
         #: first ``snapshot_every`` multiple has a state to go back to), a resume, a snapshot put off while the
         #: detectors were not settled.
@@ -80,61 +80,61 @@ class RestorePoints:
         if not self.agree:
             snapshot.vetted = monitor is None or scored
         else:
-            snapshot.vetted = monitor is None  # vetted by the agreed verdict of every rank (``_apply_verdicts``)
+            snapshot.vetted = monitor is None  # vetted by the health every rank agreed (``_apply_health``)
         self.store.add(snapshot)
         self.due_next = False
         if self.agree:
             self._judge()  # its step may be scored already (a logging step's read)
 
-    def settle(self, verdicts: Iterable[tuple[int, int]]) -> None:
-        """The host read rows: keep or drop snapshots by the detectors' verdicts agreed in them, as (step,
-        verdict) pairs (``RecoveryAnswer.verdicts``)."""
+    def settle(self, health: Iterable[tuple[int, int]]) -> None:
+        """The host read rows: keep or drop snapshots by the health agreed in them, as (step, encoded
+        health) pairs (``RecoveryAnswer.health``)."""
         if not self.agree:
             self._vet()
         else:
-            self._apply_verdicts(verdicts)
+            self._apply_health(health)
             self._judge()
 
     def send(self, step: int) -> int:
-        """What step ``step`` sends as its snapshot verdict: with several ranks, this rank's oldest queued
-        verdict, encoded (``vetting.py``); 0 otherwise or when none is queued."""
-        return self.verdicts.send(step) if self.agree else 0
+        """What step ``step`` sends as a snapshot's health: with several ranks, the oldest this rank queued,
+        encoded (``vetting.py``); 0 otherwise or when none is queued."""
+        return self.health.send(step) if self.agree else 0
 
     def forget_after(self, step: int) -> None:
-        """A rollback to the snapshot of ``step``: snapshots and verdicts of later steps belong to undone steps."""
+        """A rollback to the snapshot of ``step``: later snapshots, and their health, belong to undone steps."""
         self.store.drop_after(step)
-        self.verdicts.forget_after(step)
+        self.health.forget_after(step)
 
     def clear(self) -> None:
-        """Drop every snapshot and verdict (they cannot be restored any more)."""
+        """Drop every snapshot and its queued health (they cannot be restored any more)."""
         self.store.clear()
-        self.verdicts.clear()
+        self.health.clear()
 
     def _monitor(self) -> SpikeMonitor | None:
-        """The spike monitor whose verdict keeps or drops snapshots: the engine's (None when spike detection
-        is off). In one process its verdict decides at once (``_vet``); under torch.distributed each rank's
-        monitor scores its own loss, so its verdict is only this rank's vote (``_judge``), and the verdict
-        agreed across ranks decides (``_apply_verdicts``)."""
+        """The spike monitor that tells a snapshot's health: the engine's (None when spike detection is off).
+        In one process it decides at once (``_vet``); under torch.distributed each rank's monitor scores
+        its own loss, so what it sees is only this rank's vote (``_judge``), and the health agreed across
+        ranks decides (``_apply_health``)."""
         return self.engine.ledger.spikes
 
     def _judge(self) -> None:
-        """With several ranks: queue this rank's verdict on each unvetted snapshot whose step its monitor has
+        """With several ranks: queue the health this rank sees for each unvetted snapshot whose step its monitor has
         scored (every rank has scored the same steps: rows are read at the same steps everywhere)."""
         monitor = self._monitor()
         if monitor is None or monitor.last_step is None:
             return
         for snapshot in self.store.snapshots:
             if not snapshot.vetted and snapshot.step - 1 <= monitor.last_step:
-                self.verdicts.judge(snapshot.step, not self._keeps(monitor, snapshot.step - 1))
+                self.health.judge(snapshot.step, not self._keeps(monitor, snapshot.step - 1))
 
-    def _apply_verdicts(self, verdicts: Iterable[tuple[int, int]]) -> None:
-        """With several ranks: keep or drop snapshots by the agreed (step, verdict) pairs (the same on every
-        rank): dropped on every rank when any rank's monitor was not settled at the snapshot's step."""
+    def _apply_health(self, health: Iterable[tuple[int, int]]) -> None:
+        """With several ranks: keep or drop snapshots by the agreed (step, encoded health) pairs (the same on
+        every rank): dropped on every rank when any rank's monitor was not settled at the snapshot's step."""
         changed = False
-        for step, verdict in verdicts:
-            if verdict <= 0:
+        for step, value in health:
+            if value <= 0:
                 continue
-            snapshot_step, unsettled = decode_verdict(verdict, step)
+            snapshot_step, unsettled = decode_health(value, step)
             for snapshot in [s for s in self.store.snapshots if s.step == snapshot_step and not s.vetted]:
                 if unsettled:
                     self.store.discard(snapshot)

@@ -81,7 +81,7 @@ class Snapshot:
     snapshots are restored. ``tree``: the host copy while in memory; ``path``: its file on disk;
     ``checksum``: the file's SHA-256, taken as it was written and checked when it is read.
     ``vetted``: the spike detectors have scored step ``step - 1`` and found it settled (under
-    torch.distributed: on every rank, by the agreed verdict of ``vetting.py``); a snapshot not yet
+    torch.distributed: on every rank, by the health agreed in ``vetting.py``); a snapshot not yet
     vetted does not push an older one out of the ring.
     """
 

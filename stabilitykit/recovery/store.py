@@ -96,7 +96,7 @@ class SnapshotStore:
 
     def newest_at_or_before(self, step: int, vetted_first: bool = False) -> Snapshot | None:
         """The newest confirmed snapshot of a step at or before ``step``; with ``vetted_first``, the newest
-        vetted one when there is one (a snapshot whose verdict is still being agreed across ranks may turn
+        vetted one when there is one (a snapshot whose health is still being agreed across ranks may turn
         out to be inside a climb)."""
         found = [s for s in self.confirmed if s.step <= step]
         if vetted_first and any(s.vetted for s in found):
