@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     BertConfig,
     BertForMaskedLM,
@@ -56,6 +55,7 @@ from transformers import (
 )
 
 import stabilitykit as sk
+from stabilitykit.testing.ops import count_device_ops
 
 CADENCE = 10
 
@@ -145,20 +145,8 @@ def _moe(family: str) -> Callable[[int], torch.nn.Module]:
     return make
 
 
-class _OpCount(TorchDispatchMode):
-    """Counts the ATen ops run under it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _ops(step: Callable[[], None]) -> int:
-    with _OpCount() as counter:
+    with count_device_ops() as counter:
         step()
     return counter.ops
 

@@ -18,7 +18,7 @@ from lightning_checks import StateAt
 
 import stabilitykit as sk
 from stabilitykit.lightning import StabilityCallback
-from stabilitykit.testing.lightning_gpt import GPTModule, gpt_dataloader
+from stabilitykit.testing.lightning_gpt import GPTModule, ManualGPTModule, gpt_dataloader
 from tests.time_limits import run
 
 CFG = sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0))
@@ -205,27 +205,11 @@ def test_two_processes_roll_back_together_on_one_ranks_nan_streak(tmp_path: Path
     assert results[0]["steps"] == 12
 
 
-class ManualGPT(GPTModule):
-    """Manual optimization: the callback acts through the same wrapped optimizer step."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.automatic_optimization = False
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        opt = self.optimizers()
-        loss = super().training_step(batch, batch_idx)
-        opt.zero_grad()
-        self.manual_backward(loss)
-        opt.step()
-        return loss
-
-
 def test_manual_optimization_skips_too(tmp_path: Path) -> None:
     callback = StabilityCallback(CFG)
     snap = StateAt(6)
     trainer = _trainer(tmp_path, [callback, snap], max_steps=12)
-    trainer.fit(ManualGPT(fused=False, poison={6: float("nan")}), gpt_dataloader(20))
+    trainer.fit(ManualGPTModule(fused=False, poison={6: float("nan")}), gpt_dataloader(20))
     snap.assert_unchanged()
     assert callback.engine is not None and int(callback.engine.counters.skipped_total) == 1
     assert callback.last_report is not None and float(callback.last_report.grad_norm) > 0

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import torch
 from hf_models import tiny_gpt2, tiny_llama, token_batches
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import stabilitykit as sk
+from stabilitykit.testing.ops import count_device_ops
 from stabilitykit.testing.syncs import count_host_syncs
 
 MAKERS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
@@ -158,20 +158,8 @@ def test_zero_host_syncs_off_logging_steps_and_one_on_them_with_monitors_on() ->
     assert any("/monitors/" in k for k in guard.engines[0].readout.last_host_metrics)
 
 
-class _OpCount(TorchDispatchMode):
-    """Every aten op dispatched inside the block (what the device is asked to do)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _forward_ops(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
-    with _OpCount() as counter:
+    with count_device_ops() as counter:
         model(**batch).loss.backward()
     model.zero_grad()
     return counter.ops

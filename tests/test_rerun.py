@@ -272,22 +272,10 @@ def _lightning_run(tmp_path: Path, fault: str | None, manual: bool = False) -> d
     import lightning.pytorch as pl
 
     from stabilitykit.lightning import StabilityCallback
-    from stabilitykit.testing.lightning_gpt import GPTModule, gpt_dataloader
+    from stabilitykit.testing.lightning_gpt import GPTModule, ManualGPTModule, gpt_dataloader
 
-    class ManualGPT(GPTModule):
-        def __init__(self, **kwargs: Any) -> None:
-            super().__init__(**kwargs)
-            self.automatic_optimization = False
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            opt = self.optimizers()
-            opt.zero_grad()  # type: ignore[union-attr]
-            loss = super().training_step(batch, batch_idx)
-            self.manual_backward(loss)
-            opt.step()  # type: ignore[union-attr]
-            return loss
-
-    module = (ManualGPT if manual else GPTModule)(fused=False, poison={3: math.nan} if fault == "bad-batch" else None)
+    poison = {3: math.nan} if fault == "bad-batch" else None
+    module = (ManualGPTModule if manual else GPTModule)(fused=False, poison=poison)
     record = tmp_path / f"{fault}-{manual}.jsonl"
     cfg = sk.StabilityConfig(log_every_n_steps=2, rerun=sk.RerunConfig(record_path=str(record)))
     callback = StabilityCallback(cfg)

@@ -56,6 +56,23 @@ class GPTModule(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class ManualGPTModule(GPTModule):
+    """The same module under manual optimization: ``training_step`` backpropagates and steps the
+    optimizer itself, so a callback must act through Lightning's wrapped optimizer step."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        opt.zero_grad()  # type: ignore[union-attr]
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()  # type: ignore[union-attr]
+        return loss
+
+
 def gpt_dataloader(
     n_batches: int = 40,
     batch_size: int = 8,
