@@ -20,6 +20,26 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 torch.set_num_threads(1)
 
+#: A build lock older than this was left by a build that was killed: torch's extension loader would wait
+#: on it forever, and every DeepSpeed launch would run into its time limit with no word of why.
+STALE_BUILD_LOCK_S = 600
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Stop at once, naming the file, when a killed op build left its lock in the extensions folder."""
+    import time
+
+    folder = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    for lock in folder.glob("*/lock") if folder.is_dir() else ():
+        age = time.time() - lock.stat().st_mtime
+        if age > STALE_BUILD_LOCK_S:
+            pytest.exit(
+                f"{lock} is {age / 60:.0f} minutes old: a DeepSpeed op build was killed while holding it, "
+                "and every DeepSpeed launch would wait on it until its time limit. Remove the file (and its "
+                "folder, to rebuild the op) and run again.",
+                returncode=3,
+            )
+
 
 @pytest.fixture(autouse=True)
 def _no_leaked_process_state() -> Iterator[None]:
