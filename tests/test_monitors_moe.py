@@ -446,3 +446,25 @@ def test_router_monitors_add_no_host_sync_on_unsampled_steps_and_ride_the_loggin
     guard.close()
     assert counts == [1 if i % 4 == 0 else 0 for i in range(9)], counts
     assert "stability/monitors/expert_load_max/model.layers.1.mlp.gate" in guard.engines[0].readout.last_host_metrics
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_logs_the_same_router_values_as_one_forward(reentrant: bool) -> None:
+    """Activation checkpointing runs each layer's forward again inside the backward; the routers are
+    measured once per forward the model computes, not again for the recomputation."""
+
+    def run(checkpointing: bool) -> dict[str, float]:
+        model = tiny_mixtral(num_hidden_layers=2)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.train()
+        guard = _guard(model)
+        _step(guard, model, padded_batch(seed=0))
+        metrics = dict(guard.engines[0].readout.last_host_metrics)
+        guard.close()
+        return {k: v for k, v in metrics.items() if "/monitors/" in k}
+
+    plain, checkpointed = run(False), run(True)
+    assert plain and plain.keys() == checkpointed.keys()
+    for key, value in plain.items():
+        assert checkpointed[key] == pytest.approx(value, abs=1e-5), key
