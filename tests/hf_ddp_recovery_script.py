@@ -11,14 +11,18 @@ skip step 5; ``rank_id`` is recorded with reduce "sum" and logged agreed (3) on 
 in rank 1's logits at step ``NAN_STEP`` and a flipped exponent bit in rank 1's local gradient at step
 ``GRAD_STEP``, once each, are judged transient naming rank 1 (the gradient's through a communication hook
 on the Accelerator's DDP wrapper), the steps taken; rank 1's loss NaN at step ``BAD_STEP`` every time it
-is computed is judged reproducible and skipped on both ranks.
+is computed is judged reproducible and skipped on both ranks. Then the same training again in the same
+processes without the two one-time faults: its final weights must equal the first's bitwise (``weights``
+and ``clean_weights``: hashes of their bytes).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,13 @@ from tests.hf_models import tiny_llama, token_batches
 JUMP_STEP = 12
 RULE_STEP = 5
 NAN_STEP, GRAD_STEP, BAD_STEP = 8, 10, 18
+
+
+def _weights_hash(model: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def main() -> None:
@@ -117,7 +128,15 @@ def main() -> None:
         "skipped": [s[0] for s in skipped],
         "reruns": reruns,
         "sums": sorted(sums),
+        "weights": _weights_hash(trainer.model),
     }
+    started = time.perf_counter()  # the same training without the one-time faults: the weights a clean run's
+    clean = tiny_llama()
+    again = JumpTrainer(model=clean, args=args, train_dataset=rows)
+    stabilize(again, cfg, rules=[QualityGate()])
+    again.train()
+    result["clean_weights"] = _weights_hash(again.model)
+    result["clean_seconds"] = time.perf_counter() - started
     (out / f"rank{args.process_index}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

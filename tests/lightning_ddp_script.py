@@ -8,7 +8,9 @@ same averaged update on every rank, so every other tensor stays bitwise equal ac
 is on too: a flipped bit in rank 1's local gradient at step 9, once, is judged transient naming rank 1
 (its grads before the all-reduce, seen by a communication hook on the strategy's DDP wrapper).
 With neither (DDP): rerun on; step 5's NaN comes again when computed again (reproducible: skipped on both
-ranks) and a NaN in rank 1's logits at step 8, once, is judged transient naming rank 1 (the step taken).
+ranks) and a NaN in rank 1's logits at step 8, once, is judged transient naming rank 1 (the step taken);
+then a second fit in the same processes, the same but without step 8's fault, whose final weights must
+equal the first's bitwise (``weights`` and ``clean_weights``: hashes of their bytes).
 ``SK_STRATEGY``: "ddp" (default), or "fsdp2" (``ModelParallelStrategy`` with ``fully_shard`` in
 ``configure_model``; Lightning's ``FSDPStrategy`` requires CUDA). ``SK_RECOVERY=1``: recovery on
 (a snapshot every 2 steps, a divergence after 3 skips) and a NaN on rank 1 only at steps 5-7, so
@@ -17,8 +19,10 @@ both ranks roll back together; each rank reports its rollback events.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -55,6 +59,28 @@ class FullyShardedGPT(GPTModule):
         for block in self.model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
+
+
+def _weights_hash(module: pl.LightningModule) -> str:
+    digest = hashlib.sha256()
+    for p in module.parameters():
+        digest.update(p.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _trainer(kind: str, callback: StabilityCallback) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy() if kind == "fsdp2" else "ddp",
+        max_steps=12,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=4,
+        callbacks=[callback],
+    )
 
 
 def main() -> None:
@@ -110,18 +136,7 @@ def main() -> None:
     callback.hooks.on(
         "rollback", lambda e: rollbacks.append({k: int(e.details[k]) for k in ("at_step", "onset", "restored_step")})
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=ModelParallelStrategy() if kind == "fsdp2" else "ddp",
-        max_steps=12,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=4,
-        callbacks=[callback],
-    )
+    trainer = _trainer(kind, callback)
     cls = FullyShardedGPT if kind == "fsdp2" else RecordingGPT if rule else GPTModule
     module = cls(fused=False, poison=poison, poison_rank=1)
     if rule:
@@ -152,6 +167,13 @@ def main() -> None:
         "mismatches": mismatches,
         "reruns": reruns,
     }
+    if kind == "ddp" and not rule and not recovery:  # the same fit in the same processes, without step 8's fault
+        result["weights"] = _weights_hash(module)
+        started = time.perf_counter()
+        clean = cls(fused=False, poison=poison, poison_rank=1)
+        _trainer(kind, StabilityCallback(cfg)).fit(clean, gpt_dataloader(30))
+        result["clean_weights"] = _weights_hash(clean)
+        result["clean_seconds"] = time.perf_counter() - started
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

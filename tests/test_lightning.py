@@ -166,7 +166,8 @@ def _two_process_lightning(
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_processes_nan_on_one_rank(tmp_path: Path, strategy: str) -> None:
     """DDP with rerun on: step 5's NaN on rank 1 comes again when the step is computed again (reproducible,
-    skipped on both ranks); a NaN in rank 1's logits at step 8, once, is transient, rank 1 named, the step taken."""
+    skipped on both ranks); a NaN in rank 1's logits at step 8, once, is transient, rank 1 named, the step taken,
+    and the final weights equal bitwise those of a second fit in the same processes without step 8's fault."""
     results = _two_process_lightning(tmp_path, strategy)
     assert results[0]["checksum"] == results[1]["checksum"]
     assert results[0]["skipped"] == results[1]["skipped"] == 1
@@ -175,6 +176,7 @@ def test_two_processes_nan_on_one_rank(tmp_path: Path, strategy: str) -> None:
         for result in results:
             assert result["reruns"] == [[5, "reproducible", None], [8, "transient", 1]]
             assert [step for step, _ in result["skipped_events"]] == [5]
+            assert result["weights"] == result["clean_weights"]
 
 
 def test_two_processes_a_custom_rule_on_one_rank_skips_both_and_a_recorded_metric_is_summed(tmp_path: Path) -> None:

@@ -121,6 +121,8 @@ def test_hf_trainer_ddp_ranks_roll_back_together_on_one_ranks_alert(tmp_path: Pa
     verdicts = [[8, "transient", 1], [10, "transient", 1], [18, "reproducible", None]]
     assert first["reruns"] == second["reruns"] == verdicts
     assert first["skipped"] == second["skipped"] == [5, 18]
+    # the same training again in the same processes without the one-time faults: the same weights, bitwise
+    assert first["weights"] == first["clean_weights"] and second["weights"] == second["clean_weights"]
 
 
 def _recovery(cfg: sk.StabilityConfig) -> None:
