@@ -434,27 +434,42 @@ def _rerun(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
     """Rerun (``guard.step(replay=...)``) over batches 0-2, a NaN loss at batch 1 on rank 1 only: once (gone when
     computed again: transient, rank 1 named, the recomputed step taken, the end state bitwise DeepSpeed's own
     over the clean batches 0-2) or every time it is computed (reproducible, skipped on both ranks, the end state
-    bitwise DeepSpeed's over batches 0 and 2)."""
+    bitwise DeepSpeed's over batches 0 and 2). Then a NaN in rank 1's local gradient at batch 1, once: transient
+    with no rank named (DeepSpeed reduces it into every rank's grads, or its partitions, before any point the
+    guard can measure it), the step taken, the end state DeepSpeed's over the clean batches 0-2."""
     import stabilitykit as sk
     from stabilitykit.integrations.deepspeed import DeepSpeedGuard
+    from stabilitykit.testing import inject_fault
 
     dtype = torch.bfloat16 if bf16 else torch.float32
     out: dict[str, Any] = {}
-    for name, clean, once in (("transient", [0, 1, 2], True), ("reproducible", [0, 2], False)):
-        theirs = _engine(stage, bf16)
-        for i in clean:
-            theirs.backward(_loss(theirs, i, rank, dtype, None, 0))
-            theirs.step()
+    cases = (("transient", [0, 1, 2], True), ("reproducible", [0, 2], False), ("local-grad", [0, 1, 2], True))
+    references: dict[tuple[int, ...], Any] = {}  # DeepSpeed's own run over the clean batches, one per list
+    for name, clean, once in cases:
+        theirs = references.get(tuple(clean))
+        if theirs is None:
+            theirs = references[tuple(clean)] = _engine(stage, bf16)
+            for i in clean:
+                theirs.backward(_loss(theirs, i, rank, dtype, None, 0))
+                theirs.step()
         engine = _engine(stage, bf16)
         guard = DeepSpeedGuard(engine, config=sk.StabilityConfig(log_every_n_steps=2, rerun=sk.RerunConfig()))
         events: list[Any] = []
         guard.hooks.on("rerun", events.append)
-        computed, skipped = [0], []
+        computed, skipped, nan_loss = [0], [], name != "local-grad"
+        if name == "local-grad":  # a NaN in rank 1's local gradient at step 1, once
+            inject_fault(engine.module, "grad", "2.weight", step=1, rank=1, kind="nan")
         for i in range(3):
 
-            def loss_of(i: int = i, engine: Any = engine, computed: list[int] = computed, once: bool = once) -> Any:
+            def loss_of(
+                i: int = i,
+                engine: Any = engine,
+                computed: list[int] = computed,
+                once: bool = once,
+                bad: bool = nan_loss,
+            ) -> Any:
                 computed[0] += i == 1
-                fault = "nan" if i == 1 and (computed[0] == 1 or not once) else None
+                fault = "nan" if bad and i == 1 and (computed[0] == 1 or not once) else None
                 return _loss(engine, i, rank, dtype, fault, 1)
 
             guard.backward(loss_of())

@@ -5,7 +5,7 @@
 Every fault is injected on rank 1 only (``stabilitykit.testing.inject_fault``). Cells, each on a fresh
 model, on both world sizes:
 
-* rerun, under DDP and FSDP2, the plain loop with ``guard.step(replay=...)``: a clean run of
+* rerun, under DDP and FSDP2 (and FSDP1 on 2 processes), the plain loop with ``guard.step(replay=...)``: a clean run of
   ``CLEAN_REF_STEPS`` steps and one run of one step more with every fault of ``FAULTS`` in turn on rank 1
   (a one-time NaN and a one-time exponent bit flip in its logits, a one-time flip in its local
   gradient), then a batch of huge inputs on rank 1 (a reproducible fault) at its last step, skipped, so
@@ -140,7 +140,7 @@ def worker(rank: int, world: int) -> dict[str, Any]:
     out = Path(os.environ.get("SK_RERUN_OUT", "."))
     results: dict[str, Any] = {"world": world}
     faults = [{**fault, "step": step, "rank": 1} for step, fault in FAULTS.items()]
-    for layout in ("ddp", "fsdp2"):
+    for layout in ("ddp", "fsdp2", "fsdp1") if world == 2 else ("ddp", "fsdp2"):
         # skip-on-spike on (its warm-up over before the first fault), so that a finite exponent flip is flagged too;
         # three transient faults on rank 1 in one run: max_transient off
         common = {"layout": layout, "spike": True, "max_transient": None}

@@ -362,7 +362,8 @@ def test_rerun_judges_a_one_time_fault_transient_and_a_repeated_one_reproducible
 ) -> None:
     """``guard.step(replay=...)`` with rerun on, a NaN loss at step 1 on rank 1 only: once, it is transient (rank 1
     named, the recomputed step taken, the end state bitwise DeepSpeed's own over the clean batches); every time
-    it is computed, reproducible (skipped on both ranks, the end state DeepSpeed's over the other batches)."""
+    it is computed, reproducible (skipped on both ranks, the end state DeepSpeed's over the other batches). A
+    one-time NaN in rank 1's local gradient: transient with rank None (see the rerun guide), the step taken."""
     for rank in ranks:
         cell = rank[case]["rerun"]
         assert cell["transient"]["events"] == [[1, "transient", 1]]
@@ -371,3 +372,8 @@ def test_rerun_judges_a_one_time_fault_transient_and_a_repeated_one_reproducible
         assert cell["reproducible"]["events"] == [[1, "reproducible", None]]
         assert cell["reproducible"]["skipped"] == [1]
         assert cell["reproducible"]["same"], cell["reproducible"]["diff"]
+        # a one-time NaN in rank 1's local gradient: reduced into every rank's grads (or partitions) before any
+        # point the guard can measure it, so no rank is named; transient, the step taken
+        assert cell["local-grad"]["events"] == [[1, "transient", None]]
+        assert cell["local-grad"]["skipped"] == []
+        assert cell["local-grad"]["same"], cell["local-grad"]["diff"]

@@ -39,13 +39,14 @@ def _reruns(cell: dict) -> list[dict]:
     return [e for e in cell["events"] if e["kind"] == "rerun"]
 
 
-@pytest.mark.parametrize(("world", "layout"), [(2, "ddp"), (2, "fsdp2"), (4, "ddp"), (4, "fsdp2")])
+@pytest.mark.parametrize(("world", "layout"), [(2, "ddp"), (2, "fsdp2"), (2, "fsdp1"), (4, "ddp"), (4, "fsdp2")])
 def test_one_time_faults_on_rank_1_are_transient_a_huge_batch_reproducible_and_the_weights_a_clean_runs(
     two: list[dict], four: list[dict], world: int, layout: str
 ) -> None:
     """One run, faults on rank 1 only: a NaN in its logits at step 4, a flipped exponent bit in its local
     gradient of ``head.weight`` at step 5 (under DDP before the all-reduce, which carries it to every rank;
-    under FSDP2 in the unsharded gradient, before the reduce-scatter puts it in another rank's shard), a
+    under FSDP2 and FSDP1 in the unsharded gradient, before the reduce-scatter puts it in another rank's
+    shard), a
     flipped exponent bit in its logits at step 6 (a large finite logit, flagged by skip-on-spike), each once:
     each judged transient naming rank 1, the recomputed step taken. Then a batch of huge inputs on rank 1 at
     step 7, Inf however often it is computed: reproducible, skipped on every rank, recorded. The final weights

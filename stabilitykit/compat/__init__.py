@@ -11,6 +11,8 @@ must reach inside them is here and nowhere else, so a new release breaks one sma
 * ``deepspeed``: a skipped step's clean-up inside DeepSpeed's ZeRO optimizers, its step counters;
 * ``torchao_float8``: torchao's float8 training (the ``fp8`` extra): converting a model, re-running
   a ``Float8Linear``'s casts for the FP8 monitors, a layer's fallback to high precision;
+* ``fsdp1``: FSDP1's default gradient reduction as a communication hook that measures the local
+  gradient first (rerun names the rank of a local-gradient fault);
 * ``tensors``: the one mark set on a framework's tensor (a DeepSpeed grad partition's groups);
 * ``private``: every other read of a private attribute (``torch.compile``'s wrapped module,
   FSDP1's flat-parameter handle, the fused optimizers' AMP flag, tqdm's live bars, a framework

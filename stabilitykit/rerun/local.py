@@ -14,9 +14,12 @@ then not named; register yours before the guard is built, or without rerun).
 
 FSDP2 (``fully_shard``): each module's forward computes with unsharded parameters, whose grads backward
 accumulates before FSDP2 reduce-scatters them; a hook after each one's accumulation adds its sum of
-squares (one small kernel per parameter per step, no sync). FSDP1, DeepSpeed and the frameworks' own DDP
-wrappers reduce otherwise and are not hooked: a local-gradient fault there is judged ``transient`` with
-no rank named when every rank's reduced grads differ alike.
+squares (one small kernel per parameter per step, no sync). FSDP1 (a root ``FullyShardedDataParallel``):
+its public communication hook sees each flat parameter's unsharded local gradient before the
+reduce-scatter; the hook adds its sum of squares, then reduces exactly as FSDP1 does without one
+(``compat/fsdp1.py``). DeepSpeed ZeRO 1-3 reduces inside its optimizer's own hooks, with no public
+point before the reduction, and is not hooked: a local-gradient fault there is judged ``transient``
+with no rank named when every rank's reduced grads differ alike.
 """
 
 # no ``from __future__ import annotations``: DDP checks the hook's annotations as objects
@@ -27,9 +30,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from stabilitykit.compat.fsdp1 import hook_fsdp1_reduction
+
 
 class LocalGrads:
-    """This rank's local gradient sum of squares per step, measured in DDP's communication hook."""
+    """This rank's local gradient sum of squares per step, measured before a data-parallel reduction."""
 
     def __init__(self, model: nn.Module | None) -> None:
         self.total: Tensor | None = None
@@ -37,6 +42,9 @@ class LocalGrads:
         self._handles: list[Any] = []
         if model is not None and _is_fsdp2(model):
             self._hook_unsharded(model)
+            return
+        if model is not None and hook_fsdp1_reduction(model, self._add):
+            self.hooked = True
             return
         if model is None or not isinstance(model, nn.parallel.DistributedDataParallel):
             return
@@ -56,6 +64,12 @@ class LocalGrads:
         except RuntimeError:  # the model has a hook of its own: it keeps it
             return
         self.hooked = True
+
+    def _add(self, grad: Tensor) -> None:
+        """Add ``grad``'s sum of squares (this rank's, before a reduction) to the step's device total."""
+        if self.hooked:
+            part = grad.detach().float().pow(2).sum()
+            self.total = part if self.total is None else self.total + part
 
     def _hook_unsharded(self, model: nn.Module) -> None:
         """FSDP2: each module's forward computes with the unsharded parameters (the sharded ones get their
@@ -87,7 +101,7 @@ class LocalGrads:
         return total
 
     def close(self) -> None:
-        """Stop measuring (DDP cannot remove a hook: it goes on averaging as DDP does; FSDP2's are removed)."""
+        """Stop measuring (DDP and FSDP1 cannot remove a hook: it goes on reducing as they do; FSDP2's are removed)."""
         self.hooked = False
         self.total = None
         for handle in self._handles:
