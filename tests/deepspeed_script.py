@@ -610,6 +610,9 @@ def _fp16_cases(rank: int) -> dict[str, Any]:
     from deepspeed.accelerator import set_accelerator
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
+    import stabilitykit as sk
+    from stabilitykit.integrations.deepspeed import DeepSpeedGuard
+
     class Fp16Cpu(CPU_Accelerator):  # type: ignore[misc]
         """DeepSpeed's CPU accelerator, declaring fp16 (it declares it only where oneDNN has fp16 kernels)."""
 
@@ -620,7 +623,13 @@ def _fp16_cases(rank: int) -> dict[str, Any]:
             return [torch.float, torch.bfloat16, torch.float16]
 
     set_accelerator(Fp16Cpu())
-    return {f"fp16-stage{stage}": _fp16(stage, rank) for stage in (0, 1, 2, 3)}
+    results: dict[str, Any] = {f"fp16-stage{stage}": _fp16(stage, rank) for stage in (0, 1, 2, 3)}
+    try:  # rerun with DeepSpeed's own loss scaler: refused by name (stabilitykit/rerun/refusals.py)
+        DeepSpeedGuard(_fp16_engine(0), config=sk.StabilityConfig(rerun=sk.RerunConfig()))
+        results["fp16-rerun-refused"] = ""
+    except ValueError as exc:
+        results["fp16-rerun-refused"] = str(exc)
+    return results
 
 
 def _per_tensor(stage: int, rank: int) -> dict[str, Any]:
@@ -650,15 +659,26 @@ def _per_tensor(stage: int, rank: int) -> dict[str, Any]:
 
 
 def _refusals() -> dict[str, str]:
+    """What the guard refuses by name: two clippers; rerun under a framework's DeepSpeed integration
+    (``stabilitykit/rerun/refusals.py``; with DeepSpeed's fp16: ``_fp16_cases``)."""
     import stabilitykit as sk
+    from stabilitykit.drivers.deepspeed import DeepSpeedLater
     from stabilitykit.integrations.deepspeed import DeepSpeedGuard
 
-    engine = _engine(2, False, clipping=1.0)
-    try:
-        DeepSpeedGuard(engine, config=sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0)))
-    except ValueError as exc:
-        return {"two_clippers": str(exc)}
-    return {"two_clippers": ""}
+    found = dict.fromkeys(("two_clippers", "rerun_framework"), "")
+    rerun = sk.StabilityConfig(rerun=sk.RerunConfig())
+    attempts = {
+        "two_clippers": lambda: DeepSpeedGuard(
+            _engine(2, False, clipping=1.0), config=sk.StabilityConfig(clip=sk.ClipConfig(mode="fixed", max_norm=1.0))
+        ),
+        "rerun_framework": lambda: DeepSpeedLater(rerun),  # what the HF Trainer's and Lightning's callbacks build on
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+        except ValueError as exc:
+            found[name] = str(exc)
+    return found
 
 
 def worker(rank: int, world: int) -> dict[str, Any]:

@@ -214,6 +214,14 @@ def test_two_clippers_are_refused(ranks: list[dict[str, Any]]) -> None:
     assert "gradient_clipping" in message and "ClipConfig(mode='off')" in message
 
 
+def test_rerun_is_refused_with_deepspeeds_fp16_and_under_a_frameworks_deepspeed_integration(
+    ranks: list[dict[str, Any]],
+) -> None:
+    fp16, framework = ranks[0]["fp16-rerun-refused"], ranks[0]["refusals"]["rerun_framework"]
+    assert "StabilityConfig.rerun" in fp16 and "DeepSpeed's fp16" in fp16
+    assert "StabilityConfig.rerun" in framework and "deepspeed=" in framework
+
+
 @pytest.fixture(scope="module")
 def hf_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """One torchrun launch of tests/hf_deepspeed_script.py: the ZeRO-2 run with its resumes, then every cell."""

@@ -18,6 +18,7 @@ from stabilitykit.hooks import HookManager
 from stabilitykit.recovery.controller import Recovery
 from stabilitykit.replicas import ReplicaCheck
 from stabilitykit.rerun import Rerun
+from stabilitykit.rerun.refusals import refuse_rerun
 from stabilitykit.rules import SkipRule
 from stabilitykit.tracing import NaNTracing
 
@@ -71,11 +72,7 @@ def build_engine(
         )
         closers.append(engine.recovery.close)
     if config.rerun is not None:
-        if engine.scaler.enabled:
-            raise ValueError(
-                "stabilitykit: RerunConfig cannot be used with a GradScaler yet (a recomputed step would unscale "
-                "the grads a second time); use bf16 autocast, or leave rerun off"
-            )
+        refuse_rerun(config, grad_scaler=engine.scaler.enabled)
         engine.rerun = Rerun(config.rerun, model, engine.device, hooks, reads=lambda: reads_coming_step(engine))
         closers.append(engine.rerun.close)
     if config.replicas is not None:

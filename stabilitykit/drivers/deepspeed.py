@@ -3,7 +3,7 @@
 This rank's pieces of the final grads are measured where DeepSpeed keeps them (``GradPartitions``), so
 the norms are DeepSpeed's own with nothing gathered. A skipped step runs none of DeepSpeed's optimizer
 step and leaves its counters, on every rank alike; in fp16 an overflow alone is DeepSpeed's own skip.
-Refused by name: optimizer offload, the pipeline engine, monitors, update ratios; NaN tracing is off.
+Refused by name: optimizer offload, the pipeline engine, monitors, update ratios, rerun in fp16; no NaN tracing.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from stabilitykit.engine.lr import noting_lr
 from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.report import StepReport
-from stabilitykit.rerun.deepspeed import recompute
+from stabilitykit.rerun.deepspeed import recompute, refuse_rerun
 from stabilitykit.rules import SkipRule
 from stabilitykit.sinks.base import Sink
 
@@ -67,6 +67,8 @@ def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
             '"optimizer" section in its config)'
         )
     refuse_two_clippers(config, "gradient_clipping", engine.gradient_clipping(), "remove it from the DeepSpeed config")
+    refuse_rerun(config, deepspeed_fp16=bool(engine.fp16_enabled()))  # rerun/refusals.py says why
+    refuse_rerun(config, deepspeed_fp16=bool(engine.fp16_enabled()))
     not_yet = [  # what the guard does not support yet, and the fix
         (
             type(engine).__name__ == "PipelineEngine",
@@ -203,9 +205,8 @@ class DeepSpeedGuard(StabilityGuard):
 
     def _deepspeed_skips(self, decision: Any) -> bool:
         """An fp16 overflow alone, which DeepSpeed's own step skips (decided from agreed rules: alike on every rank)."""
-        if not (self.fp16 and decision.skipped_now):
-            return False
-        return self.engine.rules.raised_anywhere(decision.outcome.code) == ["fp16_overflow"]
+        fp16_skip = bool(self.fp16 and decision.skipped_now)
+        return fp16_skip and self.engine.rules.raised_anywhere(decision.outcome.code) == ["fp16_overflow"]
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(
@@ -238,8 +239,7 @@ class DeepSpeedGuard(StabilityGuard):
         path, client_state = original(load_dir, *args, **kwargs)
         if self.closed or not isinstance(client_state, dict):
             return path, client_state
-        saved = client_state.pop(CLIENT_STATE_KEY, None)
-        if saved is not None:
+        if (saved := client_state.pop(CLIENT_STATE_KEY, None)) is not None:
             self.load_rank_state(saved["ranks"])
         return path, client_state
 
@@ -255,6 +255,7 @@ class DeepSpeedLater:
         rules: Sequence[SkipRule] = (),
     ) -> None:
         self.config = coerce_config(config)  # read before the run (clipping refused twice), coerced once
+        refuse_rerun(self.config, framework_deepspeed=True)  # no point to drop DeepSpeed's grads before a rerun
         self.sinks = list(sinks or [])
         self.hooks = hooks or HookManager()
         self.rules = list(rules)

@@ -16,6 +16,7 @@ from typing import Any
 from torch import Tensor
 
 from stabilitykit.compat.deepspeed import drop_grads
+from stabilitykit.rerun.refusals import refuse_rerun as refuse_rerun  # for the DeepSpeed drivers: one import there
 
 
 def recompute(
