@@ -407,7 +407,15 @@ def _scenario_order(scenario: str) -> tuple[int, str]:
     return (known.index(scenario) if scenario in known else len(known), scenario)
 
 
-NOISE = 0.05  # nats: a final loss this close to the guard alone's is "within noise" (seed-to-seed spread is larger)
+NOISE = 0.05  # nats: the least difference to the guard alone's final loss that is not "within noise"
+
+
+def noise_of(runs: dict[tuple[str, str, str, int], Run], model: str, scenario: str, base: str = "none") -> float:
+    """What "within noise" means on one arm: the seed spread of ``base`` (the guard alone) on the same model and
+    scenario, the range of its final losses over the seeds run (a persistent-LR run ends wherever its
+    blow-ups left it: two seeds of the same arm differ by up to 0.14 nats), and never under ``NOISE``."""
+    finals = [r["final"] for k, r in runs.items() if k[:3] == (model, scenario, base) and math.isfinite(r["final"])]
+    return max(NOISE, max(finals) - min(finals)) if len(finals) > 1 else NOISE
 
 
 def versus(runs: dict[tuple[str, str, str, int], Run], arm: str, base: str = "none") -> str:
@@ -416,8 +424,8 @@ def versus(runs: dict[tuple[str, str, str, int], Run], arm: str, base: str = "no
     undetermined, the data, the learning rate; L the LR lowered without a rollback; S recovery standing down;
     each with the LR factor it set) and whether it restored the first step's state or gave up."""
     lines = [
-        f"| model | scenario | seed | {base} | {arm} | difference | actions | restored step 1 | gave up |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| model | scenario | seed | {base} | {arm} | difference | noise | actions | restored step 1 | gave up |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     tally = {"better": 0, "within noise": 0, "worse": 0, "gave up": 0}
     for key in sorted(runs, key=lambda k: (k[0], _scenario_order(k[1]), k[3])):
@@ -426,17 +434,21 @@ def versus(runs: dict[tuple[str, str, str, int], Run], arm: str, base: str = "no
             continue
         mine, theirs = runs[key], runs[model, scenario, base, seed]
         diff = mine["final"] - theirs["final"]
+        noise = noise_of(runs, model, scenario, base)
         if mine["gave_up"] and not theirs["gave_up"]:
             tally["gave up"] += 1
         elif math.isfinite(diff):
-            tally["better" if diff < -NOISE else "worse" if diff > NOISE else "within noise"] += 1
+            tally["better" if diff < -noise else "worse" if diff > noise else "within noise"] += 1
         lines.append(
             f"| {model} | {scenario} | {seed} | {theirs['final']:.3f} | {mine['final']:.3f} | {diff:+.3f} | "
+            f"{noise:.3f} | "
             f"{' '.join(mine.get('actions', [])) or '-'} | {'yes' if mine.get('restored_first_step') else 'no'} | "
             f"{'yes' if mine['gave_up'] else 'no'} |"
         )
     counts = ", ".join(f"{n} {what}" for what, n in tally.items())
-    return "\n".join(lines) + f"\n\n{arm} against {base} (noise: {NOISE} nats): {counts}"
+    return "\n".join(lines) + (
+        f"\n\n{arm} against {base} (noise: the seed spread of {base} on the same arm, at least {NOISE} nats): {counts}"
+    )
 
 
 def table(runs: dict[tuple[str, str, str, int], Run], held: set[int]) -> str:
