@@ -2,8 +2,9 @@
 
 A truncated or hand-edited checkpoint must fail with an error that names the key and the
 expected type, and must leave the driver exactly as it was (no half-loaded state). Versioned:
-``version`` says which layout a state has; this release reads its own layout and the one before it
-(``_upgrade``: a journal column renamed), and refuses older development layouts.
+``version`` says which layout a state has; this release reads its own layout and the two before it
+(``_upgrade``: a journal column renamed, the escalation's ``while_bad`` added), and refuses older
+development layouts.
 
 Two layers of checks: the schema below (every key, type and list length a state of this
 version has, whatever driver saved it), then, given the loading driver's own state as
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from stabilitykit.engine.step import StabilityEngine
 
 #: Version of the state a driver saves.
-STATE_VERSION = 11  # 11: the journal's snapshot column is ``health`` (10 called it ``verdict``)
+STATE_VERSION = 12  # 11: the journal's snapshot column is ``health`` (10 called it ``verdict``); 12: ``while_bad``
 #: The oldest version this release reads: a state of it is upgraded on load (``_upgrade``).
 OLDEST_READ = 10
 
@@ -236,6 +237,7 @@ class _Escalation(_State):
     skipped: list[Annotated[int, Field(ge=0)]] | None  # (first, end) of the batches being judged
     reference: float | None
     skipped_losses: list[float]
+    while_bad: bool  # the batches being skipped are skipped only while they measure bad (the data's cause)
     loss_steps: list[Annotated[int, Field(ge=0)]]
     losses: list[float]
     onsets: list[Annotated[int, Field(ge=0)]]
@@ -445,12 +447,27 @@ def load_driver_state(engines: Sequence[StabilityEngine], state: Mapping[str, An
 
 
 def _upgrade(state: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A state of version 10 as this version's: the journal's snapshot column was named ``verdict`` (in its
-    saved column names and in each row carried on the host); nothing else changed. The caller's state is
-    not modified; a damaged one is left for validation to name."""
-    if state.get("version") != 10 or not isinstance(state.get("optimizers"), list):
+    """A state of version 10 or 11 as this version's: in 10 the journal's snapshot column was named ``verdict``
+    (in its saved column names and in each row carried on the host); before 12 the escalation had no
+    ``while_bad`` (False). Nothing else changed. The caller's state is not modified; a damaged one is left
+    for validation to name."""
+    version = state.get("version")
+    if version not in (10, 11) or not isinstance(state.get("optimizers"), list):
         return state
-    return {**state, "version": STATE_VERSION, "optimizers": [_renamed_health(s) for s in state["optimizers"]]}
+    optimizers = [_renamed_health(s) if version == 10 else s for s in state["optimizers"]]
+    return {**state, "version": STATE_VERSION, "optimizers": [_with_while_bad(s) for s in optimizers]}
+
+
+def _with_while_bad(optimizer: Any) -> Any:
+    """One optimizer's version 10 or 11 state with its escalation's ``while_bad`` (12): False, what a skip
+    ahead saved before it had (a fixed count)."""
+    recovery = optimizer.get("recovery") if isinstance(optimizer, Mapping) else None
+    if not isinstance(recovery, Mapping):
+        return optimizer
+    escalation = recovery.get("escalation")
+    if not isinstance(escalation, Mapping) or "while_bad" in escalation:
+        return optimizer
+    return {**optimizer, "recovery": {**recovery, "escalation": {**escalation, "while_bad": False}}}
 
 
 def _renamed_health(optimizer: Any) -> Any:

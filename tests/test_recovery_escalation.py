@@ -308,7 +308,8 @@ def test_a_resume_mid_backoff_keeps_the_lr_and_the_next_decision() -> None:
 
 def test_a_state_of_the_previous_layout_is_refused_and_loads_nothing() -> None:
     """A state saved before the escalation was kept in full (version 9: level, changes and last action only) is
-    refused naming both versions, and the guard it was given to keeps its own LR backoff."""
+    refused naming both versions, and the guard it was given to keeps its own LR backoff; one of version 11
+    (without ``while_bad``) loads."""
     from stabilitykit.state import OLDEST_READ, STATE_VERSION
 
     model, _, _, guard, _, events = _hot_parts()
@@ -327,5 +328,37 @@ def test_a_state_of_the_previous_layout_is_refused_and_loads_nothing() -> None:
     with pytest.raises(ValueError, match=refused):
         fresh.load_state_dict(state)
     assert fresh.state_dict()["optimizers"][0]["recovery"] == before["optimizers"][0]["recovery"]
+    # version 11 (the escalation without ``while_bad``) loads, a fixed skip as it had
+    state = copy.deepcopy(guard.state_dict())
+    del state["optimizers"][0]["recovery"]["escalation"]["while_bad"]
+    state["version"] = 11
+    fresh.load_state_dict(state)
+    assert fresh.state_dict()["optimizers"][0]["recovery"] == guard.state_dict()["optimizers"][0]["recovery"]
     fresh.close()
     guard.close()
+
+
+def test_batches_skipped_again_for_bad_data_are_skipped_only_while_they_measure_bad() -> None:
+    """Targets 30x off for steps 60-129, 50 batches skipped after a rollback: the first skip (62-111) is all bad, the
+    trouble recurs at 112 and is the data's; the second skip ends as soon as 5 skipped batches in a row measure
+    fine on the restored weights (the burst over at 130), not 50 batches later (the end of the run)."""
+    model, batches = regression(170)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    recovery = sk.RecoveryConfig(snapshot_every=20)
+    guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(log_every_n_steps=5, recovery=recovery))
+    events: list[sk.Event] = []
+    guard.hooks.on("rollback", events.append)
+    trained = []
+    for step, (x, y) in enumerate(batches):
+        target = y * 30.0 if 60 <= step < 130 else y
+        guard.backward(nn.functional.mse_loss(model(x), target))
+        if not bool(guard.step().skipped):
+            trained.append(step)
+        guard.zero_grad()
+    guard.close()
+    rollbacks = [e.details for e in events]
+    assert [d["cause"] for d in rollbacks] == ["undetermined", "data"], [e.message for e in events]
+    second = rollbacks[1]["at_step"]
+    resumed = min(s for s in trained if s > second)
+    assert 135 <= resumed <= 140 < second + 50, (second, resumed)
+    assert "while they measure bad" in events[1].message

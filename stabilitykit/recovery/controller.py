@@ -212,6 +212,7 @@ class Recovery:
         rows = list(rows)
         self.store.confirm((row.step, not row.skipped) for row in rows)
         self.escalation.observe(rows)
+        self.rollback.data_passed()
         self.points.settle(answer.health)
         if self.agreement is not None:
             self.agreement.read(answer.requests)

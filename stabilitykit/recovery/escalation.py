@@ -81,6 +81,8 @@ class Escalation:
         self._skipped: tuple[int, int] | None = None
         self._reference: float | None = None
         self._skipped_losses: list[float] = []
+        self._while_bad = False  # the skip ahead ends once the batches measure fine again (the data's cause)
+        self._passed: int | None = None  # the first step that trains again, when that skip ended early
         self.data_bad: bool | None = None  # the last batches skipped ahead were bad (None: not measured yet)
         self._losses: deque[tuple[int, float]] = deque(maxlen=256)  # (step, loss) of recent taken steps
         self._onsets: deque[int] = deque(maxlen=16)  # where recent trouble began: never a reference
@@ -94,10 +96,28 @@ class Escalation:
             if window is not None and window[0] <= row.step < window[1]:
                 if loss is not None:
                     self._skipped_losses.append(loss if math.isfinite(loss) else math.inf)
+                    if self._fine_again():
+                        self._passed = row.step + 1
+                        self._judge()
+                        continue
             elif loss is not None and not row.skipped and math.isfinite(loss):
                 self._losses.append((row.step, loss))
             if window is not None and row.step >= window[1] - 1:
                 self._judge()  # the window's last row, or a later one (a row may reach the host outside a step)
+
+    def _fine_again(self) -> bool:
+        """Batches skipped ahead for bad data (``while_bad``) measure fine again: the median loss of the last
+        ``END_STEPS`` of them is under ``BAD_DATA_RATIO`` times the reference (the burst is over)."""
+        last = self._skipped_losses[-END_STEPS:]
+        if not self._while_bad or self._reference is None or len(last) < END_STEPS:
+            return False
+        return statistics.median(last) < BAD_DATA_RATIO * self._reference
+
+    def passed(self) -> int | None:
+        """Once: the step from which training goes on, when batches skipped for bad data measured fine again
+        before the skip ahead ran out (None: not now)."""
+        passed, self._passed = self._passed, None
+        return passed
 
     def _judge(self) -> None:
         """Every batch skipped ahead is measured: were they bad (far above the restored state's loss)?"""
@@ -147,8 +167,9 @@ class Escalation:
             self.changes.append(change)
         return change
 
-    def skipping(self, first: int, end: int, restored_step: int, onset: int) -> None:
-        """A rollback to the snapshot of ``restored_step`` skips the batches of steps ``first .. end - 1``:
+    def skipping(self, first: int, end: int, restored_step: int, onset: int, while_bad: bool = False) -> None:
+        """A rollback to the snapshot of ``restored_step`` skips the batches of steps ``first .. end - 1``
+        (``while_bad``: only while they measure bad; the skip ends at the first ``END_STEPS`` in a row that do not):
         judge them against the loss of step ``restored_step`` (the same weights on the batch it trained on)
         unless trouble began at that step (``onset`` now, or an earlier one), else against the losses of the
         taken steps just before it. None skipped: judge the batch of step ``first``,
@@ -160,6 +181,7 @@ class Escalation:
         before = [loss for step, loss in self._losses if restored_step - REFERENCE_STEPS <= step < restored_step]
         self._reference = same[0] if same else statistics.median(before) if before else None
         self._skipped, self._skipped_losses = (first, max(end, first + 1)), []
+        self._while_bad, self._passed = while_bad and self.judge_data, None
 
     def factor(self, step: int) -> float:
         """The factor on the learning rate at ``step`` (1.0: the schedule's): the lowest change in force."""
@@ -229,6 +251,7 @@ class Escalation:
             "skipped": list(window) if window is not None else None,
             "reference": self._reference,
             "skipped_losses": list(self._skipped_losses),
+            "while_bad": self._while_bad,
             "loss_steps": [step for step, _ in self._losses],
             "losses": [loss for _, loss in self._losses],
             "onsets": list(self._onsets),
@@ -249,6 +272,7 @@ class Escalation:
         self._skipped = (int(window[0]), int(window[1])) if window is not None else None
         self._reference = state["reference"]
         self._skipped_losses = [float(x) for x in state["skipped_losses"]]
+        self._while_bad = bool(state["while_bad"])
         pairs = zip(state["loss_steps"], state["losses"], strict=True)
         self._losses = deque(((int(s), float(x)) for s, x in pairs), maxlen=self._losses.maxlen)
         self._onsets = deque((int(s) for s in state["onsets"]), maxlen=self._onsets.maxlen)

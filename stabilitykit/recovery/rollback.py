@@ -91,7 +91,7 @@ class Rollback:
         skip = 0 if cause == "lr" and cfg.lr_backoff else cfg.skip_after  # the LR's fault: no data to skip
         self.skip_until = self.engine.step + skip
         change = esc.act(cause, at_step, self.skip_until, True, onset)
-        esc.skipping(self.engine.step, self.skip_until, snapshot.step, onset)
+        esc.skipping(self.engine.step, self.skip_until, snapshot.step, onset, while_bad=cause == "data")
         if change is not None:
             self.cooldown_until = max(self.cooldown_until, change.until)
         record = RollbackRecord(
@@ -110,6 +110,14 @@ class Rollback:
         self.log.add(record)
         self.hooks.emit(self._event(record))
         return True
+
+    def data_passed(self) -> None:
+        """Batches skipped ahead for bad data measure fine again (``Escalation.passed``): training goes on from
+        the next step, not after the rest of ``skip_after`` (a burst that recurs is known bad data, but not how
+        long it lasts: a fixed count skips good batches with it, up to the end of a short run)."""
+        passed = self.escalation.passed()
+        if passed is not None and passed < self.skip_until:
+            self.skip_until = max(passed, self.engine.step)
 
     def oldest_restorable(self, at_step: int) -> int:
         """The oldest snapshot step a rollback at ``at_step`` may restore (``max_lookback``, ``max_lookback_share``):
@@ -268,6 +276,8 @@ class Rollback:
         )
         if record.skip_ahead_to is not None:
             message += f"; the batches of steps {record.at_step + 1}..{record.skip_ahead_to} are skipped too"
+            if record.cause == "data":
+                message += " while they measure bad (5 in a row that measure fine end the skip)"
         if record.lr_until is not None:
             message += f" with the learning rate times {record.lr_factor:g} until step {record.lr_until - 1}"
         message += f" ({why(record.cause)})"
