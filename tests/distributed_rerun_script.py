@@ -38,7 +38,7 @@ from tests.distributed_models import ResidualNet, wrap
 from tests.distributed_script_runner import launch
 
 WIDTH, HIDDEN, DEPTH, CLASSES, BATCH = 8, 16, 2, 4, 4
-STEPS = 12
+STEPS = 10  # the replica cells: a corruption before step 6, the check after step 9 its last
 FAULT_STEP = 6
 CHECK_EVERY = 5
 CLEAN_STEPS = 500
