@@ -102,7 +102,7 @@ def _report(args: argparse.Namespace) -> int:
 
     from stabilitykit.report_plot import check_output, draw_report, load_run_log
 
-    def one_line(message: Warning | str, category: type[Warning], *_: object, **__: object) -> None:
+    def one_line(message: Warning | str, *_: object, **__: object) -> None:  # showwarning's signature
         text = str(message).removeprefix("stabilitykit: ")
         print(f"stabilitykit report: warning: {text}", file=sys.stderr)
 

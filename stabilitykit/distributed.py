@@ -247,8 +247,6 @@ class LayoutReducer:
     extra_group: Any | None = None
     #: the world count row rides in a world-sized reduction of the rows (per-layer flags global)
     world_row_folded: bool = False
-    #: NormResult.finite is identical on every rank of the default group (always true here).
-    finite_is_global: bool = True
     _index: dict[tuple[int, str], Tensor] = field(default_factory=dict)
 
     @property

@@ -460,15 +460,6 @@ class SpikeScore:
         if math.isfinite(value):
             self.values.append(value)
 
-    def is_spike(self, value: float) -> bool:
-        """True when ``value`` lies beyond ``sigma`` std of the current window (before it is added)."""
-        n = len(self.values)
-        if n < 2 or not math.isfinite(value):
-            return False
-        mean = sum(self.values) / n
-        std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / n)
-        return abs(value - mean) > self.sigma * std
-
     def score(self) -> float:
         """Share of the window's values that are spikes against the window itself (0 when empty)."""
         n = len(self.values)

@@ -36,8 +36,6 @@ INSTALL_HINT = "FP8 needs torchao: pip install 'stabilitykit[fp8]' (torchao>=0.1
 TESTED_RECIPE = "tensorwise"
 #: FP8 GEMMs (``torch._scaled_mm``) need both dimensions of a weight divisible by 16.
 ALIGNMENT = 16
-#: The tensor roles of a float8 linear layer, in the order its matmuls cast them.
-ROLES = ("input", "weight", "grad_output")
 
 
 def available() -> bool:
