@@ -275,41 +275,41 @@ class _Invalid(ValueError):
         self.where, self.what = where, what
 
 
-def check_version(state: Mapping[str, Any], required: bool = False) -> None:
-    """Refuse a state whose ``version`` is not an int, or not one this release reads; ``required``: a
-    driver's state, where the version is stored (a key dropped is refused as a wrong one is)."""
-    if required and "version" not in state:
+def check_version(state: Mapping[str, Any]) -> None:
+    """Refuse a driver's state whose ``version`` is missing (a key dropped is refused as a wrong one is), not
+    an int, or not one this release reads. The version is stored once, at this level (``driver_state``)."""
+    if "version" not in state:
         raise ValueError(
             f"invalid stabilitykit state at 'version': missing (this release saves {STATE_VERSION}; not saved by a "
             "stabilitykit driver's state_dict()?). Nothing was loaded."
         )
-    version = state.get("version")
-    if isinstance(version, int) and not isinstance(version, bool) and version > STATE_VERSION:
-        raise ValueError(
-            f"stabilitykit state version {version} is newer than this release reads ({STATE_VERSION}); "
-            "upgrade stabilitykit to load it"
-        )
-    if isinstance(version, int) and not isinstance(version, bool) and version < OLDEST_READ:
-        raise ValueError(
-            f"stabilitykit state version {version} was saved by a development build with another layout; this "
-            f"release reads versions {OLDEST_READ} to {STATE_VERSION} only. Nothing was loaded."
-        )
-    if "version" in state and not (isinstance(version, int) and not isinstance(version, bool)):
+    version = state["version"]
+    if not isinstance(version, int) or isinstance(version, bool):
         raise ValueError(
             f"invalid stabilitykit state at 'version': must be an int (this release saves {STATE_VERSION}), "
             f"got {type(version).__name__} {version!r:.60}. Nothing was loaded."
         )
+    if version > STATE_VERSION:
+        raise ValueError(
+            f"stabilitykit state version {version} is newer than this release reads ({STATE_VERSION}); "
+            "upgrade stabilitykit to load it"
+        )
+    if version < OLDEST_READ:
+        raise ValueError(
+            f"stabilitykit state version {version} was saved by a development build with another layout; this "
+            f"release reads versions {OLDEST_READ} to {STATE_VERSION} only. Nothing was loaded."
+        )
 
 
 def validate_state(state: Any, reference: Mapping[str, Any] | None = None) -> None:
-    """Raise ``ValueError`` naming the first bad key (dotted path) and what was expected there.
+    """Raise ``ValueError`` naming the first bad key (dotted path) and what was expected there, in one
+    optimizer's state (``optimizers.<i>`` of a driver's state; its version is the driver's: ``check_version``).
 
     ``reference``: the loading driver's own ``state_dict()``; when given, the sizes it fixes (layer
     names, clip and skip-rule tensor shapes, journal row width, per-layer detector size) must match.
     """
     if not isinstance(state, Mapping):
         raise TypeError(f"stabilitykit state must be a mapping (from state_dict()), got {type(state).__name__}")
-    check_version(state)
     try:
         _Core.model_validate(dict(state))
     except ValidationError as exc:
@@ -423,7 +423,7 @@ def driver_state(engines: Sequence[StabilityEngine]) -> dict[str, Any]:
 def load_driver_state(engines: Sequence[StabilityEngine], state: Mapping[str, Any]) -> None:
     """Restore what ``driver_state`` returned: the version and every optimizer's state are validated before
     any is loaded; an error names the path within the state and says that nothing was loaded."""
-    check_version(state, required=True)  # stored once, at this level: a driver's state has it
+    check_version(state)
     state = _upgrade(state)
     states = state.get("optimizers")
     if not isinstance(states, list):

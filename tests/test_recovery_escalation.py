@@ -268,7 +268,7 @@ def _hot_parts(peak: float = 1.2) -> tuple[nn.Linear, torch.optim.SGD, Any, sk.S
 def test_a_resume_mid_backoff_keeps_the_lr_and_the_next_decision() -> None:
     """Saved right after the second rollback (the LR blamed, 0.5x for 500 steps) and loaded into a fresh guard:
     the resumed run uses the same LR at every step and, when the trouble comes back, blames the LR again and
-    goes to 0.25x, as the run that was not interrupted does. Without the verdict on the data in the state, the
+    goes to 0.25x, as the run that was not interrupted does. Without what the skipped data showed in the state, the
     resumed run would call the same trouble "undetermined" and skip batches the LR is to blame for."""
     _, batches = regression(170)
     model, opt, sched, guard, sink, events = _hot_parts()

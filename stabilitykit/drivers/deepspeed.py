@@ -54,29 +54,28 @@ __all__ = ["DeepSpeedGuard"]
 CLIENT_STATE_KEY = "stabilitykit"
 
 
-def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
+def _refuse_unsupported(deepspeed_engine: Any, config: StabilityConfig) -> None:
     """Refuse, by name and with the fix, what the DeepSpeed driver does not handle (yet)."""
-    if not isinstance(engine, DeepSpeedEngine):
+    if not isinstance(deepspeed_engine, DeepSpeedEngine):
         raise TypeError(
             f"DeepSpeedGuard needs the engine deepspeed.initialize returned (a DeepSpeedEngine), got "
-            f"{type(engine).__name__}; for a plain torch model use stabilitykit.StabilityGuard"
+            f"{type(deepspeed_engine).__name__}; for a plain torch model use stabilitykit.StabilityGuard"
         )
-    if engine.optimizer is None:
+    if deepspeed_engine.optimizer is None:
         raise ValueError(
             "DeepSpeedGuard needs an engine with an optimizer: give deepspeed.initialize an optimizer (or an "
             '"optimizer" section in its config)'
         )
-    refuse_two_clippers(config, "gradient_clipping", engine.gradient_clipping(), "remove it from the DeepSpeed config")
-    refuse_rerun(config, deepspeed_fp16=bool(engine.fp16_enabled()))  # rerun/refusals.py says why
-    refuse_rerun(config, deepspeed_fp16=bool(engine.fp16_enabled()))
+    refuse_two_clippers(config, "gradient_clipping", deepspeed_engine.gradient_clipping(), "remove it from its config")
+    refuse_rerun(config, deepspeed_fp16=bool(deepspeed_engine.fp16_enabled()))  # rerun/refusals.py says why
     not_yet = [  # what the guard does not support yet, and the fix
         (
-            type(engine).__name__ == "PipelineEngine",
+            type(deepspeed_engine).__name__ == "PipelineEngine",
             "DeepSpeed's pipeline engine (PipelineEngine.train_batch steps inside its own schedule); use a "
             "DeepSpeedEngine from deepspeed.initialize without a PipelineModule",
         ),
         (
-            engine.zero_cpu_offload(),
+            deepspeed_engine.zero_cpu_offload(),
             "ZeRO optimizer offload (offload_optimizer): the grads then live in CPU buffers the guard does not "
             "read; remove offload_optimizer from the ZeRO config",
         ),
@@ -93,15 +92,15 @@ def _refuse_unsupported(engine: Any, config: StabilityConfig) -> None:
 
 
 class DeepSpeedGuard(StabilityGuard):
-    """Keeps a loop over a DeepSpeed engine finite. ``engine``: what ``deepspeed.initialize`` returned
-    (``deepspeed_engine``); its ``backward``, ``step`` and checkpoints are routed through the guard, so a loop,
+    """Keeps a loop over a DeepSpeed engine finite. ``deepspeed_engine``: what ``deepspeed.initialize``
+    returned; its ``backward``, ``step`` and checkpoints are routed through the guard, so a loop,
     Accelerate or the HF Trainer calling them is guarded as it is; the rest is the plain-loop guard's."""
 
     host_decides = True  #: DeepSpeed's step cannot skip on the device: the host decides (``Driver``)
 
     def __init__(
         self,
-        engine: Any,
+        deepspeed_engine: Any,
         config: StabilityConfig | Mapping[str, Any] | str | None = None,
         sinks: Iterable[Sink] | None = None,
         hooks: HookManager | None = None,
@@ -109,43 +108,41 @@ class DeepSpeedGuard(StabilityGuard):
     ) -> None:
         cfg = coerce_config(config)
         cfg = cfg.model_copy(update={"nan_trace": cfg.nan_trace.model_copy(update={"mode": "off"})})
-        _refuse_unsupported(engine, cfg)
+        _refuse_unsupported(deepspeed_engine, cfg)
         Driver.__init__(self, cfg, sinks=sinks, hooks=hooks, rules=rules)  # not a torch optimizer's guard
-        self.deepspeed_engine = engine
-        self.partitions = GradPartitions(engine)
-        self.fp16 = bool(engine.fp16_enabled())  # DeepSpeed's loss scaler skips an overflow itself
-        #: Every rank's state as the last ``save_checkpoint`` wrote it (the HF Trainer keeps it too).
-        self.checkpoint_states: list[dict[str, Any]] | None = None
+        self.deepspeed_engine = deepspeed_engine  # DeepSpeed's (``self.engine``: the guard's own)
+        self.partitions = GradPartitions(deepspeed_engine)
+        self.fp16 = bool(deepspeed_engine.fp16_enabled())  # DeepSpeed's loss scaler skips an overflow itself
+        self.checkpoint_states: list[dict[str, Any]] | None = None  # every rank's, as save_checkpoint wrote it
         self._last_report: StepReport | None = None
-        self._deepspeed_step: Any = None  # the engine's own ``step`` of the step in flight
+        self._deepspeed_step: Any = None  # DeepSpeed's own ``step`` of the step in flight
         self._replay: Callable[[], Tensor] | None = None  # guard.step(replay=...), for a rerun
         self._start(None, [self.partitions], names=self.partitions.names)
         if self.fp16:
-            self.engine.scaler = DeepSpeedLossScale(engine)
-        self.engine.lr_optimizer = inner_optimizer(engine)  # the LRs DeepSpeed's step uses, logged as lr/<group>
+            self.engine.scaler = DeepSpeedLossScale(deepspeed_engine)
+        self.engine.lr_optimizer = inner_optimizer(deepspeed_engine)  # the LRs DeepSpeed steps with: lr/<group>
         if self.engine.recovery is not None:  # snapshots of this rank's partitions, not of the stand-ins
-            self.engine.recovery.cover(lambda scaler, guard_state: rank_state(engine, scaler, guard_state))
-        self.scheduler = engine.lr_scheduler
-        self.schedulers = [engine.lr_scheduler] if engine.lr_scheduler is not None else []
+            self.engine.recovery.cover(functools.partial(rank_state, deepspeed_engine))
+        self.scheduler = deepspeed_engine.lr_scheduler
+        self.schedulers = [self.scheduler] if self.scheduler is not None else []
         for scheduler in self.schedulers:  # DeepSpeed steps it (not after a skip); recovery restores it
             self.track_scheduler(scheduler)
 
     def _route_step(self, _: StabilityEngine) -> None:
-        """The engine's ``backward``, ``step`` and checkpoints, and its optimizer's ``step``, through the guard."""
-        engine = self.deepspeed_engine
-        self.patch(engine.optimizer, "step", self._zero_step)
-        self.patch(engine, "backward", self._engine_backward)
-        self.patch(engine, "step", self._engine_step)
-        self.patch(engine, "save_checkpoint", self._save_checkpoint)
-        self.patch(engine, "load_checkpoint", self._load_checkpoint)
+        """DeepSpeed's ``backward``, ``step`` and checkpoints, and its optimizer's ``step``, through the guard."""
+        self.patch(self.deepspeed_engine.optimizer, "step", self._zero_step)
+        self.patch(self.deepspeed_engine, "backward", self._routed_backward)
+        self.patch(self.deepspeed_engine, "step", self._routed_step)
+        self.patch(self.deepspeed_engine, "save_checkpoint", self._save_checkpoint)
+        self.patch(self.deepspeed_engine, "load_checkpoint", self._load_checkpoint)
 
     def backward(self, loss: Tensor, *, optimizer: Any | None = None, **kwargs: Any) -> Any:
-        """``engine.backward(loss)`` (its route records the loss)."""
+        """``deepspeed_engine.backward(loss)`` (its route records the loss)."""
         self.check_open("backward")
         return self.deepspeed_engine.backward(loss, **kwargs)
 
     def step(self, replay: Callable[[], Tensor] | None = None, **kwargs: Any) -> StepReport | None:  # type: ignore[override]
-        """``engine.step()``: the report on an accumulation boundary, else None (``replay``: ``rerun/deepspeed.py``)."""
+        """``deepspeed_engine.step()``: the report at an accumulation boundary, else None (``replay``: a rerun's)."""
         self.check_open("step")
         self._last_report, self._replay = None, replay
         self.deepspeed_engine.step(**kwargs)
@@ -164,22 +161,22 @@ class DeepSpeedGuard(StabilityGuard):
         return super().decide(engine, replay, log_step, *recompute(self, self._replay, backward, rerun_replay))
 
     def _optimizer_step(self, engine: StabilityEngine, update_scaler: bool) -> None:
-        """DeepSpeed's own ``engine.step``; a step the guard skipped leaves the engine's counters as they were."""
+        """DeepSpeed's own ``step``; a step the guard skipped leaves DeepSpeed's counters as they were."""
         counters = engine_counters(self.deepspeed_engine)
         self._deepspeed_step()
         decision = engine.in_flight
         if decision is not None and decision.skipped_now and not self._deepspeed_skips(decision):
             put_engine_counters(self.deepspeed_engine, counters)
 
-    def _engine_backward(self, original: Callable[..., Any], loss: Tensor, *args: Any, **kwargs: Any) -> Any:
-        """``engine.backward``: the loss recorded (divided by the accumulation steps, as DeepSpeed scales it)."""
+    def _routed_backward(self, original: Callable[..., Any], loss: Tensor, *args: Any, **kwargs: Any) -> Any:
+        """``deepspeed_engine.backward``: the loss recorded (divided by the accumulation steps, as DeepSpeed does)."""
         if not self.closed:
             steps = self.deepspeed_engine.gradient_accumulation_steps()
             self.record_loss(loss.detach() / steps if steps > 1 else loss.detach())
         return original(loss, *args, **kwargs)
 
-    def _engine_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """``engine.step``: on the accumulation boundary the loop's step, with DeepSpeed's as its optimizer step."""
+    def _routed_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """``deepspeed_engine.step``: at an accumulation boundary, the loop's step (DeepSpeed's as its optimizer's)."""
         if self.closed or not self.deepspeed_engine.is_gradient_accumulation_boundary():
             return original(*args, **kwargs)  # type: ignore[no-any-return]
         self._deepspeed_step = functools.partial(original, *args, **kwargs)
@@ -191,10 +188,9 @@ class DeepSpeedGuard(StabilityGuard):
     def _zero_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's optimizer ``step``: applied, or skipped with DeepSpeed's own clean-up."""
         clear_overflow_mark(self.deepspeed_engine.optimizer)  # stage 0 in fp32: the last skip's mark
-        if self.engine.in_flight is None:  # engine.optimizer.step() called directly: still decided
-            self.decide(self.engine)
         decision = self.engine.in_flight
-        assert decision is not None
+        if decision is None:  # deepspeed_engine.optimizer.step() called directly: still decided
+            decision = self.decide(self.engine)
         if self._deepspeed_skips(decision):  # DeepSpeed's own overflow skip: it also lowers its loss scale
             with noting_lr(self.engine.lr_optimizer, lambda: decision):  # the LR it held, logged all the same
                 return original(*args, **kwargs)
@@ -212,11 +208,11 @@ class DeepSpeedGuard(StabilityGuard):
     def save_checkpoint(
         self, save_dir: str, tag: Any = None, client_state: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> Any:
-        """``engine.save_checkpoint`` (its route puts every rank's guard state in the client state)."""
+        """``deepspeed_engine.save_checkpoint`` (its route puts every rank's guard state in the client state)."""
         return self.deepspeed_engine.save_checkpoint(save_dir, tag=tag, client_state=dict(client_state or {}), **kwargs)
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-        """``engine.load_checkpoint`` (its route restores this rank's guard state from the client state)."""
+        """``deepspeed_engine.load_checkpoint`` (its route restores this rank's guard state from the client state)."""
         path, client_state = self.deepspeed_engine.load_checkpoint(load_dir, tag=tag, **kwargs)
         return path, dict(client_state or {})
 
@@ -227,7 +223,7 @@ class DeepSpeedGuard(StabilityGuard):
     def _save_checkpoint(
         self, original: Callable[..., Any], save_dir: str, tag: Any = None, client_state: Any = None, **kwargs: Any
     ) -> Any:
-        """``engine.save_checkpoint``: every rank's guard state in the client state (``"stabilitykit"``)."""
+        """``deepspeed_engine.save_checkpoint``: every rank's guard state in the client state (``"stabilitykit"``)."""
         state = dict(client_state or {})
         if not self.closed:
             self.checkpoint_states = all_objects(self.state_dict())  # each rank's differs: keep them all
@@ -235,7 +231,7 @@ class DeepSpeedGuard(StabilityGuard):
         return original(save_dir, tag=tag, client_state=state, **kwargs)
 
     def _load_checkpoint(self, original: Callable[..., Any], load_dir: str, *args: Any, **kwargs: Any) -> Any:
-        """``engine.load_checkpoint``: this rank's guard state restored from the client state (and taken out)."""
+        """``deepspeed_engine.load_checkpoint``: this rank's guard state restored from the client state (taken out)."""
         path, client_state = original(load_dir, *args, **kwargs)
         if self.closed or not isinstance(client_state, dict):
             return path, client_state
@@ -261,11 +257,13 @@ class DeepSpeedLater:
         self.rules = list(rules)
         self.guard: DeepSpeedGuard | None = None
 
-    def start_guard(self, engine: Any, config: StabilityConfig | None = None, sinks: Sequence[Sink] = ()) -> None:
-        """Guard ``engine`` (a guard of an earlier run closed first); ``sinks`` beside the user's."""
+    def start_guard(
+        self, deepspeed_engine: Any, config: StabilityConfig | None = None, sinks: Sequence[Sink] = ()
+    ) -> None:
+        """Guard ``deepspeed_engine`` (a guard of an earlier run closed first); ``sinks`` beside the user's."""
         self.close_guard()
-        cfg = config or self.config
-        self.guard = DeepSpeedGuard(engine, cfg, sinks=[*self.sinks, *sinks], hooks=self.hooks, rules=self.rules)
+        every_sink, cfg = [*self.sinks, *sinks], config or self.config
+        self.guard = DeepSpeedGuard(deepspeed_engine, cfg, sinks=every_sink, hooks=self.hooks, rules=self.rules)
 
     def close_guard(self) -> None:
         """The run is over: the guard's last row and summary, its routes undone, the sinks closed."""

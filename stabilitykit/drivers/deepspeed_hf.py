@@ -49,7 +49,7 @@ class DeepSpeedTrainerCallback(DeepSpeedLater, AttachedCallback):
         return self
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """The engine exists now: guard it; a resumed run gives each rank its saved state back."""
+        """DeepSpeed's engine exists now: guard it; a resumed run gives each rank its saved state back."""
         trainer = self.bound()
         self.start_guard(trainer.model_wrapped, sinks=[LogHistory(trainer, self.config.metric_prefix)])
         assert self.guard is not None
@@ -61,5 +61,5 @@ class DeepSpeedTrainerCallback(DeepSpeedLater, AttachedCallback):
         self.close_guard()
 
     def state(self) -> dict[str, Any]:
-        """For ``trainer_state.json``: every rank's guard state as the engine's last ``save_checkpoint`` gathered it."""
+        """For ``trainer_state.json``: every rank's guard state as DeepSpeed's last ``save_checkpoint`` gathered it."""
         return self.exported(self.guard.checkpoint_states if self.guard is not None else None)

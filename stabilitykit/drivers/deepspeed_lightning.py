@@ -18,8 +18,8 @@ class DeepSpeedStabilityCallback(DeepSpeedLater, pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The strategy has made the engine: guard it (metrics to every logger of the Trainer)."""
-        engine = getattr(trainer.strategy, "deepspeed_engine", None)
-        if engine is None:
+        deepspeed_engine = getattr(trainer.strategy, "deepspeed_engine", None)
+        if deepspeed_engine is None:
             raise TypeError(
                 f"DeepSpeedStabilityCallback needs Lightning's DeepSpeedStrategy, got "
                 f"{type(trainer.strategy).__name__}; use stabilitykit.lightning.StabilityCallback for other strategies"
@@ -28,7 +28,7 @@ class DeepSpeedStabilityCallback(DeepSpeedLater, pl.Callback):
         for logger in trainer.loggers:
             if not any(sink is logger for sink in self.hooks.sinks):
                 self.hooks.add_sink(logger, owned=False)  # type: ignore[arg-type]  # Lightning finalizes it
-        self.start_guard(engine, config)
+        self.start_guard(deepspeed_engine, config)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.close_guard()

@@ -3,7 +3,7 @@
 What happened to an optimizer step is a single integer, the *decision code*: 0 when the step was
 taken, else bit 0 plus one bit per skip rule that fired (``rules/registry.py`` lays the bits out and
 is the only decoder). The engine computes it on the device from the rules' flags agreed across
-ranks (``engine/record.py``), so it costs no host sync; the journal stores it in its ``code`` column.
+ranks (``engine/step_record.py``), so it costs no host sync; the journal stores it in its ``code`` column.
 
 Whether the host knows a step's code yet is explicit: ``Known(code, reason)`` once the host has
 read it (a logging step, a non-fused optimizer that must skip on the host, a driver that asked), or

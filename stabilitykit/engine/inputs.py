@@ -2,7 +2,7 @@
 
 Between two optimizer steps a driver hands in the losses backpropagated into the grads (one per
 micro-batch) and users record metrics (``sk.record``). At ``evaluate`` they are taken, and with the
-step's norms they make the step record (``engine/record.py``): the norm, finiteness, each rule's
+step's norms they make the step record (``engine/step_record.py``): the norm, finiteness, each rule's
 flag on this rank, the rollback request, a snapshot's health and the recorded metrics, each with its cross-rank
 reduction. Everything stays on the device: nothing here syncs.
 """
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from stabilitykit.engine.decision import NO_ASK, RecoveryAsk
-from stabilitykit.engine.record import RecordLayout, StepRecord, check_reduce
+from stabilitykit.engine.step_record import RecordLayout, StepRecord, check_reduce
 from stabilitykit.grads import NormResult
 from stabilitykit.rules import RuleSet, SkipRule, StepValues
 

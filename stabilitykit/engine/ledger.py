@@ -1,4 +1,4 @@
-"""The ledger: journal rows in, counters, events and the divergence verdict out. Pure Python.
+"""The ledger: journal rows in, counters, events and the divergence (if any) out. Pure Python.
 
 Every row is folded exactly once, whether the host learned of it at its own step (a non-fused
 optimizer's skip, a logging step) or at a later logging step (a fused optimizer skipped on the
@@ -238,7 +238,7 @@ class Ledger:
         return found
 
     def fp16_events(self, step: int, scale: float, source: Any | None = None) -> list[Event]:
-        """The fp16 monitor's verdict at a logging step (names where the first overflow came from)."""
+        """The fp16 monitor's events at a logging step (names where the first overflow came from)."""
         layer = self.counters.last_bad_layer
         where = ""
         if source is not None:

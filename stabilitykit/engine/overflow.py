@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from stabilitykit.engine.clipping import ClipStrategy
-from stabilitykit.engine.record import StepRecord
+from stabilitykit.engine.step_record import StepRecord
 from stabilitykit.grads import CLIP_EPS, GradNormPlan, apply_clip_coefficient
 
 

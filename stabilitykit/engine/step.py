@@ -7,7 +7,7 @@ and after the grads are final:
 
 1. ``inputs.add_loss(loss)`` for each micro-batch (optional; ``inputs.py``),
 2. ``decision = evaluate(...)``, top to bottom: one fused norm pass (``grads.GradNormPlan``); the
-   step record agreed across ranks in ONE collective (``engine/record.py``, every rank,
+   step record agreed across ranks in ONE collective (``engine/step_record.py``, every rank,
    every step); the decision code (``rules/registry.py``); clipping in place (``clipping.py``); one
    journal row (``journal.py``); the host reads the row now only where it must (below),
 3. ``gate = StepGate(decision, optimizer, qk_clip)``, the optimizer step unless ``gate.skip_now``,

@@ -17,7 +17,7 @@ separate flag, because gloo's MAX drops a NaN from a non-zero rank.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,6 @@ from torch import Tensor
 
 from stabilitykit.distributed import all_gather, all_reduce, is_distributed
 
-Reduce = Literal["max", "min", "sum", "mean", "any", "all"]
 #: The cross-rank reductions a value can have.
 REDUCTIONS: tuple[str, ...] = ("max", "min", "sum", "mean", "any", "all")
 _MAX_FRIENDLY = {"max", "min", "any", "all"}

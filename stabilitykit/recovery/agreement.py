@@ -6,7 +6,7 @@ read. If each rank rolled back on its own, replicas would drift apart (DDP) or s
 from different steps (FSDP). So, with several ranks:
 
 1. a rank that finds a trigger *queues* it: ``(trigger, onset)``, the earliest one if several;
-2. the next step sends it as one number in the step's record (``engine/record.py``, a
+2. the next step sends it as one number in the step's record (``engine/step_record.py``, a
    MAX that already runs on every rank every step: no extra collective, no extra sync); every
    rank's row of that step then holds the same agreed request (``Row.request``), which the engine hands
    back to recovery with the step (``RecoveryAnswer.requests``);

@@ -12,7 +12,7 @@ restore different steps. So, with several ranks:
    *unvetted*: an unvetted snapshot pushes no older one out of the ring;
 2. once the host has scored step ``s - 1`` (rows are read at the same steps on every rank, so every
    rank has scored the same steps), each rank queues the health it sees for that snapshot; the queue
-   is sent one snapshot a step, in the step's record (``engine/record.py``): the ``health`` value, one
+   is sent one snapshot a step, in the step's record (``engine/step_record.py``): the ``health`` value, one
    more ``max`` in the all-reduce that already runs every step (no extra collective, no extra sync; a
    step with nothing to send sends 0, so the record's layout never changes);
 3. when the host reads that row (``Row.health``), every rank holds the same agreed health: the

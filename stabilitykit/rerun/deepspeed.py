@@ -3,9 +3,9 @@
 Under ZeRO 1-3 a backward reduces this rank's grads into DeepSpeed's partitioned buffers as it runs, so a
 second backward in the same step would add to the first pass's. Before the replay's forward, the first
 pass's grads, partitions and micro-step count are dropped as DeepSpeed's own overflow clean-up drops them
-(``compat.deepspeed.drop_grads``, without marking the step as not applied); the engine's own ``backward``
+(``compat.deepspeed.drop_grads``, without marking the step as not applied); DeepSpeed's own ``backward``
 then fills them afresh (its routed ``backward`` records the loss) and this rank's pieces are bound again
-for the engine to measure.
+for the guard to measure.
 """
 
 from __future__ import annotations
@@ -26,19 +26,19 @@ def recompute(
     rerun_replay: Callable[[], Tensor] | None,
 ) -> tuple[Callable[[Tensor], None] | None, Callable[[], Tensor] | None]:
     """``Driver.decide``'s ``backward`` and ``rerun_replay`` for a ``DeepSpeedGuard`` step that ``replay`` (from
-    ``guard.step(replay=...)``) computes again: the first pass's grads dropped before the forward, the engine's
+    ``guard.step(replay=...)``) computes again: the first pass's grads dropped before the forward, DeepSpeed's
     own backward (its routed ``backward`` records the loss), then this rank's pieces of the new grads bound
     (``guard.partitions``). Without ``replay``: ``backward`` and ``rerun_replay`` as given."""
     if replay is None:
         return backward, rerun_replay
-    engine, partitions = guard.deepspeed_engine, guard.partitions
+    deepspeed_engine, partitions = guard.deepspeed_engine, guard.partitions
 
     def again() -> Tensor:
-        drop_grads(engine.optimizer, partitions.stage)
+        drop_grads(deepspeed_engine.optimizer, partitions.stage)
         return replay()
 
     def backward_again(loss: Tensor) -> None:
-        engine.backward(loss)
+        deepspeed_engine.backward(loss)
         partitions.bind()
 
     return backward_again, again

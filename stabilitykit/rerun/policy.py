@@ -64,7 +64,7 @@ class Rerun:
         self.hooks = hooks
         self.rtol = config.rtol if config.rtol is not None else (0.0 if device.type == "cpu" else GPU_RTOL)
         self.rank = dist.get_rank() if is_distributed() else 0
-        self.record = RerunRecord(config.record_path, writer=self.rank == 0)
+        self.judged_steps = RerunRecord(config.record_path, writer=self.rank == 0)
         #: Transient faults per rank (None: a fault no single rank could be blamed for).
         self.transient: dict[int | None, int] = {}
         #: The verdict events of this run, in order.
@@ -123,7 +123,7 @@ class Rerun:
 
     def known_bad(self, step: int) -> bool:
         """Step ``step`` was judged reproducible-bad before (in this run or one whose record this run reads)."""
-        return step in self.record.bad_steps
+        return step in self.judged_steps.bad_steps
 
     def state_dict(self) -> dict[str, Any]:
         """Transient faults per rank (``[[rank, count], ...]``; rank None: no single rank to blame), so that
@@ -201,7 +201,7 @@ class Rerun:
         event = Event("rerun", step, message, details)
         self.events.append(event)
         self.hooks.emit(event)
-        self.record.add(
+        self.judged_steps.add(
             {
                 "step": step,
                 "batch": step,

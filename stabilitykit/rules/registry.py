@@ -1,6 +1,6 @@
 """The rule set: which rules a step runs, their bits in the decision code, and the one decoder.
 
-The decision code of a step is one integer on the device (``engine/record.py`` keeps it in the
+The decision code of a step is one integer on the device (``engine/step_record.py`` keeps it in the
 ``code`` column): bit 0 says skipped; then one bit per rule for "this rank raised it", then one bit
 per rule for "some rank raised it" (the flags agreed across ranks). A rule's bits and its precedence
 as the reason come from its place in the set: built-in rules first (``RuleSet.builtin``), users'
