@@ -17,9 +17,11 @@ accumulates before FSDP2 reduce-scatters them; a hook after each one's accumulat
 squares (one small kernel per parameter per step, no sync). FSDP1 (a root ``FullyShardedDataParallel``):
 its public communication hook sees each flat parameter's unsharded local gradient before the
 reduce-scatter; the hook adds its sum of squares, then reduces exactly as FSDP1 does without one
-(``compat/fsdp1.py``). DeepSpeed ZeRO 1-3 reduces inside its optimizer's own hooks, with no public
-point before the reduction, and is not hooked: a local-gradient fault there is judged ``transient``
-with no rank named when every rank's reduced grads differ alike.
+(``compat/fsdp1.py``). DeepSpeed is not hooked: under ZeRO 1-3 its optimizer's own hooks after each
+gradient's accumulation, registered when the engine is built, take the gradient into its reduction
+buffers before any hook of ours would run (stage 0 all-reduces at the end of ``engine.backward``: not
+measured yet). A local-gradient fault there is judged ``transient`` with no rank named when every
+rank's reduced grads differ alike.
 """
 
 # no ``from __future__ import annotations``: DDP checks the hook's annotations as objects
