@@ -40,10 +40,11 @@ learning rate unchanged after a rollback), the presets ``blow_up`` and ``bad_dat
 final held-out loss, its gap to the clean run without recovery, rollbacks per run (held-out seeds
 starred), runs that gave up, and runs that end healthy (within 0.15 nats of the clean run of the same
 seed). "Within noise" against the guard alone (``--versus``): within the seed spread of the guard alone
-on the same model and scenario (``noise_of``). ``--out`` appends each run (with its train-loss trace, every 10 steps) to a JSONL file and
-skips the runs already there; a run that equals one already made to the bit (``same_run``) is not
-trained again. Prints a markdown table; ``--versus defaults`` also prints every run of an arm against
-the guard alone (``none``) of the same model, scenario and seed, with what recovery did.
+on the same model and scenario (``noise_of``). ``--out`` appends each run (with its train-loss trace,
+every 10 steps) to a JSONL file and skips the runs already there; a run that equals one already made
+to the bit (``same_run``) is not trained again. Prints a markdown table; ``--versus defaults`` also
+prints every run of an arm against the guard alone (``none``) of the same model, scenario and seed,
+with what recovery did.
 """
 
 from __future__ import annotations
