@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from stabilitykit.engine.step import StabilityEngine
 
 #: Version of the state a driver saves.
-STATE_VERSION = 12  # 11: the journal's snapshot column is ``health`` (10 called it ``verdict``); 12: ``while_bad``
+STATE_VERSION = 13  # 11: the journal's snapshot column is ``health`` (10 called it ``verdict``); 12: ``while_bad``;
+#: 13: the spike monitor's recent losses (``loss_median_alert``) and held look (``look_confirm_steps``)
 #: The oldest version this release reads: a state of it is upgraded on load (``_upgrade``).
 OLDEST_READ = 10
 
@@ -110,6 +111,15 @@ class _Level(_State):
     count: int = Field(ge=0)
 
 
+class _Median(_State):
+    values: list[float]
+
+
+class _PendingLook(_State):
+    held: dict[str, Any] | None
+    unconfirmed: int = Field(ge=0)
+
+
 class _SpikeScore(_State):
     values: list[float]
     window: int = Field(ge=2)
@@ -140,6 +150,9 @@ class _Spikes(_State):
     loss_drift: float
     level: _Level
     level_alerted: bool
+    median: _Median
+    median_alerted: bool
+    pending_look: _PendingLook
     last_step: int | None
 
     @model_validator(mode="after")
@@ -447,15 +460,29 @@ def load_driver_state(engines: Sequence[StabilityEngine], state: Mapping[str, An
 
 
 def _upgrade(state: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A state of version 10 or 11 as this version's: in 10 the journal's snapshot column was named ``verdict``
+    """A state of version 10, 11 or 12 as this version's: in 10 the journal's snapshot column was named ``verdict``
     (in its saved column names and in each row carried on the host); before 12 the escalation had no
-    ``while_bad`` (False). Nothing else changed. The caller's state is not modified; a damaged one is left
+    ``while_bad`` (False); before 13 the spike monitor kept no recent losses (``loss_median_alert``: its window
+    starts empty, as on a fresh run, and fills in 23 steps) and held no look (``look_confirm_steps``). Nothing
+    else changed. The caller's state is not modified; a damaged one is left
     for validation to name."""
     version = state.get("version")
-    if version not in (10, 11) or not isinstance(state.get("optimizers"), list):
+    if version not in (10, 11, 12) or not isinstance(state.get("optimizers"), list):
         return state
     optimizers = [_renamed_health(s) if version == 10 else s for s in state["optimizers"]]
-    return {**state, "version": STATE_VERSION, "optimizers": [_with_while_bad(s) for s in optimizers]}
+    optimizers = [_with_while_bad(s) for s in optimizers] if version in (10, 11) else optimizers
+    return {**state, "version": STATE_VERSION, "optimizers": [_spikes_of_13(s) for s in optimizers]}
+
+
+def _spikes_of_13(optimizer: Any) -> Any:
+    """One optimizer's state before version 13 with its spike monitor's new parts as a fresh monitor has them."""
+    engine = optimizer.get("engine") if isinstance(optimizer, Mapping) else None
+    ledger = engine.get("ledger") if isinstance(engine, Mapping) else None
+    spikes = ledger.get("spikes") if isinstance(ledger, Mapping) else None
+    if not isinstance(engine, Mapping) or not isinstance(ledger, Mapping) or not isinstance(spikes, Mapping):
+        return optimizer
+    fresh = {"median": {"values": []}, "median_alerted": False, "pending_look": {"held": None, "unconfirmed": 0}}
+    return {**optimizer, "engine": {**engine, "ledger": {**ledger, "spikes": {**fresh, **spikes}}}}
 
 
 def _with_while_bad(optimizer: Any) -> Any:

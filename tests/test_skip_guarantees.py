@@ -243,13 +243,17 @@ def _fused_guard_with_unread_nan_row() -> tuple[torch.nn.Module, dict]:
 
 
 def _as_version_10(state: dict) -> dict:
-    """``state`` as version 10 wrote it: the journal's snapshot column was named ``verdict``."""
+    """``state`` as version 10 wrote it: the journal's snapshot column was named ``verdict``, and the spike monitor
+    kept no recent losses and held no look."""
     old = copy.deepcopy(state)
     old["version"] = 10
     journal = old["optimizers"][0]["engine"]["journal"]
     assert "health" in journal["columns"]
     journal["columns"] = ["verdict" if c == "health" else c for c in journal["columns"]]
     journal["carried"] = [{("verdict" if k == "health" else k): v for k, v in r.items()} for r in journal["carried"]]
+    spikes = old["optimizers"][0]["engine"]["ledger"]["spikes"]
+    for key in ("median", "median_alerted", "pending_look"):  # the spike monitor's parts of version 13
+        del spikes[key]
     return old
 
 

@@ -15,7 +15,14 @@ import torch
 from stabilitykit.config import SkipConfig, SpikeConfig
 from stabilitykit.events import EVENT_KINDS, Event
 from stabilitykit.spike_skip import SpikeSkipRule
-from stabilitykit.spikes import DRIFT_RULE, LEVEL_RULE, PredictiveDetector, SpikeMonitor, TrendDetector
+from stabilitykit.spikes import (
+    DRIFT_RULE,
+    LEVEL_RULE,
+    MEDIAN_RULE,
+    PredictiveDetector,
+    SpikeMonitor,
+    TrendDetector,
+)
 from stabilitykit.testing.syncs import count_host_syncs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -88,19 +95,38 @@ def test_monitor_alerts_rarely_on_a_noisy_autocorrelated_stream_and_catches_spik
 
 
 def test_monitor_with_a_loss_alerts_only_when_grad_norm_and_loss_jump_together() -> None:
-    monitor = SpikeMonitor(SpikeConfig(), [])
-    values = _ar1(300, 0.1, 0.5, seed=7)
-    losses = [2.0 * math.exp(0.03 * random.Random(t).gauss(0, 1)) for t in range(300)]
-    kinds: dict[int, list[str]] = {}
-    for t in range(300):
-        x, loss = values[t], losses[t]
-        if t == 150:
-            x *= 20  # a one-batch grad-norm outlier: the loss does not move
-        if t == 250:
-            x, loss = x * 5, loss * 1.5  # both jump: a real spike
-        kinds[t] = [e.kind for e in monitor.update(t, x, loss, None)]
-    assert "spike_warning" in kinds[150] and "spike_alert" not in kinds[150]
-    assert "spike_alert" in kinds[250]
+    """A 20x grad-norm outlier the loss does not follow pages never; by default (``look_confirm_steps``) it is not
+    even a look, only a count (``spikes/grad_jumps_unconfirmed``), and a look held across a resume is the same.
+    Grad norm and loss jumping together page, and the look is raised at once (the loss followed)."""
+
+    def run(config: SpikeConfig, resume_at: int | None = None) -> tuple[SpikeMonitor, dict[int, list[Event]]]:
+        monitor = SpikeMonitor(config, [])
+        values = _ar1(300, 0.1, 0.5, seed=7)
+        losses = [2.0 * math.exp(0.03 * random.Random(t).gauss(0, 1)) for t in range(300)]
+        events: dict[int, list[Event]] = {}
+        for t in range(300):
+            if t == resume_at:
+                saved, monitor = monitor.state_dict(), SpikeMonitor(config, [])
+                monitor.load_state_dict(saved)
+            x, loss = values[t], losses[t]
+            if t == 150:
+                x *= 20  # a one-batch grad-norm outlier: the loss does not move
+            if t == 250:
+                x, loss = x * 5, loss * 1.5  # both jump: a real spike
+            events[t] = monitor.update(t, x, loss, None)
+        return monitor, events
+
+    def kinds(events: dict[int, list[Event]]) -> dict[int, list[str]]:
+        return {t: [e.kind for e in es] for t, es in events.items() if es}
+
+    monitor, events = run(SpikeConfig(look_confirm_steps=None))
+    assert "spike_warning" in kinds(events)[150] and "spike_alert" not in kinds(events)[150]
+    assert "spike_alert" in kinds(events)[250]
+    for resume_at in (None, 151):  # the outlier's look held at the save
+        monitor, events = run(SpikeConfig(), resume_at)
+        assert 150 not in kinds(events) and monitor.metrics()["spikes/grad_jumps_unconfirmed"] == 1.0
+        assert kinds(events)[250] == ["spike_warning", "loss_spike", "spike_alert"]
+        assert events[250][0].details["jump_step"] == 250 and events[250][0].details["source"] == "grad_norm"
 
 
 def test_a_joint_jump_pages_only_when_the_loss_holds_at_the_next_step() -> None:
@@ -213,7 +239,8 @@ def test_loss_drift_alert_catches_a_loss_that_climbs_over_several_steps_and_is_o
     runs = {}
     assert SpikeConfig().loss_drift_alert == 4.0  # chosen on the monitors benchmark's tuning runs
     for drift in (None, 4.0):
-        monitor = SpikeMonitor(SpikeConfig(loss_drift_alert=drift, loss_level_alert=None), [])  # the drift rule alone
+        alone = SpikeConfig(loss_drift_alert=drift, loss_level_alert=None, loss_median_alert=None)  # the drift rule
+        monitor = SpikeMonitor(alone, [])
         alerts, top = [], 0.0
         for t in range(400):
             alerts += [e for e in monitor.update(t, grads[t], losses[t], None) if e.kind == "spike_alert"]
@@ -358,21 +385,51 @@ def test_loss_level_alert_catches_a_blow_up_inside_the_warm_up_and_one_that_last
     assert [e.details["rule"] for e in alerts] == [LEVEL_RULE]  # once per excursion, not every cooldown
     assert 12 <= alerts[0].step <= 22 and alerts[0].details["level_ratio"] >= 2.0
     assert "above its best level" in alerts[0].message
-    assert _early_run(12, 8.0, loss_level_alert=None) == []
+    assert _early_run(12, 8.0, loss_level_alert=None, loss_median_alert=None) == []
+    assert [e.details["rule"] for e in _early_run(12, 8.0, loss_level_alert=None)] == [MEDIAN_RULE]  # the median's
 
 
 def test_loss_level_alert_is_quiet_on_a_healthy_run_and_rearms_after_the_loss_comes_back() -> None:
     assert _early_run(10**9, 1.0, steps=2000) == []  # a falling, then flat, noisy loss: no page in 2000 steps
-    rng = random.Random(2)
-    monitor = SpikeMonitor(SpikeConfig(loss_drift_alert=None), [])
-    rules = []
-    for t in range(400):
-        loss = 2.0 * math.exp(0.04 * rng.gauss(0, 1))
-        for start in (100, 250):  # two separate excursions to 3x, each reached over 10 steps, 50 steps long
-            if start <= t < start + 50:
-                loss *= 3.0 ** min(1.0, (t - start + 1) / 10)
-        rules += [(t, e.details["rule"]) for e in monitor.update(t, 1.0, loss, None) if e.kind == "spike_alert"]
-    assert len(rules) == 2 and 100 <= rules[0][0] < 150 and 250 <= rules[1][0] < 300, rules
+    rules: dict[float | None, list[tuple[int, str]]] = {None: [], 3.0: []}
+    for median, seen in rules.items():  # the level rule alone, and with the median rule (default) before it
+        monitor = SpikeMonitor(SpikeConfig(loss_drift_alert=None, loss_median_alert=median), [])
+        rng = random.Random(2)
+        for t in range(400):
+            loss = 2.0 * math.exp(0.04 * rng.gauss(0, 1))
+            for start in (100, 250):  # two separate excursions to 3x, each reached over 10 steps, 50 steps long
+                if start <= t < start + 50:
+                    loss *= 3.0 ** min(1.0, (t - start + 1) / 10)
+            seen += [(t, e.details["rule"]) for e in monitor.update(t, 1.0, loss, None) if e.kind == "spike_alert"]
+        assert len(seen) == 2 and 100 <= seen[0][0] < 150 and 250 <= seen[1][0] < 300, seen  # once per excursion
+    assert {rule for _, rule in rules[None]} == {LEVEL_RULE} and {rule for _, rule in rules[3.0]} == {MEDIAN_RULE}
+    assert rules[3.0][0][0] < rules[None][0][0]  # the median pages on the way up, the level at 2x its best
+
+
+def test_loss_median_alert_pages_a_rise_that_holds_on_a_noisy_loss_and_not_one_noisy_step() -> None:
+    """A loss whose steps move 25% apart (the corpus's ResNet): one step at 2.5x does not page, 2.5x held for ten
+    steps does, within four steps; the one-step z-scores alone (no CUSUM, no level
+    rule) miss it. The recent losses are in the state: a resumed monitor pages at the same step."""
+
+    def run(config: SpikeConfig, resume_at: int | None = None) -> list[Event]:
+        rng = random.Random(3)
+        monitor, alerts = SpikeMonitor(config, []), []
+        for t in range(260):
+            loss = 0.6 * math.exp(0.25 * rng.gauss(0, 1)) * (2.5 if t == 150 or 220 <= t < 230 else 1.0)
+            if t == resume_at:
+                monitor, saved = SpikeMonitor(config, []), monitor.state_dict()
+                monitor.load_state_dict(saved)
+            alerts += [e for e in monitor.update(t, 1.0, loss, None) if e.kind == "spike_alert"]
+        return alerts
+
+    z_only = {"loss_drift_alert": None, "loss_level_alert": None}
+    assert SpikeConfig().loss_median_alert == 3.0
+    paged = run(SpikeConfig(**z_only))
+    assert [(e.step, e.details["rule"]) for e in paged] == [(223, MEDIAN_RULE)]  # the rise's 4th step
+    assert "holds well above" in paged[0].message
+    assert run(SpikeConfig(**z_only, loss_median_alert=None)) == []
+    assert [e.step for e in run(SpikeConfig(**z_only), resume_at=200)] == [223]
+    assert 220 <= run(SpikeConfig())[0].step <= 223  # with every rule on (here the CUSUM is first)
 
 
 def test_loss_level_state_round_trips() -> None:
@@ -444,7 +501,7 @@ def test_the_corpus_defaults_are_quieter_than_the_previous_ones_on_the_tuning_fa
 
     runs = load(families=TUNE)
     now = score(runs, {"now": ours()})["now"]["all"]
-    assert (now.pages, now.looks, now.recalled, now.onsets, now.healthy) == (0, 9, 10, 13, 7848)
+    assert (now.pages, now.looks, now.recalled, now.onsets, now.healthy) == (0, 9, 12, 13, 7848)
     # the bound on warning ahead (bound.py): 8 of the 13 onsets came with a burst or the data shift
     data = [is_data_event(m, arrivals(r.meta)) for r in runs for m, _ in onsets_of(r.col("loss")).onsets]
     assert (len(data), sum(data)) == (13, 8)
