@@ -1,7 +1,7 @@
 """Run by test_recovery_distributed.py under ``torchrun --nproc_per_node 2``: the HF Trainer on 2 gloo
 processes (DDP through Accelerate) with ``stabilize()`` and recovery on.
 
-A tiny random-init ``LlamaForCausalLM`` trains 24 steps. On rank 1 only, the loss the Trainer
+A tiny random-init ``LlamaForCausalLM`` trains 20 steps. On rank 1 only, the loss the Trainer
 reports jumps 1000x at global step 12 (a constant times the detached loss is added, so the grads
 are unchanged): only rank 1's detector raises a ``spike_alert``. Both ranks must roll back once,
 at the same step, to the same snapshot, and keep identical replicas. Each rank writes
@@ -73,7 +73,7 @@ def main() -> None:
         ddp_backend="gloo",
         report_to=[],
         per_device_train_batch_size=2,
-        max_steps=24,
+        max_steps=20,  # the last fault at step 18
         learning_rate=3e-3,
         logging_steps=2,
         save_strategy="no",

@@ -111,7 +111,7 @@ def test_hf_trainer_ddp_ranks_roll_back_together_on_one_ranks_alert(tmp_path: Pa
     assert first["alerts"] == [] and second["alerts"] == [12]
     assert len(first["rollbacks"]) == 1 and first["rollbacks"] == second["rollbacks"]
     assert first["rollbacks"][0]["restored_step"] == 12
-    assert first["steps"] == second["steps"] == 24
+    assert first["steps"] == second["steps"] == 20
     assert first["checksum"] == second["checksum"] and first["finite"]
     # the user's skip rule (raised on rank 1 only) skipped step 5 on both ranks; the summed metric agreed
     assert first["rule_skips"] == second["rule_skips"] == [[5, "quality_gate"]]
