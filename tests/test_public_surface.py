@@ -36,6 +36,7 @@ PUBLIC = {
     "stabilitykit.sinks",
     "stabilitykit.testing",
     "stabilitykit.testing.plugin",
+    "stabilitykit.testing.ops",
     "stabilitykit.testing.syncs",
 }
 
