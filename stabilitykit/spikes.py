@@ -90,7 +90,8 @@ class SpikeConfig(Section):
             "(all five joint pages on healthy steps of the early-warning corpus's tuning families did, each "
             "to 0.73-0.83 of its value), while a spike that matters holds. A loss jump of z_loss_alert pages "
             "at once either way. What it gives up: a one-step spike that falls back at once (on the byte-GPT "
-            "instability runs, whose truth counts those, loss-spike recall 0.66 -> 0.54); False pages at the jump."
+            "instability runs, whose truth counts those, loss-spike recall 0.66 -> 0.54, and 0.69 with "
+            "loss_median_alert); False pages at the jump."
         ),
     )
     z_loss_alert: float = Field(6.0, gt=0, description="Loss z-score that raises a spike_alert.")

@@ -493,7 +493,8 @@ def test_the_corpus_defaults_are_quieter_than_the_previous_ones_on_the_tuning_fa
     """The committed early-warning corpus, tuning families (GPT-2, BERT, 500-step runs): the defaults page 0
     times in 7,848 healthy steps and look 9 times (1.15 per 1,000) where the previous defaults (joint pages
     unconfirmed, the loss's scale floor on the grad norm's looks, no look cooldown or trend hysteresis) paged
-    5 times and looked 24 (``score.py --split tune`` prints both); both alert 10 of 13 onsets."""
+    5 times and looked 24 (``score.py --split tune`` prints both); both alert 10 of 13 onsets without the median
+    rule (``loss_median_alert``), the defaults 12 with it."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "warning"))
     from bound import arrivals, is_data_event
     from score import TUNE, load, ours, score

@@ -178,9 +178,11 @@ def peer(factory: Callable[[], Callable[[float], bool]], series: Sequence[str]) 
     return replay
 
 
-#: The defaults before the joint-page confirmation, the grad norm's own scale floor, the look cooldown and the
-#: trend hysteresis; and the defaults before the corpus existed.
+#: The defaults before the median rule and the look confirmation; before the joint-page confirmation, the grad
+#: norm's own scale floor, the look cooldown and the trend hysteresis; and before the corpus existed.
+LAST: dict[str, Any] = {"loss_median_alert": None, "look_confirm_steps": None}
 PREVIOUS: dict[str, Any] = {
+    **LAST,
     "joint_confirm": False,
     "warning_scale_floor": 0.02,
     "warning_cooldown": 1,
@@ -197,7 +199,10 @@ BEFORE: dict[str, Any] = {
 }
 DETECTORS: dict[str, Replay] = {
     "stabilitykit (defaults)": ours(),
-    "stabilitykit previous defaults (joint pages unconfirmed, grad floor 0.02, no look cooldown)": ours(**PREVIOUS),
+    "stabilitykit, no median rule": ours(loss_median_alert=None),
+    "stabilitykit, grad-norm looks unconfirmed": ours(look_confirm_steps=None),
+    "stabilitykit last defaults (no median rule, grad-norm looks unconfirmed)": ours(**LAST),
+    "stabilitykit older defaults (also joint pages unconfirmed, grad floor 0.02, no look cooldown)": ours(**PREVIOUS),
     "stabilitykit before (no scale floor, z_warning 4, trends 2x ungated)": ours(**BEFORE),
     "OLMo 6 std / 128 (grad norm, loss)": peer(olmo_rule, ("grad_norm", "loss")),
     "Lightning SpikeDetection (loss)": peer(lightning_rule, ("loss",)),
