@@ -145,6 +145,8 @@ class _Layout:
     #: per-tensor plans only: the parameter index of each present grad (group order), and which parameters have one
     positions: Tensor | None = None
     present: Tensor | None = None
+    #: one group holding every parameter in plan order (one device and dtype, every grad present)
+    whole: bool = False
 
 
 def device_groups(tensors: Sequence[Tensor], indices: Iterable[int] | None = None) -> list[list[int]]:
@@ -223,6 +225,7 @@ class GradNormPlan:
         self.present: tuple[bool, ...] = ()
         self._current: _Layout | None = None  # the layout of the last ``compute()``
         self._warned_empty = False
+        self._zero_cache: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
 
     @property
     def _tensor_columns(self) -> int:
@@ -260,7 +263,8 @@ class GradNormPlan:
         if self.per_tensor:
             positions = torch.tensor(order, dtype=torch.long, device=device)
             present_mask = torch.tensor(present, dtype=torch.bool, device=device)
-        layout = _Layout(groups, segments, device, scatter, positions, present_mask)
+        whole = len(groups) == 1 and groups[0].indices == list(range(len(self.params)))
+        layout = _Layout(groups, segments, device, scatter, positions, present_mask, whole)
         self._layouts[present] = layout
         return layout
 
@@ -306,19 +310,29 @@ class GradNormPlan:
         grads' reduction (SUM, so not with the inf-norm) and are reduced in place; untouched without
         a reducer.
         """
-        present = tuple(p.grad is not None for p in self.params)
+        current = [p.grad for p in self.params]
+        present = tuple([g is not None for g in current])
         self.present = present
         layout = self._layout(present)
         self._current = layout
-        measure, grouped = self._grouped(layout)
+        measure: list[list[Tensor]]
+        grouped: list[list[Tensor]]
+        if layout.whole and not self._local:  # the usual case: the grads as they are, one group
+            measure = grouped = [current]  # type: ignore[list-item]  # every grad is present
+        else:
+            measure, grouped = self._grouped(layout)
         if not grouped:
             self._warn_empty()
         p = self.norm_type
         dtype = norm_dtype(dtype, [grads[0].dtype for grads in measure if grads])
-        pieces = [
-            torch.stack(torch._foreach_norm(grads, p, dtype=dtype)).to(layout.device)  # type: ignore[arg-type]
-            for grads in measure
-        ]
+        device = layout.device
+        pieces = []
+        for grads in measure:  # a group's grads share their parameters' dtype (torch requires it)
+            if grads[0].dtype is dtype:  # no dtype to ask for: the faster call, the same norms
+                piece = torch.stack(torch._foreach_norm(grads, p))  # type: ignore[arg-type]
+            else:
+                piece = torch.stack(torch._foreach_norm(grads, p, dtype=dtype))  # type: ignore[arg-type]
+            pieces.append(piece if piece.device == device else piece.to(device))
         if not pieces:
             per_tensor = torch.zeros(0, dtype=dtype, device=layout.device)
         else:
@@ -363,11 +377,11 @@ class GradNormPlan:
         p = self.norm_type
         n = len(self.layer_names) if self.per_layer else 1
         if self.per_layer and layout.segments is not None:
-            sums = torch.zeros(n, dtype=per_tensor.dtype, device=layout.device)
             if p == math.inf:
+                sums = torch.zeros(n, dtype=per_tensor.dtype, device=layout.device)
                 sums.scatter_reduce_(0, layout.segments, per_tensor, reduce="amax", include_self=True)
-            else:
-                sums.index_add_(0, layout.segments, _pow(per_tensor, p))
+            else:  # added into a copy of zeros kept for it: one call where zeros() and index_add_() were two
+                sums = torch.index_add(self._zeros(n, per_tensor), 0, layout.segments, _pow(per_tensor, p))
         elif per_tensor.numel() == 0:
             sums = torch.zeros(n, dtype=per_tensor.dtype, device=layout.device)
         elif p == math.inf:
@@ -383,10 +397,19 @@ class GradNormPlan:
             total = torch.linalg.vector_norm(per_tensor, p) if per_tensor.numel() else _root(sums.sum(), p)
             layers = _root(sums, p) if self.per_layer else None
         result = NormResult(total, layers, self.layer_names)
-        tensors = self._tensor_result(per_tensor, layout)
-        if tensors is not None:
-            result.tensor_norms, result.tensor_present = tensors
+        if layout.positions is not None:
+            tensors = self._tensor_result(per_tensor, layout)
+            if tensors is not None:
+                result.tensor_norms, result.tensor_present = tensors
         return result
+
+    def _zeros(self, n: int, like: Tensor) -> Tensor:
+        """A kept tensor of ``n`` zeros of ``like``'s dtype and device (read only: never written to)."""
+        key = (n, like.dtype, like.device)
+        zeros = self._zero_cache.get(key)
+        if zeros is None:
+            zeros = self._zero_cache[key] = torch.zeros(n, dtype=like.dtype, device=like.device)
+        return zeros
 
     def _reduced(
         self, per_tensor: Tensor, layout: _Layout, reducer: LayoutReducer, extra: Tensor | None = None
@@ -463,7 +486,10 @@ def apply_clip_coefficient(grouped_grads: Sequence[Sequence[Tensor]], coef: Tens
     """Multiply every grad by ``coef`` in place: one ``_foreach_mul_`` per (device, dtype) group."""
     for grads in grouped_grads:
         if grads:
-            torch._foreach_mul_(list(grads), coef.to(grads[0].device))
+            device = grads[0].device
+            torch._foreach_mul_(
+                grads if isinstance(grads, list) else list(grads), coef if coef.device == device else coef.to(device)
+            )
 
 
 def clip_to_norm(grads: Sequence[Tensor], norm: Tensor, max_norm: float) -> Tensor:

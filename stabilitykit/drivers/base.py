@@ -445,7 +445,7 @@ class Driver:
 
 def _follow_param_groups(engine: StabilityEngine, model: nn.Module | None, counts: dict[int, int]) -> None:
     """A param group added since the last step: the engine measures the optimizer's new set from now on."""
-    count = sum(len(group["params"]) for group in engine.optimizer.param_groups)  # no call: every step pays it
+    count = sum([len(group["params"]) for group in engine.optimizer.param_groups])  # no call: every step pays it
     if count != counts.get(id(engine), count):
         params = optimizer_params(engine.optimizer)
         check_supported(model, engine.optimizer, params)

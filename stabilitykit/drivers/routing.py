@@ -13,7 +13,7 @@ from typing import Any
 
 from stabilitykit.compat.attributes import replace_attribute
 from stabilitykit.drivers.optimizers import unwrap_optimizer
-from stabilitykit.engine.gate import StepGate
+from stabilitykit.engine.gate import StepGate, gated
 from stabilitykit.engine.lr import noting_lr
 from stabilitykit.engine.step import StabilityEngine
 
@@ -61,16 +61,16 @@ class StepRoutes:
 
     def run(self, engine: StabilityEngine, step_fn: Callable[[], Any]) -> Any:
         """Run the optimizer step of the step in flight, or skip it (none in flight: just run it, and say so)."""
-        if engine.in_flight is None:
+        decision = engine.in_flight
+        if decision is None:
             if not self.released:
                 _unguarded_step(engine)
             return step_fn()
+        gate = (decision, engine.optimizer if engine.fused else None, engine.sources.qk_clip, step_fn)
+        if engine.recovery is None and not decision.logging:  # no LR to scale or to note: the gate alone
+            return gated(*gate)
         with _step_lr(engine):  # the gate: a skip the host knows is not run, a fused optimizer's goes to found_inf
-            gate = StepGate(engine.in_flight, engine.optimizer if engine.fused else None, engine.sources.qk_clip)
-            try:
-                return None if gate.skip_now else step_fn()
-            finally:
-                gate.close()
+            return gated(*gate)
 
     def run_closure(self, engine: StabilityEngine, step_fn: Callable[[Callable[[], Any]], Any], closure: Any) -> Any:
         """Run ``step_fn(guarded_closure)``; the optimizer calls the closure itself. The grads are final when it

@@ -59,6 +59,8 @@ class RecoveryAnswer:
     def of(cls, rows: Iterable[Any]) -> RecoveryAnswer:
         """The answer carried by journal ``rows`` the host has read (``engine/journal.py``'s ``Row``)."""
         rows = list(rows)
+        if not rows:
+            return NO_ANSWER
         requests = tuple((row.step, row.request) for row in rows if row.request > 0)
         return cls(requests, tuple((row.step, row.health) for row in rows if row.health > 0))
 

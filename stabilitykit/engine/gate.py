@@ -11,7 +11,7 @@ steps that would create state are decided on the host instead (``NewStateCheck``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +49,17 @@ class StepGate:
         if qk_clip is not None:
             skip = self.decision.skip
             qk_clip.apply(skip=torch.ones_like(skip) if self.skip_now else skip)
+
+
+def gated(
+    decision: StepDecision, fused_optimizer: Any | None, qk_clip: QKClip | None, step_fn: Callable[[], Any]
+) -> Any:
+    """``step_fn()`` (the optimizer step) inside the step's gate; a skip the host knows does not run it."""
+    gate = StepGate(decision, fused_optimizer, qk_clip)
+    try:
+        return None if gate.skip_now else step_fn()
+    finally:
+        gate.close()
 
 
 class NewStateCheck:

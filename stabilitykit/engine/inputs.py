@@ -10,6 +10,7 @@ reduction. Everything stays on the device: nothing here syncs.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -18,6 +19,8 @@ from stabilitykit.engine.decision import NO_ASK, RecoveryAsk
 from stabilitykit.engine.step_record import RecordLayout, StepRecord, check_reduce
 from stabilitykit.grads import NormResult
 from stabilitykit.rules import RuleSet, SkipRule, StepValues
+
+_BOOL = torch.bool
 
 
 class StepInputs:
@@ -38,6 +41,9 @@ class StepInputs:
         self._no_request = torch.zeros((), dtype=torch.float32, device=device)
         #: The data guard's flag over this step's micro-batches (``config.data.mode="skip"``), or None.
         self.bad_batch: Tensor | None = None
+        #: The record's reductions (``_reductions``), and the rule keys and metric names they were built for.
+        self._reductions_for: tuple[list[str], tuple[str, ...]] | None = None
+        self._kept_reductions: dict[str, str] = {}
 
     def add_loss(self, loss: Tensor) -> None:
         """Add one micro-batch's loss (detached, on the device) to this optimizer step's loss.
@@ -46,7 +52,9 @@ class StepInputs:
         ``loss / accumulate`` per micro-batch (Lightning, Accelerate and the HF Trainer divide for
         you) that is the mean loss of the whole batch.
         """
-        value = loss.detach().float().mean()
+        value = loss.detach()
+        if value.dtype != torch.float32 or value.dim() != 0:
+            value = value.float().mean()  # a 0-d float32 loss is its own mean: kept as it is (detached)
         self._losses += 1
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
 
@@ -70,13 +78,16 @@ class StepInputs:
     def take(self) -> tuple[Tensor | None, dict[str, Tensor], bool]:
         """(the step's loss or None, its metrics by name in layout order (NaN where a name was not
         recorded), whether the layout was fixed just now), and start the next step empty."""
-        fixed_now = not self.layout.fixed
+        layout = self.layout
+        fixed_now = not layout.fixed
         if fixed_now:
-            self.layout.fix()
+            layout.fix()
         loss, self._loss_sum = self._loss_sum, None
         self.micro_batches, self._losses = self._losses, 0
+        if not layout.columns:  # no metric recorded in this run
+            return loss, {}, fixed_now
         recorded, self._metrics = self._metrics, {}
-        return loss, {name: recorded.get(name, self.nan) for name in self.layout.names}, fixed_now
+        return loss, {name: recorded.get(name, self.nan) for name in layout.names}, fixed_now
 
     def or_nan(self, value: Tensor | None) -> Tensor:
         """``value``, or a NaN for a step with no loss."""
@@ -103,47 +114,67 @@ class StepInputs:
         """
         grads_finite = norms.finite if norms.finite is not None else torch.isfinite(norms.total)
         loss_finite = torch.isfinite(loss) if loss is not None else self.true
+        nan = self.nan
         values = {
             "grad_norm": norms.total,
             "grads_finite": grads_finite,
             "loss_finite": loss_finite,
-            "loss": self.or_nan(loss),
+            "loss": nan if loss is None else loss,
             "bad_batch": force_skip if force_skip is not None else self.false,
             "after_rollback": self.true if ask.skip_ahead else self.false,
             "never": self.false,  # a constant False for a rule that does not apply this step
-            **(observed or {}),
-            **metrics,
         }
+        if observed:
+            values.update(observed)
+        if metrics:
+            values.update(metrics)
         view = StepValues(values, scaler_active=scaler_active, step=step, has_loss=loss is not None)
-        record = StepRecord()
-        record.put("grad_norm", norms.total, "max")
-        record.put("grads_finite", grads_finite, "all")
-        record.put("loss_finite", loss_finite, "all")
-        for rule in rules:
-            view.read.clear()
-            record.put(f"rule/{rule.name}", rule_flag(rule, view), "any")
-            rules.inputs[rule.name] = tuple(sorted(view.read))
-        asked = self._no_request if ask.request == 0 else torch.full((), float(ask.request), device=self.device)
-        record.put("request", asked, "max")
-        judged = self._no_request if ask.health == 0 else torch.full((), float(ask.health), device=self.device)
-        record.put("health", judged, "max")
+        put: dict[str, Tensor] = {
+            "grad_norm": norms.total if norms.total.dim() == 0 else norms.total.reshape(()),
+            "grads_finite": grads_finite,
+            "loss_finite": loss_finite,
+        }
+        flags = []
+        for rule, key, read in zip(rules.rules, rules.flag_keys, rules.reads, strict=True):
+            read.clear()
+            view.read = read  # the names this rule reads (its skip event reports their values)
+            flag = rule.flag(view)
+            if flag.__class__ is not Tensor or flag.dtype is not _BOOL or flag.ndim:
+                flag = _checked_flag(rule, flag)  # what the built-in rules return needs no more checking
+            put[key] = flag
+            flags.append(flag)
+        no = self._no_request
+        put["request"] = no if ask.request == 0 else torch.full((), float(ask.request), device=self.device)
+        put["health"] = no if ask.health == 0 else torch.full((), float(ask.health), device=self.device)
         for name, value in metrics.items():
-            record.put(f"metric/{name}", value, self.layout.columns[name])
-        return record
+            put[f"metric/{name}"] = value
+        return StepRecord(put, self._reductions(rules, metrics), flags)
+
+    def _reductions(self, rules: RuleSet, metrics: dict[str, Tensor]) -> dict[str, str]:
+        """Each record value's cross-rank reduction, in record order: the same every step once the layout is
+        fixed, so it is built once per rule set and metric names and kept."""
+        names = tuple(metrics)
+        kept = self._reductions_for
+        if kept is None or kept[0] is not rules.flag_keys or kept[1] != names:
+            reductions = {"grad_norm": "max", "grads_finite": "all", "loss_finite": "all"}
+            reductions.update(dict.fromkeys(rules.flag_keys, "any"))
+            reductions.update(request="max", health="max")
+            reductions.update({f"metric/{name}": self.layout.columns[name] for name in names})
+            self._reductions_for, self._kept_reductions = (rules.flag_keys, names), reductions
+        return self._kept_reductions
 
     def rule_flags(self, record: StepRecord, agreed: dict[str, Tensor], rules: RuleSet) -> tuple[Tensor, Tensor]:
         """(each rule's flag on this rank, each rule's flag agreed across ranks), stacked in rule order."""
-        if not len(rules):
+        if not record.flags:
             return self.false[None], self.false[None]
-        here = torch.stack([record[f"rule/{r.name}"] for r in rules])
+        here = torch.stack(record.flags)
         if agreed is record.values:  # one process (or sync_ranks off): nothing was agreed
             return here, here
-        return here, torch.stack([agreed[f"rule/{r.name}"] for r in rules])
+        return here, torch.stack([agreed[key] for key in rules.flag_keys])
 
 
-def rule_flag(rule: SkipRule, view: StepValues) -> Tensor:
-    """A rule's flag as a 0-d bool; a rule that fails or returns no 0-d tensor is named."""
-    flag = rule.flag(view)
+def _checked_flag(rule: SkipRule, flag: Any) -> Tensor:
+    """``flag`` (what ``rule.flag`` returned) as a 0-d bool, or a TypeError naming the rule."""
     if not isinstance(flag, Tensor) or flag.numel() != 1:
         raise TypeError(
             f"skip rule {rule.name!r} ({type(rule).__name__}.flag) must return a 0-d bool tensor on the device, "

@@ -140,7 +140,9 @@ class Journal:
         """Append one row from 0-d device tensors: one per column of ``COLUMNS``, one per recorded
         metric (no sync)."""
         head, layers = self._row_views(len(self.infos))
-        values = (*scalars, *metrics)
+        values = [*scalars, *metrics]
+        if len(values) > CODE and values[CODE].dtype != torch.float32:
+            values[CODE] = values[CODE].float()  # a stack of one dtype is the fast one (an int32 code is exact)
         if len(values) != head.numel():  # fewer metrics than the columns (not how the engine writes)
             head = head[: len(values)]
         try:  # one stack into the row, which casts each value to the journal's float32

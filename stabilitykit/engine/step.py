@@ -401,12 +401,20 @@ class StabilityEngine:
         total = agreed["grad_norm"]
         coef, threshold = self._clip(norms, grouped, total, agreed["grads_finite"], agreed["loss_finite"], skip)
         layer_norms = norms.layer_norms
-        agreed_metrics = {name: agreed[f"metric/{name}"] for name in metrics}
+        agreed_metrics = {name: agreed[f"metric/{name}"] for name in metrics} if metrics else {}
         if rewrite:
             self.journal.drop_last(step)
         self.journal.write(
             RowInfo(step, loss is not None, scaler_active),
-            [total, self.inputs.or_nan(loss), code, coef, threshold, agreed["request"], agreed["health"]],
+            [
+                total,
+                self.inputs.nan if loss is None else loss,
+                code,
+                coef,
+                threshold,
+                agreed["request"],
+                agreed["health"],
+            ],
             list(agreed_metrics.values()),
             layer_norms,
         )
@@ -447,7 +455,9 @@ class StabilityEngine:
         if self.clip is None:
             return self._one, self.inputs.nan
         threshold, active = self.clip.threshold(total, grads_finite)
-        one = self._one if total.dtype == self._one.dtype and total.device == self._one.device else None
+        one: Tensor | None = self._one
+        if total.dtype != self._one.dtype or total.device != self._one.device:
+            one = None
         coef = clip_coefficient(total, threshold, grads_finite, one)
         if not self.clip.always_active:
             coef = torch.where(active, coef, 1.0 if one is None else one)
@@ -506,9 +516,13 @@ class StabilityEngine:
         if self.updates is not None:
             self.updates.measure()  # after the optimizer step: this step's update, if it was snapshotted
         self._hold = None
-        self.sources.begin_step(self.step, self.is_logging_step())
-        divergence = self.readout.fold(decision.rows, step, decision.signals)
-        decision.answer = RecoveryAnswer.of(decision.rows)
+        if self.sources.sources:
+            self.sources.begin_step(self.step, self.is_logging_step())
+        if decision.rows:  # rows the host read at this step (none on an ordinary step)
+            divergence = self.readout.fold(decision.rows, step, decision.signals)
+            decision.answer = RecoveryAnswer.of(decision.rows)
+        else:
+            divergence = None
         if decision.logging:
             for event in self.sources.events(step, decision.module_metrics):
                 self.readout.hooks.emit(event)

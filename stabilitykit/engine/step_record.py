@@ -75,9 +75,18 @@ class RecordLayout:
 class StepRecord:
     """Named device values of one step and how each is agreed across ranks."""
 
-    def __init__(self) -> None:
-        self.values: dict[str, Tensor] = {}
-        self.reductions: dict[str, str] = {}
+    def __init__(
+        self,
+        values: dict[str, Tensor] | None = None,
+        reductions: dict[str, str] | None = None,
+        flags: list[Tensor] | None = None,
+    ) -> None:
+        """Empty (``put`` fills it), or holding 0-d ``values`` whose ``reductions`` (the same names, in the same
+        order) are known already, as a step's record is built (``reductions`` is shared, not copied)."""
+        self.values: dict[str, Tensor] = {} if values is None else values
+        self.reductions: dict[str, str] = {} if reductions is None else reductions
+        #: The skip rules' flags on this rank, in rule order (``StepInputs.build_record``).
+        self.flags: list[Tensor] = [] if flags is None else flags
 
     def put(self, name: str, value: Tensor, reduce: str) -> None:
         """Hold ``value`` (a 0-d device tensor) under ``name``, agreed with ``reduce``."""

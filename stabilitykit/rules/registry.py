@@ -53,13 +53,20 @@ class RuleSet:
         if len(rules) > MAX_RULES:
             raise ValueError(f"at most {MAX_RULES} skip rules fit a decision code, got {len(rules)}: {names}")
         self.rules = list(rules)
-        #: The step values each rule read when it last decided (host names, no device work): what its
-        #: skip event reports the values of.
-        self.inputs: dict[str, tuple[str, ...]] = {}
+        #: Each rule's name in the step record (``rule/<name>``), in rule order.
+        self.flag_keys = [f"rule/{r.name}" for r in self.rules]
+        #: The names of the step values each rule read when it last decided, one set per rule in rule order
+        #: (host names, no device work; filled by the engine as each rule decides).
+        self.reads: list[set[str]] = [set() for _ in self.rules]
         self._here_bits: Tensor | None = None
         self._agreed_bits: Tensor | None = None
         self._both_bits: Tensor | None = None
         self._no_bits: Tensor | None = None
+
+    @property
+    def inputs(self) -> dict[str, tuple[str, ...]]:
+        """The step values each rule read when it last decided, by rule name: what its skip event reports."""
+        return {rule.name: tuple(sorted(read)) for rule, read in zip(self.rules, self.reads, strict=True) if read}
 
     def __len__(self) -> int:
         return len(self.rules)
