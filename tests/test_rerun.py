@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -370,3 +371,150 @@ def test_the_hf_trainer_reruns_its_own_training_step(tmp_path: Path) -> None:
     bad = _hf_run(tmp_path, "bad-batch")
     assert bad["reruns"] == [(2, "reproducible", None)] and bad["skipped"] == 1
     assert clean["reruns"] == [] and clean["skipped"] == 0
+
+
+#: 0 events over 500 clean steps, per driver (one process; the distributed ones: ``test_rerun_distributed.py``).
+CLEAN_STEPS = 500
+FULL = os.environ.get("STABILITYKIT_FULL_MATRIX") == "1"
+
+
+def _clean_config() -> sk.StabilityConfig:
+    """Rerun on (a spike re-run too), skip-on-spike on (its default 50-step warm-up), a replica check every 5 steps."""
+    return sk.StabilityConfig(
+        log_every_n_steps=50,
+        rerun=sk.RerunConfig(),
+        skip=sk.SkipConfig(spike=True),
+        replicas=sk.ReplicaCheckConfig(every_n_steps=5),
+    )
+
+
+def _quiet(events: list[sk.Event], summary: Any, engine: Any) -> None:
+    """No rerun, no replica mismatch, no skip; rerun and skip-on-spike were on for every step."""
+    assert engine.rerun is not None and "spike" in engine.rerun.config.on
+    assert [e for e in events if e.kind in ("rerun", "replica_mismatch", "skipped")] == []
+    assert (summary.steps, summary.skipped) == (CLEAN_STEPS, 0)
+
+
+def _clean_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)) for _ in range(CLEAN_STEPS)]
+
+
+@pytest.mark.parametrize("driver", ["accelerate", "fabric"])
+def test_clean_runs_report_nothing_in_the_guards(driver: str) -> None:
+    """500 clean steps of a small net under the Accelerate and Fabric guards, ``replay`` given (the plain loop's:
+    500 DDP steps on 2 processes, ``test_rerun_distributed.py``)."""
+    torch.manual_seed(0)
+    model: Any = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.Tanh(), nn.Linear(16, 4))
+    opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = _clean_config()
+    if driver == "accelerate":
+        from accelerate import Accelerator
+
+        from stabilitykit.integrations import AccelerateGuard
+
+        accelerator = Accelerator(cpu=True)
+        model, opt = accelerator.prepare(model, opt)
+        guard: sk.StabilityGuard = AccelerateGuard(accelerator, model, opt, cfg)
+    else:
+        from lightning.fabric import Fabric
+
+        from stabilitykit.integrations import FabricGuard
+
+        fabric = Fabric(accelerator="cpu", devices=1)
+        model, opt = fabric.setup(model, opt)
+        guard = FabricGuard(fabric, model, opt, cfg)
+    events: list[sk.Event] = []
+    guard.hooks.on("*", events.append)
+    for x, y in _clean_batches():
+
+        def loss_of(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            return nn.functional.cross_entropy(model(x), y)
+
+        guard.backward(loss_of())
+        guard.step(replay=loss_of)
+        guard.zero_grad()
+    guard.close()
+    _quiet(events, guard.summary(), guard.engine)
+
+
+def _lightning_clean(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from stabilitykit.lightning import StabilityCallback
+
+    class Small(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.Tanh(), nn.Linear(16, 4))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    data = _clean_batches()
+    loader = DataLoader(TensorDataset(torch.cat([x for x, _ in data]), torch.cat([y for _, y in data])), batch_size=6)
+    callback = StabilityCallback(_clean_config())
+    events: list[sk.Event] = []
+    callback.hooks.on("*", events.append)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=CLEAN_STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+        default_root_dir=str(tmp_path),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Small(), loader)
+    _quiet(events, callback.summary(), callback.engine)
+
+
+def _hf_clean(tmp_path: Path) -> None:
+    from hf_models import tiny_llama, token_batches
+    from transformers import Trainer, TrainingArguments
+
+    from stabilitykit.integrations import stabilize
+
+    model = tiny_llama()
+    rows = [{k: v[0] for k, v in b.items()} for b in token_batches(CLEAN_STEPS * 2, batch_size=1, seed=3)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "hf-clean"),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=2,
+        max_steps=CLEAN_STEPS,
+        learning_rate=1e-3,
+        logging_steps=50,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        optim="adamw_torch",
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=rows)
+    callback = stabilize(trainer, _clean_config())
+    events: list[sk.Event] = []
+    callback.hooks.on("*", events.append)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    _quiet(events, callback.summary(), callback.engine)
+
+
+def test_clean_runs_report_nothing_in_the_lightning_callback(tmp_path: Path) -> None:
+    """500 clean steps of a small net under the Lightning callback (automatic optimization)."""
+    _lightning_clean(tmp_path)
+
+
+@pytest.mark.skipif(not FULL, reason="500 HF Trainer steps (about 6 s): set STABILITYKIT_FULL_MATRIX=1")
+def test_clean_runs_report_nothing_in_the_hf_trainer(tmp_path: Path) -> None:
+    """500 clean steps of a tiny Llama under the HF Trainer."""
+    _hf_clean(tmp_path)
