@@ -381,7 +381,8 @@ class GradNormPlan:
                 sums = torch.zeros(n, dtype=per_tensor.dtype, device=layout.device)
                 sums.scatter_reduce_(0, layout.segments, per_tensor, reduce="amax", include_self=True)
             else:  # added into a copy of zeros kept for it: one call where zeros() and index_add_() were two
-                sums = torch.index_add(self._zeros(n, per_tensor), 0, layout.segments, _pow(per_tensor, p))
+                powered = per_tensor * per_tensor if p == 2.0 else _pow(per_tensor, p)
+                sums = torch.index_add(self._zeros(n, per_tensor), 0, layout.segments, powered)
         elif per_tensor.numel() == 0:
             sums = torch.zeros(n, dtype=per_tensor.dtype, device=layout.device)
         elif p == math.inf:
@@ -395,8 +396,8 @@ class GradNormPlan:
             # the total as torch.nn.utils.clip_grad_norm_ computes it (one vector norm of the per-tensor
             # norms, in parameter order), bitwise, so a driver's clip is the framework's own
             total = torch.linalg.vector_norm(per_tensor, p) if per_tensor.numel() else _root(sums.sum(), p)
-            layers = _root(sums, p) if self.per_layer else None
-        result = NormResult(total, layers, self.layer_names)
+            layers = (sums.sqrt() if p == 2.0 else _root(sums, p)) if self.per_layer else None
+        result = NormResult(total, layers, self.layer_names, torch.isfinite(total))
         if layout.positions is not None:
             tensors = self._tensor_result(per_tensor, layout)
             if tensors is not None:

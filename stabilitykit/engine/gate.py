@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stabilitykit.engine.decision import StepDecision
+from stabilitykit.engine.decision import Known, Pending, StepDecision
 from stabilitykit.nn.qk_clip import QKClip
+from stabilitykit.rules.registry import SKIP
 
 
 class StepGate:
@@ -26,12 +27,13 @@ class StepGate:
 
     def __init__(self, decision: StepDecision, fused_optimizer: Any | None, qk_clip: QKClip | None) -> None:
         self.decision = decision
+        outcome = decision.outcome
         #: The host knows the step is skipped: do not run the optimizer step.
-        self.skip_now = decision.skipped_now
+        self.skip_now = isinstance(outcome, Known) and bool(outcome.code & SKIP)  # ``decision.skipped_now``
         self._qk_clip = qk_clip
         self._optimizer: Any | None = None
         self._previous: Tensor | None = None
-        if decision.pending and fused_optimizer is not None:
+        if isinstance(outcome, Pending) and fused_optimizer is not None:  # ``decision.pending``
             self._optimizer = fused_optimizer
             self._previous = previous = getattr(fused_optimizer, "found_inf", None)
             flag = decision.skip.to(torch.float32)
