@@ -40,6 +40,10 @@ PLAN = [(0, None), (1, None), (2, "nan"), (3, None), (4, "inf"), (5, None)]  # (
 #: The (stage, bf16) cells that rerun (all eight passed once; stages 1 and 2 drop grads alike, so stage 1 is left
 #: out: 1.8 CPU s per rank under bf16).
 RERUN_CELLS = [(0, False), (2, False), (3, True)]
+#: With STABILITYKIT_FULL_MATRIX=1, each rerun cell also trains CLEAN_STEPS clean steps with rerun and replica
+#: checks on: no event (``_clean_long``).
+FULL = os.environ.get("STABILITYKIT_FULL_MATRIX") == "1"
+CLEAN_STEPS = 500
 
 
 def _model() -> nn.Module:
@@ -434,9 +438,10 @@ def _rerun(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
     """Rerun (``guard.step(replay=...)``) over batches 0-2, a NaN loss at batch 1 on rank 1 only: once (gone when
     computed again: transient, rank 1 named, the recomputed step taken, the end state bitwise DeepSpeed's own
     over the clean batches 0-2) or every time it is computed (reproducible, skipped on both ranks, the end state
-    bitwise DeepSpeed's over batches 0 and 2). Then a NaN in rank 1's local gradient at batch 1, once: transient
-    with no rank named (DeepSpeed reduces it into every rank's grads, or its partitions, before any point the
-    guard can measure it), the step taken, the end state DeepSpeed's over the clean batches 0-2."""
+    bitwise DeepSpeed's over batches 0 and 2). Then a NaN in rank 1's local gradient at batch 1, once: transient,
+    rank 1 named at ZeRO 0 (measured before DeepSpeed's all-reduce), no rank at ZeRO 1-3 (DeepSpeed reduces it
+    into every rank's partitions before any point the guard can measure it), the step taken, the end state
+    DeepSpeed's over the clean batches 0-2."""
     import stabilitykit as sk
     from stabilitykit.integrations.deepspeed import DeepSpeedGuard
     from stabilitykit.testing import inject_fault
@@ -484,6 +489,43 @@ def _rerun(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
         }
         guard.close()
     return out
+
+
+def _clean_long(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
+    """CLEAN_STEPS clean steps (cross-entropy on random labels, each rank its own batches) with rerun on
+    (``replay`` given), skip-on-spike on and a replica check every 5 steps: the rerun, replica_mismatch and
+    skipped events of the run (none expected), its steps and skips."""
+    import stabilitykit as sk
+    from stabilitykit.integrations.deepspeed import DeepSpeedGuard
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    engine = _engine(stage, bf16)
+    cfg = sk.StabilityConfig(
+        log_every_n_steps=50,
+        rerun=sk.RerunConfig(),
+        skip=sk.SkipConfig(spike=True),
+        replicas=sk.ReplicaCheckConfig(every_n_steps=5),
+    )
+    guard = DeepSpeedGuard(engine, config=cfg)
+    events: list[Any] = []
+    guard.hooks.on("*", events.append)
+    for i in range(CLEAN_STEPS):
+        g = torch.Generator().manual_seed(7919 * i + rank)
+        x, y = torch.randn(2, 8, generator=g).to(dtype), torch.randint(0, 4, (2,), generator=g)
+
+        def loss_of(x: torch.Tensor = x, y: torch.Tensor = y, engine: Any = engine) -> torch.Tensor:
+            return nn.functional.cross_entropy(engine(x).float(), y)
+
+        guard.backward(loss_of())
+        guard.step(replay=loss_of)
+    summary = guard.summary()
+    guard.close()
+    kept = ("rerun", "replica_mismatch", "skipped")
+    return {
+        "events": [[e.kind, e.step] for e in events if e.kind in kept],
+        "steps": summary.steps,
+        "skipped": summary.skipped,
+    }
 
 
 def _fp16_engine(stage: int) -> Any:
@@ -701,6 +743,8 @@ def worker(rank: int, world: int) -> dict[str, Any]:
                 results[key]["unguarded"] = _unguarded_nan(stage, bf16, rank)
                 if (stage, bf16) in RERUN_CELLS:
                     results[key]["rerun"] = _rerun(stage, bf16, rank)
+                    if FULL:
+                        results[key]["clean-long"] = _clean_long(stage, bf16, rank)
             finally:
                 sys.stdout = old
         if stage in (0, 2, 3):

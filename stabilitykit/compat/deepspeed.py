@@ -88,6 +88,16 @@ def drop_grads(optimizer: Any, stage: int) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
+def grads_before_allreduce(engine: Any) -> list[Tensor]:
+    """The parameters whose ``.grad`` holds this rank's own gradient once backward has accumulated it and before
+    DeepSpeed reduces it: at ZeRO stage 0 (all-reduced at the end of ``engine.backward``), unless DeepSpeed's
+    optimizer has hooks of its own after the accumulation (its bf16 optimizer's ``immediate_grad_update`` moves
+    each gradient into its fp32 buffer there). Under ZeRO 1-3 none: DeepSpeed's hooks take them first."""
+    if engine.zero_optimization_stage() != 0 or getattr(engine.optimizer, "_grad_acc_hooks", None):
+        return []
+    return [p for p in engine.module.parameters() if p.requires_grad]
+
+
 def inner_optimizer(engine: Any) -> Any:
     """The torch optimizer under DeepSpeed's wrapper (ZeRO, or the mixed-precision wrapper at stage 0), whose
     param groups hold the fp32 master partitions and whose state holds the moments; the engine's optimizer

@@ -34,7 +34,7 @@ from stabilitykit.engine.lr import noting_lr
 from stabilitykit.engine.step import StabilityEngine
 from stabilitykit.hooks import HookManager
 from stabilitykit.report import StepReport
-from stabilitykit.rerun.deepspeed import recompute, refuse_rerun
+from stabilitykit.rerun.deepspeed import recompute, refuse_rerun, watch
 from stabilitykit.rules import SkipRule
 from stabilitykit.sinks.base import Sink
 
@@ -118,6 +118,7 @@ class DeepSpeedGuard(StabilityGuard):
         self._deepspeed_step: Any = None  # DeepSpeed's own ``step`` of the step in flight
         self._replay: Callable[[], Tensor] | None = None  # guard.step(replay=...), for a rerun
         self._start(None, [self.partitions], names=self.partitions.names)
+        watch(self.engine.rerun, deepspeed_engine)  # the random state at each forward; ZeRO 0: this rank's grads
         if self.fp16:
             self.engine.scaler = DeepSpeedLossScale(deepspeed_engine)
         self.engine.lr_optimizer = inner_optimizer(deepspeed_engine)  # the LRs DeepSpeed steps with: lr/<group>
@@ -204,7 +205,6 @@ class DeepSpeedGuard(StabilityGuard):
         fp16_skip = bool(self.fp16 and decision.skipped_now)
         return fp16_skip and self.engine.rules.raised_anywhere(decision.outcome.code) == ["fp16_overflow"]
 
-    # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(
         self, save_dir: str, tag: Any = None, client_state: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> Any:

@@ -6,6 +6,10 @@ pass's grads, partitions and micro-step count are dropped as DeepSpeed's own ove
 (``compat.deepspeed.drop_grads``, without marking the step as not applied); DeepSpeed's own ``backward``
 then fills them afresh (its routed ``backward`` records the loss) and this rank's pieces are bound again
 for the guard to measure.
+
+``watch`` gives the rerun policy what it needs from the engine from the first step on: the random state each
+step's first forward starts with (a forward pre-hook on the engine), and at ZeRO 0 this rank's own grads before
+DeepSpeed's all-reduce (``rerun/local.py``), so that a fault in one rank's local gradient names its rank.
 """
 
 from __future__ import annotations
@@ -15,8 +19,16 @@ from typing import Any
 
 from torch import Tensor
 
-from stabilitykit.compat.deepspeed import drop_grads
+from stabilitykit.compat.deepspeed import drop_grads, grads_before_allreduce
+from stabilitykit.rerun.policy import Rerun
 from stabilitykit.rerun.refusals import refuse_rerun as refuse_rerun  # for the DeepSpeed drivers: one import there
+
+
+def watch(rerun: Rerun | None, deepspeed_engine: Any) -> None:
+    """A ``DeepSpeedGuard``'s rerun (None: off) sees the engine's forward and, at ZeRO 0, this rank's local grads."""
+    if rerun is not None:
+        rerun.watch_forward(deepspeed_engine)
+        rerun.local.watch_params(grads_before_allreduce(deepspeed_engine))
 
 
 def recompute(

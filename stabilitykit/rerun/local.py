@@ -17,11 +17,11 @@ accumulates before FSDP2 reduce-scatters them; a hook after each one's accumulat
 squares (one small kernel per parameter per step, no sync). FSDP1 (a root ``FullyShardedDataParallel``):
 its public communication hook sees each flat parameter's unsharded local gradient before the
 reduce-scatter; the hook adds its sum of squares, then reduces exactly as FSDP1 does without one
-(``compat/fsdp1.py``). DeepSpeed is not hooked: under ZeRO 1-3 its optimizer's own hooks after each
-gradient's accumulation, registered when the engine is built, take the gradient into its reduction
-buffers before any hook of ours would run (stage 0 all-reduces at the end of ``engine.backward``: not
-measured yet). A local-gradient fault there is judged ``transient`` with no rank named when every
-rank's reduced grads differ alike.
+(``compat/fsdp1.py``). DeepSpeed at ZeRO 0 all-reduces the grads at the end of ``engine.backward``: a hook
+after each parameter's accumulation measures them first (``watch_params``). Under ZeRO 1-3 DeepSpeed is
+not hooked: its optimizer's own hooks after each gradient's accumulation, registered when the engine is
+built, take the gradient into its reduction buffers before any hook of ours would run. A local-gradient
+fault there is judged ``transient`` with no rank named when every rank's reduced grads differ alike.
 """
 
 # no ``from __future__ import annotations``: DDP checks the hook's annotations as objects
@@ -80,21 +80,30 @@ class LocalGrads:
         forward pre-hook on every module with parameters of its own), hooked once each."""
         seen: list[Tensor] = []
 
-        def on_grad(param: Tensor) -> None:
-            if self.hooked and param.grad is not None:
-                part = param.grad.detach().float().pow(2).sum()
-                self.total = part if self.total is None else self.total + part
-
         def before_forward(module: nn.Module, _args: Any) -> None:
             for _name, param in module.named_parameters(recurse=False):
                 if hasattr(param, "to_local") or not param.requires_grad or any(param is p for p in seen):
                     continue  # a sharded DTensor (outside FSDP2's forward), frozen, or already hooked
                 seen.append(param)
-                self._handles.append(param.register_post_accumulate_grad_hook(on_grad))
+                self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
 
         for module in model.modules():
             if next(module.parameters(recurse=False), None) is not None:
                 self._handles.append(module.register_forward_pre_hook(before_forward))
+        self.hooked = True
+
+    def _on_grad(self, param: Tensor) -> None:
+        """After ``param``'s accumulation: its gradient's sum of squares (this rank's, before a reduction)."""
+        if self.hooked and param.grad is not None:
+            part = param.grad.detach().float().pow(2).sum()
+            self.total = part if self.total is None else self.total + part
+
+    def watch_params(self, params: list[Tensor]) -> None:
+        """Measure ``params``' grads after their accumulation, before the reduction a framework runs once backward
+        is over (DeepSpeed's ZeRO 0 all-reduce at the end of ``engine.backward``: ``rerun/deepspeed.py``)."""
+        if self.hooked or not params:
+            return
+        self._handles += [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self.hooked = True
 
     def take(self) -> Tensor | None:

@@ -93,6 +93,12 @@ class Rerun:
         if not self.local.hooked and model is not None:
             self.local = LocalGrads(model)
 
+    def watch_forward(self, model: nn.Module) -> None:
+        """A driver built without the model (``DeepSpeedGuard``) hands here what its loop calls forward on, so that
+        each step's random state is taken as its first forward starts (without it: only when the run started)."""
+        if self._hook is None:
+            self._hook = model.register_forward_pre_hook(self._on_forward)
+
     def start_step(self) -> None:
         """A driver that knows where the step starts (Lightning's ``on_train_batch_start``): the random
         state is taken now, before anything of the step draws from it (not at the model's first forward,
