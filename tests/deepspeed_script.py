@@ -450,13 +450,15 @@ def _rerun(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     cases = (("transient", [0, 1, 2], True), ("reproducible", [0, 2], False), ("local-grad", [0, 1, 2], True))
     references: dict[tuple[int, ...], Any] = {}  # DeepSpeed's own run over the clean batches, one per list
+    rng: dict[tuple[int, ...], torch.Tensor] = {}  # the global random state at its end
     for name, clean, once in cases:
         theirs = references.get(tuple(clean))
         if theirs is None:
             theirs = references[tuple(clean)] = _engine(stage, bf16)
-            for i in clean:
-                theirs.backward(_loss(theirs, i, rank, dtype, None, 0))
+            for i in clean:  # each forward draws once from the global generator, as dropout would
+                theirs.backward(_loss(theirs, i, rank, dtype, None, 0) + 0 * torch.rand(()))
                 theirs.step()
+            rng[tuple(clean)] = torch.get_rng_state()
         engine = _engine(stage, bf16)
         guard = DeepSpeedGuard(engine, config=sk.StabilityConfig(log_every_n_steps=2, rerun=sk.RerunConfig()))
         events: list[Any] = []
@@ -475,7 +477,7 @@ def _rerun(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
             ) -> Any:
                 computed[0] += i == 1
                 fault = "nan" if bad and i == 1 and (computed[0] == 1 or not once) else None
-                return _loss(engine, i, rank, dtype, fault, 1)
+                return _loss(engine, i, rank, dtype, fault, 1) + 0 * torch.rand(())
 
             guard.backward(loss_of())
             report = guard.step(replay=loss_of)
@@ -486,6 +488,8 @@ def _rerun(stage: int, bf16: bool, rank: int) -> dict[str, Any]:
             "skipped": skipped,
             "same": _same(_state(engine), _state(theirs)),
             "diff": _diff(_state(engine), _state(theirs)),
+            # a rerun draws again from the state its step's forward started with: a clean run's draws in the end
+            "rng_same": torch.equal(torch.get_rng_state(), rng[tuple(clean)]),
         }
         guard.close()
     return out

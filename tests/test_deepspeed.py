@@ -378,6 +378,7 @@ def test_rerun_judges_a_one_time_fault_transient_and_a_repeated_one_reproducible
         assert cell["transient"]["events"] == [[1, "transient", 1]]
         assert cell["transient"]["skipped"] == []
         assert cell["transient"]["same"], cell["transient"]["diff"]
+        assert cell["transient"]["rng_same"] and cell["local-grad"]["rng_same"]  # the rerun's forward drew as the first
         assert cell["reproducible"]["events"] == [[1, "reproducible", None]]
         assert cell["reproducible"]["skipped"] == [1]
         assert cell["reproducible"]["same"], cell["reproducible"]["diff"]
