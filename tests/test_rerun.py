@@ -219,12 +219,11 @@ def test_a_replica_check_without_torch_distributed_does_nothing() -> None:
         assert guard.engine.replicas is not None and guard.engine.replicas.mismatches == []
 
 
-def _driver_run(driver: str, fault: bool) -> list[torch.Tensor]:
-    """A transient NaN in the logits at FAULT_STEP under the Accelerate or Fabric guard (one process)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 4))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    cfg = sk.StabilityConfig(log_every_n_steps=3, rerun=sk.RerunConfig())
+def _framework_guard(
+    driver: str, model: nn.Module, opt: Any, cfg: sk.StabilityConfig
+) -> tuple[Any, Any, sk.StabilityGuard]:
+    """The model and optimizer prepared by Accelerate (``"accelerate"``) or set up by Fabric (``"fabric"``),
+    one CPU process, and that framework's guard over them."""
     if driver == "accelerate":
         from accelerate import Accelerator
 
@@ -232,15 +231,23 @@ def _driver_run(driver: str, fault: bool) -> list[torch.Tensor]:
 
         accelerator = Accelerator(cpu=True)
         model, opt = accelerator.prepare(model, opt)
-        guard: sk.StabilityGuard = AccelerateGuard(accelerator, model, opt, cfg)
-    else:
-        from lightning.fabric import Fabric
+        return model, opt, AccelerateGuard(accelerator, model, opt, cfg)
+    from lightning.fabric import Fabric
 
-        from stabilitykit.integrations import FabricGuard
+    from stabilitykit.integrations import FabricGuard
 
-        fabric = Fabric(accelerator="cpu", devices=1)
-        model, opt = fabric.setup(model, opt)
-        guard = FabricGuard(fabric, model, opt, cfg)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model, opt = fabric.setup(model, opt)
+    return model, opt, FabricGuard(fabric, model, opt, cfg)
+
+
+def _driver_run(driver: str, fault: bool) -> list[torch.Tensor]:
+    """A transient NaN in the logits at FAULT_STEP under the Accelerate or Fabric guard (one process)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = sk.StabilityConfig(log_every_n_steps=3, rerun=sk.RerunConfig())
+    model, opt, guard = _framework_guard(driver, model, opt, cfg)
     events: list[sk.Event] = []
     guard.hooks.on("rerun", events.append)
     if fault:
@@ -408,22 +415,7 @@ def test_clean_runs_report_nothing_in_the_guards(driver: str) -> None:
     model: Any = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.Tanh(), nn.Linear(16, 4))
     opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = _clean_config()
-    if driver == "accelerate":
-        from accelerate import Accelerator
-
-        from stabilitykit.integrations import AccelerateGuard
-
-        accelerator = Accelerator(cpu=True)
-        model, opt = accelerator.prepare(model, opt)
-        guard: sk.StabilityGuard = AccelerateGuard(accelerator, model, opt, cfg)
-    else:
-        from lightning.fabric import Fabric
-
-        from stabilitykit.integrations import FabricGuard
-
-        fabric = Fabric(accelerator="cpu", devices=1)
-        model, opt = fabric.setup(model, opt)
-        guard = FabricGuard(fabric, model, opt, cfg)
+    model, opt, guard = _framework_guard(driver, model, opt, cfg)
     events: list[sk.Event] = []
     guard.hooks.on("*", events.append)
     for x, y in _clean_batches():
