@@ -79,9 +79,19 @@ HEALTHY_GAP = 0.15  # nats above the clean run of the same seed that still count
 BURSTS = {"garbled": 30, "garbled_long": 60}  # steps of random bytes
 
 
+def split_null(scenario: str) -> tuple[str, int | None]:
+    """``<scenario>~d<t>`` is ``scenario`` with a null perturbation: from data position t on, the batches are
+    another draw from the same corpus (the data generator reseeded). Nothing about the run is better or worse
+    for it; how far its final loss moves from the unperturbed run's measures what "within noise" means
+    (``null_noise``). Returns (scenario, t or None)."""
+    base, _, at = scenario.partition("~d")
+    return base, (int(at) if at else None)
+
+
 def schedule_of(scenario: str) -> tuple[float, int]:
     """(peak LR, warm-up steps) of ``scenario``: ``hot<k>_w<n>`` is k times ``PEAK_LR`` after n steps; every
     other scenario ``PEAK_LR`` after 100."""
+    scenario = split_null(scenario)[0]
     if scenario.startswith("hot"):
         level, warmup = scenario.removeprefix("hot").split("_w")
         return PEAK_LR * float(level), int(warmup)
@@ -167,7 +177,11 @@ def held_out_loss(model: torch.nn.Module, heldout: np.ndarray) -> float:
 
 
 def data_at(step: int, scenario: str, data: np.ndarray, gen: torch.Generator, noise: torch.Generator, middle: int):  # type: ignore[no-untyped-def]
-    """The batch at data position ``step`` (random bytes inside the garbled burst)."""
+    """The batch at data position ``step`` (random bytes inside the garbled burst; another draw of the corpus
+    from the null perturbation's position on)."""
+    scenario, redraw_at = split_null(scenario)
+    if step == redraw_at:
+        gen.manual_seed(gen.initial_seed() + 7919)
     x, y = batch(data, gen)
     if middle <= step < middle + BURSTS.get(scenario, 0):
         tokens = torch.randint(0, 256, (x.shape[0], x.shape[1] + 1), generator=noise)
@@ -176,6 +190,7 @@ def data_at(step: int, scenario: str, data: np.ndarray, gen: torch.Generator, no
 
 
 Run = dict[str, Any]
+Runs = dict[tuple[str, str, str, int], Run]  # (model, scenario, arm, seed) -> its run
 
 
 def train(
@@ -420,6 +435,27 @@ def noise_of(runs: dict[tuple[str, str, str, int], Run], model: str, scenario: s
     return max(NOISE, max(finals) - min(finals)) if len(finals) > 1 else NOISE
 
 
+def null_differences(runs: Runs, model: str, scenario: str, base: str = "none") -> list[float]:
+    """Every null perturbation of ``base`` on this model and scenario (``<scenario>~d<t>``, any t and seed) minus
+    the unperturbed run of the same seed: how far the final loss moves when nothing but chance changes."""
+    diffs = []
+    for (m, perturbed, arm, seed), run in runs.items():
+        of, redraw_at = split_null(perturbed)
+        twin = runs.get((model, scenario, base, seed))
+        if (m, of, arm) == (model, scenario, base) and redraw_at is not None and twin and math.isfinite(run["final"]):
+            diffs.append(run["final"] - twin["final"])
+    return diffs
+
+
+def null_noise(runs: Runs, model: str, scenario: str, base: str = "none") -> float | None:
+    """What "within noise" means where null perturbations were run: twice the root mean square of
+    ``null_differences`` (about a 95% band if they are normal), never under ``NOISE``; None without them."""
+    diffs = null_differences(runs, model, scenario, base)
+    if len(diffs) < 2:
+        return None
+    return max(NOISE, 2.0 * math.sqrt(statistics.fmean(d * d for d in diffs)))
+
+
 def versus(runs: dict[tuple[str, str, str, int], Run], arm: str, base: str = "none") -> str:
     """Every run of ``arm`` against the same model, scenario and seed under ``base`` (the guard alone): the
     final held-out losses, the difference, what recovery did (``actions``: u/d/l a rollback whose cause was
@@ -430,13 +466,22 @@ def versus(runs: dict[tuple[str, str, str, int], Run], arm: str, base: str = "no
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     tally = {"better": 0, "within noise": 0, "worse": 0, "gave up": 0}
+    paired: list[float] = []  # the differences on arms with null perturbations
+    nulls: dict[tuple[str, str], list[float]] = {}  # those arms' null differences
     for key in sorted(runs, key=lambda k: (k[0], _scenario_order(k[1]), k[3])):
+        if split_null(key[1])[1] is not None:
+            continue
         model, scenario, other, seed = key
         if other != arm or (model, scenario, base, seed) not in runs:
             continue
         mine, theirs = runs[key], runs[model, scenario, base, seed]
         diff = mine["final"] - theirs["final"]
-        noise = noise_of(runs, model, scenario, base)
+        null = null_noise(runs, model, scenario, base)
+        noise = null if null is not None else noise_of(runs, model, scenario, base)
+        if null is not None and math.isfinite(diff):
+            paired.append(diff)
+            if (model, scenario) not in nulls:
+                nulls[model, scenario] = null_differences(runs, model, scenario, base)
         if mine["gave_up"] and not theirs["gave_up"]:
             tally["gave up"] += 1
         elif math.isfinite(diff):
@@ -448,9 +493,24 @@ def versus(runs: dict[tuple[str, str, str, int], Run], arm: str, base: str = "no
             f"{'yes' if mine['gave_up'] else 'no'} |"
         )
     counts = ", ".join(f"{n} {what}" for what, n in tally.items())
-    return "\n".join(lines) + (
-        f"\n\n{arm} against {base} (noise: the seed spread of {base} on the same arm, at least {NOISE} nats): {counts}"
+    text = "\n".join(lines) + (
+        f"\n\n{arm} against {base} (noise: twice the RMS of {base}'s null perturbations on the same model and "
+        f"scenario where they were run, else the seed spread of {base}; at least {NOISE} nats): {counts}"
     )
+    every_null = [d for diffs in nulls.values() for d in diffs]
+    if len(paired) > 1 and len(every_null) > 1:
+        text += (
+            f"\n\nOn the {len(nulls)} arms with null perturbations: {arm} - {base} {_mean_se(paired)} nats over "
+            f"{len(paired)} runs; a null perturbation - {base} {_mean_se(every_null)} over {len(every_null)}"
+        )
+    return text
+
+
+def _mean_se(values: list[float]) -> str:
+    """Mean ± its standard error, and the root mean square."""
+    se = statistics.stdev(values) / math.sqrt(len(values))
+    rms = math.sqrt(statistics.fmean(v * v for v in values))
+    return f"{statistics.fmean(values):+.3f} ± {se:.3f} (RMS {rms:.3f})"
 
 
 def table(runs: dict[tuple[str, str, str, int], Run], held: set[int]) -> str:
@@ -461,7 +521,11 @@ def table(runs: dict[tuple[str, str, str, int], Run], held: set[int]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     models = list(dict.fromkeys(k[0] for k in runs))
-    scenarios = list(dict.fromkeys(k[1] for k in sorted(runs, key=lambda k: _scenario_order(k[1]))))
+    scenarios = [
+        sc
+        for sc in dict.fromkeys(k[1] for k in sorted(runs, key=lambda k: _scenario_order(k[1])))
+        if split_null(sc)[1] is None  # the null perturbations measure noise: versus()
+    ]
     arms = list(dict.fromkeys(k[2] for k in runs))
     for model in models:
         clean = {k[3]: r["final"] for k, r in runs.items() if k[:3] == (model, "clean", "none")}
@@ -506,6 +570,15 @@ def summary(runs: dict[tuple[str, str, str, int], Run], seeds: set[int]) -> str:
     return "\n".join(lines)
 
 
+def load_runs(path: Path) -> Runs:
+    """The runs of a JSONL file written by ``--out`` (a later line of the same run replaces an earlier one)."""
+    runs: Runs = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        runs[row["model"], row["scenario"], row["arm"], row["seed"]] = row
+    return runs
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -520,11 +593,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     held = {int(s) for s in args.held_out.split(",") if s}
-    runs: dict[tuple[str, str, str, int], Run] = {}
-    if args.out and Path(args.out).exists():
-        for line in Path(args.out).read_text().splitlines():
-            row = json.loads(line)
-            runs[row["model"], row["scenario"], row["arm"], row["seed"]] = row
+    runs = load_runs(Path(args.out)) if args.out and Path(args.out).exists() else {}
     if not args.table:
         data = corpus()
         cut = int(len(data) * 0.95)

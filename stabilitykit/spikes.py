@@ -630,7 +630,7 @@ def alert_reason(
 
 def alert_event(s: StepScores, reason: AlertReason, loss_drift: float, level_excess: float = 0.0) -> Event:
     """The ``spike_alert`` event of ``reason`` at this step."""
-    if reason is MEDIAN_ALERT:
+    if reason.holds:
         verb = "holds well above where it was (the median of its last steps)"
     elif reason.above_best:
         verb = f"stays {math.exp(level_excess):.1f}x above its best level"

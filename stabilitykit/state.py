@@ -2,8 +2,8 @@
 
 A truncated or hand-edited checkpoint must fail with an error that names the key and the
 expected type, and must leave the driver exactly as it was (no half-loaded state). Versioned:
-``version`` says which layout a state has; this release reads its own layout and the two before it
-(``_upgrade``: a journal column renamed, the escalation's ``while_bad`` added), and refuses older
+``version`` says which layout a state has; this release reads its own layout and the four before it
+(``_upgrade``: a journal column renamed, parts added to the escalation and the spike monitor), and refuses older
 development layouts.
 
 Two layers of checks: the schema below (every key, type and list length a state of this
@@ -32,8 +32,9 @@ if TYPE_CHECKING:
     from stabilitykit.engine.step import StabilityEngine
 
 #: Version of the state a driver saves.
-STATE_VERSION = 13  # 11: the journal's snapshot column is ``health`` (10 called it ``verdict``); 12: ``while_bad``;
-#: 13: the spike monitor's recent losses (``loss_median_alert``) and held look (``look_confirm_steps``)
+STATE_VERSION = 14  # 11: the journal's snapshot column is ``health`` (10 called it ``verdict``); 12: ``while_bad``;
+#: 13: the spike monitor's recent losses (``loss_median_alert``) and held look (``look_confirm_steps``);
+#: 14: the escalation's ``initial_loss`` (the first step's loss)
 #: The oldest version this release reads: a state of it is upgraded on load (``_upgrade``).
 OLDEST_READ = 10
 
@@ -254,6 +255,7 @@ class _Escalation(_State):
     loss_steps: list[Annotated[int, Field(ge=0)]]
     losses: list[float]
     onsets: list[Annotated[int, Field(ge=0)]]
+    initial_loss: float | None  # the first step's loss (None: not taken, not finite, or saved before version 14)
 
     @model_validator(mode="after")
     def _consistent(self) -> _Escalation:
@@ -460,18 +462,29 @@ def load_driver_state(engines: Sequence[StabilityEngine], state: Mapping[str, An
 
 
 def _upgrade(state: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A state of version 10, 11 or 12 as this version's: in 10 the journal's snapshot column was named ``verdict``
+    """A state of version 10 to 13 as this version's: in 10 the journal's snapshot column was named ``verdict``
     (in its saved column names and in each row carried on the host); before 12 the escalation had no
     ``while_bad`` (False); before 13 the spike monitor kept no recent losses (``loss_median_alert``: its window
-    starts empty, as on a fresh run, and fills in 23 steps) and held no look (``look_confirm_steps``). Nothing
-    else changed. The caller's state is not modified; a damaged one is left
+    starts empty, as on a fresh run, and fills in 23 steps) and held no look (``look_confirm_steps``); before 14
+    the escalation kept no first-step loss (None: the end of a lowered LR is judged against the best the run
+    held alone, as it was). Nothing else changed. The caller's state is not modified; a damaged one is left
     for validation to name."""
     version = state.get("version")
-    if version not in (10, 11, 12) or not isinstance(state.get("optimizers"), list):
+    if version not in (10, 11, 12, 13) or not isinstance(state.get("optimizers"), list):
         return state
     optimizers = [_renamed_health(s) if version == 10 else s for s in state["optimizers"]]
     optimizers = [_with_while_bad(s) for s in optimizers] if version in (10, 11) else optimizers
-    return {**state, "version": STATE_VERSION, "optimizers": [_spikes_of_13(s) for s in optimizers]}
+    optimizers = [_spikes_of_13(s) for s in optimizers] if version < 13 else optimizers
+    return {**state, "version": STATE_VERSION, "optimizers": [_with_initial_loss(s) for s in optimizers]}
+
+
+def _with_initial_loss(optimizer: Any) -> Any:
+    """One optimizer's state before version 14 with its escalation's ``initial_loss``: None (not known)."""
+    recovery = optimizer.get("recovery") if isinstance(optimizer, Mapping) else None
+    escalation = recovery.get("escalation") if isinstance(recovery, Mapping) else None
+    if not isinstance(recovery, Mapping) or not isinstance(escalation, Mapping) or "initial_loss" in escalation:
+        return optimizer
+    return {**optimizer, "recovery": {**recovery, "escalation": {**escalation, "initial_loss": None}}}
 
 
 def _spikes_of_13(optimizer: Any) -> Any:

@@ -250,6 +250,40 @@ def test_trouble_still_there_when_the_lowered_lr_ends_lowers_it_further() -> Non
     assert after and all(lr == pytest.approx(0.005) for lr in after)
 
 
+def test_a_run_wrecked_from_its_first_step_is_judged_against_its_first_loss_when_the_lowered_lr_ends() -> None:
+    """The loss the guard sees is 300x from step 1 on, falling 3% a step (a run blown up from its start that
+    slowly comes down): the alert at step 4 has no restore point, so the LR is halved where the run is. When
+    that ends the loss has fallen steadily (it is near the best 5-step median the run held, which the rule
+    alone would call recovered) but is still dozens of times the loss of the first step, before any update:
+    the trouble did not pass, and the LR goes to the next level, said against the first step's loss."""
+    model, batches = regression(120)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    guard = sk.StabilityGuard(model, opt, sk.StabilityConfig(log_every_n_steps=5, recovery=sk.RecoveryConfig()))
+    events: list[sk.Event] = []
+    guard.hooks.on("rollback", events.append)
+    guard.hooks.on("recovery", events.append)
+    seen: list[float] = []
+    for step, (x, y) in enumerate(batches):
+        loss = nn.functional.mse_loss(model(x), y) * (1.0 if step == 0 else 300.0 * 0.97**step)
+        seen.append(float(loss.detach()))
+        guard.backward(loss)
+        guard.step()
+        guard.zero_grad()
+    state = guard.state_dict()
+    guard.close()
+    assert [(e.details["action"], e.details["cause"]) for e in events] == [
+        ("lr_backoff", "undetermined"),
+        ("lr_backoff", "lr"),
+    ], [e.message for e in events]
+    first, further = events[0].details, events[1].details
+    end = first["lr_until"] - 1
+    best_held = min(sorted(seen[i : i + 5])[2] for i in range(end - 3))
+    assert sorted(seen[end - 4 : end + 1])[2] < 1.5 * best_held  # the best it held alone: "recovered"
+    assert further["trigger"] == "unrecovered" and further["loss_ratio"] > 10 and further["trigger_step"] == end
+    assert further["loss_against"].startswith("the loss of its first step") and "first step" in events[1].message
+    assert state["optimizers"][0]["recovery"]["escalation"]["initial_loss"] == pytest.approx(seen[0])
+
+
 def _hot_parts(peak: float = 1.2) -> tuple[nn.Linear, torch.optim.SGD, Any, sk.StabilityGuard, Metrics, list[sk.Event]]:
     """``_hot_run``'s model, SGD, schedule and guard (snapshot_every=10), its metrics sink and its events."""
     torch.manual_seed(0)
@@ -334,6 +368,13 @@ def test_a_state_of_the_previous_layout_is_refused_and_loads_nothing() -> None:
     state["version"] = 11
     fresh.load_state_dict(state)
     assert fresh.state_dict()["optimizers"][0]["recovery"] == guard.state_dict()["optimizers"][0]["recovery"]
+    # version 13 (no first-step loss) loads: not known, the end of a lowered LR judged as it was
+    state = copy.deepcopy(guard.state_dict())
+    assert state["optimizers"][0]["recovery"]["escalation"]["initial_loss"] is not None
+    del state["optimizers"][0]["recovery"]["escalation"]["initial_loss"]
+    state["version"] = 13
+    fresh.load_state_dict(state)
+    assert fresh.state_dict()["optimizers"][0]["recovery"]["escalation"]["initial_loss"] is None
     fresh.close()
     guard.close()
 

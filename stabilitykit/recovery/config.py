@@ -98,7 +98,8 @@ class RecoveryConfig(Section):
             "When trouble comes back after a rollback on data the restored model reads fine, the learning "
             "rate is to blame: each such rollback lowers it one level further (times 0.5, then 0.25), held for "
             "backoff_steps; so does a lowered LR that ends with the loss still 1.5x or more the best the run "
-            "held (the trouble did not pass). [] turns escalation off (every rollback is a first one)."
+            "held, or than its first step's loss (the trouble did not pass). [] turns escalation off (every "
+            "rollback is a first one)."
         ),
     )
     backoff_steps: int = Field(

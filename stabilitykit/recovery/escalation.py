@@ -86,6 +86,9 @@ class Escalation:
         self.data_bad: bool | None = None  # the last batches skipped ahead were bad (None: not measured yet)
         self._losses: deque[tuple[int, float]] = deque(maxlen=256)  # (step, loss) of recent taken steps
         self._onsets: deque[int] = deque(maxlen=16)  # where recent trouble began: never a reference
+        #: The loss of the run's first step (step 0: the model before any update), when taken and finite. A run
+        #: that never got below it has not recovered, however low the best it held inside its blow-up.
+        self.initial_loss: float | None = None
 
     # ------------------------------------------------------------------ reading rows
     def observe(self, rows: Iterable[Any]) -> None:
@@ -102,6 +105,8 @@ class Escalation:
                         continue
             elif loss is not None and not row.skipped and math.isfinite(loss):
                 self._losses.append((row.step, loss))
+                if row.step == 0:
+                    self.initial_loss = loss
             if window is not None and row.step >= window[1] - 1:
                 self._judge()  # the window's last row, or a later one (a row may reach the host outside a step)
 
@@ -191,16 +196,17 @@ class Escalation:
         """A change made by recovery lowers the learning rate at ``step`` (recovery has acted and it holds)."""
         return self.factor(step) < 1.0
 
-    def unrecovered(self, step: int) -> float | None:
+    def unrecovered(self, step: int) -> tuple[float, str] | None:
         """At the end of the last LR change (once the losses of its last steps are read, at ``step``): how many
-        times the best loss the run held (the lowest median of ``END_STEPS`` taken steps in a row, of those
-        kept: one lucky batch is no level) the loss still is (the median of the ``END_STEPS`` taken steps up to
-        the change's last step), when that is ``BAD_DATA_RATIO`` or more:
-        the trouble did not pass while the LR was lowered. The best loss, not the level just before the onset:
-        a run that blows up from its first steps has no healthy level before the trouble. None otherwise, for
-        a change whose cause was the data (a lower LR cannot fix it), and under torch.distributed (each rank
-        reads its own loss: ranks would lower their LRs apart). Each change is reviewed once, within
-        ``REFERENCE_STEPS`` of its end."""
+        times the best loss the run held the loss still is (the median of the ``END_STEPS`` taken steps up to
+        the change's last step), when that is ``BAD_DATA_RATIO`` or more, with what it was measured against:
+        the trouble did not pass while the LR was lowered. The best loss is the lowest median of ``END_STEPS``
+        taken steps in a row (one lucky batch is no level), or the first step's loss (``initial_loss``) when
+        that is lower: a run that blows up from its first steps has no healthy level before the trouble, and
+        one that never got below its untrained model's loss is still wrecked, however far its loss fell from
+        the top of the blow-up while the LR was lowered. None otherwise, for a change whose cause was the data
+        (a lower LR cannot fix it), and under torch.distributed (each rank reads its own loss: ranks would
+        lower their LRs apart). Each change is reviewed once, within ``REFERENCE_STEPS`` of its end."""
         change = self.changes[-1] if self.changes else None
         if not self.judge_data or change is None or change is self._reviewed:
             return None
@@ -209,12 +215,16 @@ class Escalation:
             return None
         last = [loss for s, loss in self._losses if end - END_STEPS < s <= end]
         held = [loss for s, loss in self._losses if s <= end]
-        best = min((statistics.median(held[i : i + END_STEPS]) for i in range(len(held) - END_STEPS + 1)), default=None)
+        runs_of_steps = (held[i : i + END_STEPS] for i in range(len(held) - END_STEPS + 1))
+        levels = [(statistics.median(losses), "the best the run held") for losses in runs_of_steps]
+        if self.initial_loss is not None:
+            levels.append((self.initial_loss, "the loss of its first step (the model before any update)"))
+        best, against = min(levels, default=(None, ""))
         if not last or best is None or best <= 0:
             return None
         self._reviewed = change
         ratio = statistics.median(last) / best
-        return ratio if ratio >= BAD_DATA_RATIO else None
+        return (ratio, against) if ratio >= BAD_DATA_RATIO else None
 
     def recovered(self, step: int) -> bool:
         """The loss of taken step ``step`` is back near its level from before the trouble last acted on: under
@@ -238,7 +248,8 @@ class Escalation:
         """Everything the next decision reads, so a resumed run decides as the run would have: the level, the
         LR changes (which one's end was reviewed), the last action and onset, what the skipped data showed and
         the measure in progress (the batches skipped ahead, their reference and losses so far), the recent
-        losses of taken steps (the references) and the recent onsets. Host values only (no sync)."""
+        losses of taken steps (the references), the recent onsets and the first step's loss. Host values only
+        (no sync)."""
         window = self._skipped
         reviewed = next((i for i, c in enumerate(self.changes) if c is self._reviewed), None)
         return {
@@ -255,6 +266,7 @@ class Escalation:
             "loss_steps": [step for step, _ in self._losses],
             "losses": [loss for _, loss in self._losses],
             "onsets": list(self._onsets),
+            "initial_loss": self.initial_loss,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -276,3 +288,5 @@ class Escalation:
         pairs = zip(state["loss_steps"], state["losses"], strict=True)
         self._losses = deque(((int(s), float(x)) for s, x in pairs), maxlen=self._losses.maxlen)
         self._onsets = deque((int(s) for s in state["onsets"]), maxlen=self._onsets.maxlen)
+        initial = state["initial_loss"]
+        self.initial_loss = float(initial) if initial is not None else None

@@ -152,21 +152,23 @@ class Rollback:
         not page twice): the LR goes one ``lr_backoff`` level further where the run is (cause "lr"), said in
         a ``recovery`` event."""
         esc = self.escalation
-        ratio = esc.unrecovered(at_step)
-        if ratio is None or not self.config.lr_backoff:
+        unrecovered = esc.unrecovered(at_step)
+        if unrecovered is None or not self.config.lr_backoff:
             return
+        ratio, against = unrecovered
         onset = esc.last_onset if esc.last_onset is not None else at_step
         change = esc.act("lr", at_step, self.engine.step, False, onset)
         if change is None:
             return
         self.cooldown_until = max(self.cooldown_until, change.until)
         message = (
-            f"the loss is still {ratio:.1f}x the best the run held as the learning rate lowered after step {onset} "
-            f"ends: the learning rate times {change.factor:g} until step {change.until - 1} "
+            f"the loss is still {ratio:.1f}x {against} as the learning rate lowered after step {onset} ends: "
+            f"the learning rate times {change.factor:g} until step {change.until - 1} "
             "(the trouble did not pass: the learning rate, lowered further)"
         )
         details: dict[str, Any] = {"action": "lr_backoff", "trigger": "unrecovered", "trigger_step": at_step}
-        details.update(cause="lr", loss_ratio=ratio, lr_factor=change.factor, lr_until=change.until)
+        details.update(cause="lr", loss_ratio=ratio, loss_against=against)
+        details.update(lr_factor=change.factor, lr_until=change.until)
         self.hooks.emit(Event("recovery", at_step, message, details))
 
     def _stand_down(self, at_step: int, rollbacks: int, trigger: str, trigger_step: int, cause: Cause) -> bool:
