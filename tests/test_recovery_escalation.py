@@ -219,6 +219,41 @@ def test_an_alert_before_any_restore_point_leaves_one_for_the_next_trouble() -> 
     assert rollback["cause"] == "undetermined" and rollback["skip_ahead_to"] == rollback["at_step"] + 50
 
 
+@pytest.mark.parametrize(("nan_from", "cause"), [(95, "lr"), (60, "undetermined")])
+def test_trouble_back_once_an_lr_lowered_in_place_has_ended_is_the_lrs(nan_from: int, cause: str) -> None:
+    """A 100x loss at step 40 finds no restore point inside the bound: the LR is halved where the run is until
+    step 90, and the snapshot of step 50 is kept. Non-finite steps from 95, once the full LR is back, follow
+    the LR (the trouble held off while the LR was low): the rollback blames the LR, skips no batch and holds
+    0.5x for backoff_steps. From 60, while the LR is still lowered, nothing tells the LR from the data: the
+    cause is undetermined and the next 50 batches are skipped, as on any first trouble."""
+    model, batches = regression(nan_from + 20)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    cfg = sk.StabilityConfig(
+        log_every_n_steps=5,
+        skip=sk.SkipConfig(max_consecutive=3),
+        spikes=sk.SpikeConfig(warmup_steps=10),
+        recovery=sk.RecoveryConfig(snapshot_every=50),
+    )
+    guard = sk.StabilityGuard(model, opt, cfg)
+    events: list[sk.Event] = []
+    guard.hooks.on("rollback", events.append)
+    guard.hooks.on("recovery", events.append)
+    for step, (x, y) in enumerate(batches):
+        loss = nn.functional.mse_loss(model(x), y)
+        guard.backward(loss * (100.0 if step == 40 else float("nan") if nan_from <= step < nan_from + 3 else 1.0))
+        guard.step()
+        guard.zero_grad()
+    guard.close()
+    assert [e.kind for e in events] == ["recovery", "rollback"], [e.message for e in events]
+    lowered, rollback = events[0].details, events[1].details
+    assert lowered["cause"] == "undetermined" and lowered["lr_until"] == 91 and lowered["lr_factor"] == 0.5
+    assert rollback["restored_step"] == 50 and rollback["cause"] == cause, events[1].message
+    if cause == "lr":
+        assert rollback["skip_ahead_to"] is None and rollback["lr_until"] > 500
+    else:
+        assert rollback["skip_ahead_to"] == rollback["at_step"] + 50
+
+
 def test_trouble_still_there_when_the_lowered_lr_ends_lowers_it_further() -> None:
     """The loss the guard sees is 5x from step 30 on, for good (AdamW: the updates keep their size). The alert
     finds no restore point inside the bound, so the LR is halved where the run is for 50 steps; when that

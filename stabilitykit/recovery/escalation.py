@@ -13,8 +13,11 @@ steps of that action:
   **learning rate**: roll back without skipping and lower the LR one level further
   (``lr_backoff``, 0.5 then 0.25 times the schedule's), held for ``backoff_steps``;
 * nothing was measured (the last action lowered the LR where the run was, with no restore point to
-  measure batches on): there is no evidence either way, so the cause is **undetermined** again and both
-  are handled. Blaming the LR without evidence would stop the skipping that a burst of bad data needs.
+  measure batches on): when the trouble came back only after that lowered LR ended, it held off while
+  the LR was low and returned with the full LR, so the cause is the **learning rate**; when it came back
+  while the LR was still lowered there is no evidence either way, so the cause is **undetermined** again
+  and both are handled. Blaming the LR without evidence would stop the skipping that a burst of bad data
+  needs.
 
 Under torch.distributed each rank measures its own batches' loss, so ranks could judge differently;
 there a recurrence is always the learning rate's (a choice every rank makes alike).
@@ -132,15 +135,20 @@ class Escalation:
 
     # ------------------------------------------------------------------ deciding
     def cause(self, onset: int) -> Cause:
-        """Why trouble at ``onset`` came: "undetermined" when nothing was done within ``window`` steps before
-        or nothing was measured since (nothing known of the data), else "data" when the batches skipped after the
-        last rollback were bad, else "lr" (under torch.distributed, where the data is not judged: always "lr")."""
+        """Why trouble at ``onset`` came: "undetermined" when nothing was done within ``window`` steps before;
+        "data" when the batches skipped after the last rollback were bad, "lr" when they were fine (under
+        torch.distributed, where the data is not judged: always "lr"). When nothing was measured since (the last
+        action lowered the LR where the run was): "lr" if the trouble came back only once that lowered LR had
+        ended (it held off while the LR was low and returned with the full LR: it follows the LR), else
+        "undetermined" (it came back at the lowered LR: nothing tells the LR from the data)."""
         if self.last_action is None or onset - self.last_action > self.window:
             return "undetermined"
         if not self.judge_data:  # several ranks: the data is not judged, every rank blames the LR alike
             return "lr"
         if self.data_bad is None:  # nothing measured since the last action (an LR lowered in place)
-            return "undetermined"
+            last = self.changes[-1] if self.changes else None
+            returned_with_the_lr = last is not None and last.step == self.last_action and onset >= last.until
+            return "lr" if returned_with_the_lr else "undetermined"
         return "data" if self.data_bad else "lr"
 
     @property
