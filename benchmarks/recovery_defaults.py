@@ -424,6 +424,9 @@ def _scenario_order(scenario: str) -> tuple[int, str]:
     return (known.index(scenario) if scenario in known else len(known), scenario)
 
 
+#: Arms whose null perturbations move the final loss by less than this RMS (nats) end on a plateau either way;
+#: above it the guard alone blows up for good (100x the LR) and one run says little.
+PLATEAU_RMS = 1.0
 NOISE = 0.05  # nats: the least difference to the guard alone's final loss that is not "within noise"
 
 
@@ -466,8 +469,8 @@ def versus(runs: dict[tuple[str, str, str, int], Run], arm: str, base: str = "no
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     tally = {"better": 0, "within noise": 0, "worse": 0, "gave up": 0}
-    paired: list[float] = []  # the differences on arms with null perturbations
-    nulls: dict[tuple[str, str], list[float]] = {}  # those arms' null differences
+    acted: list[float] = []  # the differences where the arm acted, on plateau arms (``PLATEAU_RMS``)
+    nulls: dict[tuple[str, str], list[float]] = {}  # every arm's null differences (those with any)
     for key in sorted(runs, key=lambda k: (k[0], _scenario_order(k[1]), k[3])):
         if split_null(key[1])[1] is not None:
             continue
@@ -478,10 +481,10 @@ def versus(runs: dict[tuple[str, str, str, int], Run], arm: str, base: str = "no
         diff = mine["final"] - theirs["final"]
         null = null_noise(runs, model, scenario, base)
         noise = null if null is not None else noise_of(runs, model, scenario, base)
-        if null is not None and math.isfinite(diff):
-            paired.append(diff)
-            if (model, scenario) not in nulls:
-                nulls[model, scenario] = null_differences(runs, model, scenario, base)
+        if null is not None:
+            nulls[model, scenario] = null_differences(runs, model, scenario, base)
+            if mine.get("actions") and math.isfinite(diff) and null < 2 * PLATEAU_RMS:
+                acted.append(diff)
         if mine["gave_up"] and not theirs["gave_up"]:
             tally["gave up"] += 1
         elif math.isfinite(diff):
@@ -497,11 +500,19 @@ def versus(runs: dict[tuple[str, str, str, int], Run], arm: str, base: str = "no
         f"\n\n{arm} against {base} (noise: twice the RMS of {base}'s null perturbations on the same model and "
         f"scenario where they were run, else the seed spread of {base}; at least {NOISE} nats): {counts}"
     )
-    every_null = [d for diffs in nulls.values() for d in diffs]
-    if len(paired) > 1 and len(every_null) > 1:
+    bands = {arm_: null_noise(runs, *arm_, base) or NOISE for arm_ in nulls}
+    above = sum(1 for arm_, diffs in nulls.items() for d in diffs if d > bands[arm_])
+    if nulls:
         text += (
-            f"\n\nOn the {len(nulls)} arms with null perturbations: {arm} - {base} {_mean_se(paired)} nats over "
-            f"{len(paired)} runs; a null perturbation - {base} {_mean_se(every_null)} over {len(every_null)}"
+            f"\n\nCalibration: {above} of {sum(map(len, nulls.values()))} null perturbations end above their own "
+            f"arm's band (by chance alone, a 95% band leaves about 2.5% above)"
+        )
+    plateau = [d for arm_, diffs in nulls.items() if bands[arm_] < 2 * PLATEAU_RMS for d in diffs]
+    if len(acted) > 1 and len(plateau) > 1:
+        text += (
+            f"\n\nOn the arms where the guard alone ends on a plateau (null RMS under {PLATEAU_RMS:g} nat), the "
+            f"{len(acted)} runs where {arm} acted: {arm} - {base} {_mean_se(acted)}; the {len(plateau)} null "
+            f"perturbations there: {_mean_se(plateau)}"
         )
     return text
 

@@ -95,11 +95,11 @@ class RecoveryConfig(Section):
     lr_backoff: list[Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]] = Field(
         default_factory=lambda: [0.5, 0.25],
         description=(
-            "When trouble comes back after a rollback on data the restored model reads fine, the learning "
-            "rate is to blame: each such rollback lowers it one level further (times 0.5, then 0.25), held for "
-            "backoff_steps; so does a lowered LR that ends with the loss still 1.5x or more the best the run "
-            "held, or than its first step's loss (the trouble did not pass). [] turns escalation off (every "
-            "rollback is a first one)."
+            "When trouble comes back after a rollback on data the restored model reads fine, or only once an "
+            "LR lowered where the run was has ended, the learning rate is to blame: each such rollback lowers it "
+            "one level further (times 0.5, then 0.25), held for backoff_steps; so does a lowered LR that ends with "
+            "the loss still 1.5x or more the best the run held, or than its first step's loss (the trouble did "
+            "not pass). [] turns escalation off (every rollback is a first one)."
         ),
     )
     backoff_steps: int = Field(

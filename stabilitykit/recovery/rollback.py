@@ -316,5 +316,8 @@ def why(cause: str) -> str:
     return {
         "undetermined": "the first trouble in a while: the LR's or the data's, so both are handled",
         "data": "trouble again after batches that the restored model found bad: the data, skipped",
-        "lr": "trouble again on data the restored model reads fine: the learning rate, lowered further",
+        "lr": (
+            "trouble again that follows the learning rate (on data the restored model reads fine, or back once a "
+            "lowered LR ended): the learning rate, lowered further"
+        ),
     }[cause]
