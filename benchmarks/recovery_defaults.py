@@ -39,12 +39,14 @@ learning rate unchanged after a rollback), the presets ``blow_up`` and ``bad_dat
 ``alert_s<N>[_lr<x>_c<n>]`` (see ``recovery_for``). Per model, scenario and arm over the seeds: the
 final held-out loss, its gap to the clean run without recovery, rollbacks per run (held-out seeds
 starred), runs that gave up, and runs that end healthy (within 0.15 nats of the clean run of the same
-seed). "Within noise" against the guard alone (``--versus``): within the seed spread of the guard alone
-on the same model and scenario (``noise_of``). ``--out`` appends each run (with its train-loss trace,
-every 10 steps) to a JSONL file and skips the runs already there; a run that equals one already made
-to the bit (``same_run``) is not trained again. Prints a markdown table; ``--versus defaults`` also
-prints every run of an arm against the guard alone (``none``) of the same model, scenario and seed,
-with what recovery did.
+seed). "Within noise" against the guard alone (``--versus``): within twice the RMS of the guard alone's
+null perturbations on the same model and scenario (``<scenario>~d<t>``: its data redrawn from position t
+on; ``null_noise``), else within its seed spread (``noise_of``). Null perturbations are run as scenarios
+of arm ``none``, e.g. ``--arms none --scenarios hot10_w20~d20,hot10_w20~d100``. ``--out`` appends each
+run (with its train-loss trace, every 10 steps) to a JSONL file and skips the runs already there; a run
+that equals one already made to the bit (``same_run``) is not trained again. Prints a markdown table;
+``--versus defaults`` also prints every run of an arm against the guard alone (``none``) of the same
+model, scenario and seed, with what recovery did.
 """
 
 from __future__ import annotations
