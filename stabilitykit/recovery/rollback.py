@@ -314,7 +314,10 @@ class Rollback:
 def why(cause: str) -> str:
     """Why a rollback did what it did, for its message."""
     return {
-        "undetermined": "the first trouble in a while: the LR's or the data's, so both are handled",
+        "undetermined": (
+            "nothing tells the LR from the data yet (the first trouble in a while, or back while a lowered LR "
+            "held): both are handled"
+        ),
         "data": "trouble again after batches that the restored model found bad: the data, skipped",
         "lr": (
             "trouble again that follows the learning rate (on data the restored model reads fine, or back once a "
