@@ -72,7 +72,6 @@ def test_within_noise_is_twice_the_rms_of_the_null_perturbations_of_the_same_arm
     assert "hot~d20" not in text  # the null perturbations are the measure, not rows
 
 
-@pytest.mark.skipif(not COMMITTED.exists(), reason="the committed runs are not in this checkout")
 def test_the_committed_persistent_runs_score_as_the_recovery_guide_says() -> None:
     """The guide's tally and its rows marked worse are what the committed runs score to, recomputed here; no run
     of the defaults gave up or restored the first step's state."""
