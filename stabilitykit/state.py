@@ -473,18 +473,11 @@ def _upgrade(state: Mapping[str, Any]) -> Mapping[str, Any]:
     if version not in (10, 11, 12, 13) or not isinstance(state.get("optimizers"), list):
         return state
     optimizers = [_renamed_health(s) if version == 10 else s for s in state["optimizers"]]
-    optimizers = [_with_while_bad(s) for s in optimizers] if version in (10, 11) else optimizers
+    if version in (10, 11):
+        optimizers = [_with_escalation_key(s, "while_bad", False) for s in optimizers]
     optimizers = [_spikes_of_13(s) for s in optimizers] if version < 13 else optimizers
-    return {**state, "version": STATE_VERSION, "optimizers": [_with_initial_loss(s) for s in optimizers]}
-
-
-def _with_initial_loss(optimizer: Any) -> Any:
-    """One optimizer's state before version 14 with its escalation's ``initial_loss``: None (not known)."""
-    recovery = optimizer.get("recovery") if isinstance(optimizer, Mapping) else None
-    escalation = recovery.get("escalation") if isinstance(recovery, Mapping) else None
-    if not isinstance(recovery, Mapping) or not isinstance(escalation, Mapping) or "initial_loss" in escalation:
-        return optimizer
-    return {**optimizer, "recovery": {**recovery, "escalation": {**escalation, "initial_loss": None}}}
+    optimizers = [_with_escalation_key(s, "initial_loss", None) for s in optimizers]
+    return {**state, "version": STATE_VERSION, "optimizers": optimizers}
 
 
 def _spikes_of_13(optimizer: Any) -> Any:
@@ -498,16 +491,15 @@ def _spikes_of_13(optimizer: Any) -> Any:
     return {**optimizer, "engine": {**engine, "ledger": {**ledger, "spikes": {**fresh, **spikes}}}}
 
 
-def _with_while_bad(optimizer: Any) -> Any:
-    """One optimizer's version 10 or 11 state with its escalation's ``while_bad`` (12): False, what a skip
-    ahead saved before it had (a fixed count)."""
+def _with_escalation_key(optimizer: Any, key: str, value: Any) -> Any:
+    """One optimizer's state whose escalation lacks ``key`` (saved before that key existed) with it set to
+    ``value``: ``while_bad`` (12) False, what a skip ahead saved before it had (a fixed count);
+    ``initial_loss`` (14) None, not known."""
     recovery = optimizer.get("recovery") if isinstance(optimizer, Mapping) else None
-    if not isinstance(recovery, Mapping):
+    escalation = recovery.get("escalation") if isinstance(recovery, Mapping) else None
+    if not isinstance(recovery, Mapping) or not isinstance(escalation, Mapping) or key in escalation:
         return optimizer
-    escalation = recovery.get("escalation")
-    if not isinstance(escalation, Mapping) or "while_bad" in escalation:
-        return optimizer
-    return {**optimizer, "recovery": {**recovery, "escalation": {**escalation, "while_bad": False}}}
+    return {**optimizer, "recovery": {**recovery, "escalation": {**escalation, key: value}}}
 
 
 def _renamed_health(optimizer: Any) -> Any:
