@@ -453,9 +453,13 @@ def null_differences(runs: Runs, model: str, scenario: str, base: str = "none") 
 
 
 def null_noise(runs: Runs, model: str, scenario: str, base: str = "none") -> float | None:
-    """What "within noise" means where null perturbations were run: twice the root mean square of
-    ``null_differences`` (about a 95% band if they are normal), never under ``NOISE``; None without them."""
-    diffs = null_differences(runs, model, scenario, base)
+    """What "within noise" means where null perturbations were run: ``band_of`` its ``null_differences``."""
+    return band_of(null_differences(runs, model, scenario, base))
+
+
+def band_of(diffs: list[float]) -> float | None:
+    """Twice the root mean square of null differences (about a 95% band if they are normal), never under
+    ``NOISE``; None with fewer than two."""
     if len(diffs) < 2:
         return None
     return max(NOISE, 2.0 * math.sqrt(statistics.fmean(d * d for d in diffs)))
@@ -472,7 +476,7 @@ def versus(runs: dict[tuple[str, str, str, int], Run], arm: str, base: str = "no
     ]
     tally = {"better": 0, "within noise": 0, "worse": 0, "gave up": 0}
     acted: list[float] = []  # the differences where the arm acted, on plateau arms (``PLATEAU_RMS``)
-    nulls: dict[tuple[str, str], list[float]] = {}  # every arm's null differences (those with any)
+    nulls: dict[tuple[str, str], list[float]] = {}  # every arm's null differences (empty: none run)
     for key in sorted(runs, key=lambda k: (k[0], _scenario_order(k[1]), k[3])):
         if split_null(key[1])[1] is not None:
             continue
@@ -481,12 +485,12 @@ def versus(runs: dict[tuple[str, str, str, int], Run], arm: str, base: str = "no
             continue
         mine, theirs = runs[key], runs[model, scenario, base, seed]
         diff = mine["final"] - theirs["final"]
-        null = null_noise(runs, model, scenario, base)
-        noise = null if null is not None else noise_of(runs, model, scenario, base)
-        if null is not None:
+        if (model, scenario) not in nulls:
             nulls[model, scenario] = null_differences(runs, model, scenario, base)
-            if mine.get("actions") and math.isfinite(diff) and null < 2 * PLATEAU_RMS:
-                acted.append(diff)
+        null = band_of(nulls[model, scenario])
+        noise = null if null is not None else noise_of(runs, model, scenario, base)
+        if null is not None and mine.get("actions") and math.isfinite(diff) and null < 2 * PLATEAU_RMS:
+            acted.append(diff)
         if mine["gave_up"] and not theirs["gave_up"]:
             tally["gave up"] += 1
         elif math.isfinite(diff):
@@ -502,14 +506,14 @@ def versus(runs: dict[tuple[str, str, str, int], Run], arm: str, base: str = "no
         f"\n\n{arm} against {base} (noise: twice the RMS of {base}'s null perturbations on the same model and "
         f"scenario where they were run, else the seed spread of {base}; at least {NOISE} nats): {counts}"
     )
-    bands = {arm_: null_noise(runs, *arm_, base) or NOISE for arm_ in nulls}
-    above = sum(1 for arm_, diffs in nulls.items() for d in diffs if d > bands[arm_])
-    if nulls:
+    bands = {arm_: band_of(diffs) or NOISE for arm_, diffs in nulls.items() if diffs}
+    above = sum(1 for arm_, band in bands.items() for d in nulls[arm_] if d > band)
+    if bands:
         text += (
             f"\n\nCalibration: {above} of {sum(map(len, nulls.values()))} null perturbations end above their own "
             f"arm's band (by chance alone, a 95% band leaves about 2.5% above)"
         )
-    plateau = [d for arm_, diffs in nulls.items() if bands[arm_] < 2 * PLATEAU_RMS for d in diffs]
+    plateau = [d for arm_, band in bands.items() if band < 2 * PLATEAU_RMS for d in nulls[arm_]]
     if len(acted) > 1 and len(plateau) > 1:
         text += (
             f"\n\nOn the arms where the guard alone ends on a plateau (null RMS under {PLATEAU_RMS:g} nat), the "
