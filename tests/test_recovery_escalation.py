@@ -187,14 +187,10 @@ def test_several_optimizers_log_their_lr_under_their_own_prefix() -> None:
     assert values["stability/opt1/lr/0"] == 3e-3 and math.isclose(values["stability/opt0/lr/0"], 0.1)
 
 
-def test_an_alert_before_any_restore_point_leaves_one_for_the_next_trouble() -> None:
-    """An alert at step 40 finds no snapshot inside the bound (only the first step's): the LR is halved where the
-    run is. The snapshot due at step 50 falls in the alert's cooldown; recovery's lowered LR holds and the loss
-    is back near its earlier level, so it is taken and kept. Non-finite steps 52-54 then roll back to it, and
-    the cause is undetermined (nothing was measured after the LR was lowered in place: no evidence against
-    the data), so the next 50 batches are skipped as on any first trouble. Without that snapshot the
-    divergence would raise (nothing inside the bound); blamed on the LR, nothing would be skipped."""
-    model, batches = regression(58)
+def _spike_at_40_then_nans(spike: float, nan_from: int, steps: int) -> list[sk.Event]:
+    """The regression under AdamW (snapshot_every=50, streaks of 3 diverge): the loss the guard sees ``spike``
+    times at step 40, non-finite at steps ``nan_from`` to ``nan_from + 2``. Its rollback and recovery events."""
+    model, batches = regression(steps)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     cfg = sk.StabilityConfig(
         log_every_n_steps=5,
@@ -208,10 +204,21 @@ def test_an_alert_before_any_restore_point_leaves_one_for_the_next_trouble() -> 
     guard.hooks.on("recovery", events.append)
     for step, (x, y) in enumerate(batches):
         loss = nn.functional.mse_loss(model(x), y)
-        guard.backward(loss * (1e4 if step == 40 else float("nan") if 52 <= step < 55 else 1.0))
+        guard.backward(loss * (spike if step == 40 else float("nan") if nan_from <= step < nan_from + 3 else 1.0))
         guard.step()
         guard.zero_grad()
     guard.close()
+    return events
+
+
+def test_an_alert_before_any_restore_point_leaves_one_for_the_next_trouble() -> None:
+    """An alert at step 40 finds no snapshot inside the bound (only the first step's): the LR is halved where the
+    run is. The snapshot due at step 50 falls in the alert's cooldown; recovery's lowered LR holds and the loss
+    is back near its earlier level, so it is taken and kept. Non-finite steps 52-54 then roll back to it, and
+    the cause is undetermined (nothing was measured after the LR was lowered in place: no evidence against
+    the data), so the next 50 batches are skipped as on any first trouble. Without that snapshot the
+    divergence would raise (nothing inside the bound); blamed on the LR, nothing would be skipped."""
+    events = _spike_at_40_then_nans(spike=1e4, nan_from=52, steps=58)
     assert [e.kind for e in events] == ["recovery", "rollback"], [e.message for e in events]
     lowered, rollback = events[0].details, events[1].details
     assert lowered["action"] == "lr_backoff" and lowered["trigger_step"] == 40 and lowered["cause"] == "undetermined"
@@ -226,24 +233,7 @@ def test_trouble_back_once_an_lr_lowered_in_place_has_ended_is_the_lrs(nan_from:
     the LR (the trouble held off while the LR was low): the rollback blames the LR, skips no batch and holds
     0.5x for backoff_steps. From 60, while the LR is still lowered, nothing tells the LR from the data: the
     cause is undetermined and the next 50 batches are skipped, as on any first trouble."""
-    model, batches = regression(nan_from + 20)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-    cfg = sk.StabilityConfig(
-        log_every_n_steps=5,
-        skip=sk.SkipConfig(max_consecutive=3),
-        spikes=sk.SpikeConfig(warmup_steps=10),
-        recovery=sk.RecoveryConfig(snapshot_every=50),
-    )
-    guard = sk.StabilityGuard(model, opt, cfg)
-    events: list[sk.Event] = []
-    guard.hooks.on("rollback", events.append)
-    guard.hooks.on("recovery", events.append)
-    for step, (x, y) in enumerate(batches):
-        loss = nn.functional.mse_loss(model(x), y)
-        guard.backward(loss * (100.0 if step == 40 else float("nan") if nan_from <= step < nan_from + 3 else 1.0))
-        guard.step()
-        guard.zero_grad()
-    guard.close()
+    events = _spike_at_40_then_nans(spike=100.0, nan_from=nan_from, steps=nan_from + 20)
     assert [e.kind for e in events] == ["recovery", "rollback"], [e.message for e in events]
     lowered, rollback = events[0].details, events[1].details
     assert lowered["cause"] == "undetermined" and lowered["lr_until"] == 91 and lowered["lr_factor"] == 0.5
